@@ -1,0 +1,42 @@
+"""Dense SwiGLU feed-forward: ``W2 (silu(W1 x) * W3 x)``."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megaseq.contracts import ForwardContext
+from megaseq.records import MemoryEstimate, ModelDims
+
+from .config import SwiGLUConfig
+
+
+def hidden_size(config: SwiGLUConfig, dims: ModelDims) -> int:
+    if config.hidden is not None:
+        return config.hidden
+    return -(-8 * dims.d_model // 3 // 64) * 64
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int, out_std: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+        for w in (self.w1, self.w3):
+            nn.init.normal_(w.weight, std=0.02)
+        nn.init.normal_(self.w2.weight, std=out_std)
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def build(config: SwiGLUConfig, dims: ModelDims, layer_idx: int) -> SwiGLU:
+    # residual-branch outputs shrink with depth so the residual stream's variance stays O(1) at init
+    return SwiGLU(dims.d_model, hidden_size(config, dims), out_std=0.02 / (2 * dims.n_layers) ** 0.5)
+
+
+def memory_estimate(config: SwiGLUConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    h = hidden_size(config, dims)
+    # saved for backward per token (fp32): input, w1 and w3 outputs, their gated product
+    return MemoryEstimate(parameters=3 * dims.d_model * h * 4, saved_per_token=(dims.d_model + 3 * h) * 4)

@@ -1,0 +1,240 @@
+"""Recipes: TOML files that compose a run from components, validated before anything is built.
+
+Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, and one section per component used,
+``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory.NAME]``, validated by that component's own
+schema. Every mistake is one line naming the file, the key path and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from megaseq.errors import ConfigError
+from megaseq.plugins import Plugins
+from megaseq.records import ComponentConfig
+
+COMPONENT_SECTIONS = {"attention": "attention", "ffn": "ffn", "moe": "moe", "memory": "memory_policy"}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(Section):
+    name: str = "run"
+    seed: int = 0
+    out_dir: str = Field("runs/{name}", description="'{name}' is replaced by run.name")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class DataConfig(Section):
+    train: str = Field("grch37-chr20", description="dataset name (megaseq data list) or FASTA path")
+    heldout: str = Field("grch37-chrX", description="dataset name or FASTA path")
+    seq_len: int = Field(1024, ge=2)
+    max_n_fraction: float = Field(0.5, ge=0, le=1, description="skip windows with more N than this")
+    softmask_weight: float = Field(1.0, ge=0, le=1, description="loss weight of soft-masked (lower-case) bases")
+
+
+class ModelConfig(Section):
+    d_model: int = Field(128, ge=1)
+    n_layers: int = Field(4, ge=1)
+    layer_pattern: list[str] = Field(["sdpa"], min_length=1, description="attention names, repeated over layers")
+    ffn: str = "swiglu"
+    moe: str | None = Field(None, description="MoE strategy for layers after the first dense_layers")
+    dense_layers: int = Field(0, ge=0, description="with moe: the first N layers use the dense ffn")
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = Field(1e-6, gt=0)
+    vocab_size: int = Field(5, ge=2, description="5 for DNA (A C G T N)")
+    tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _dense_layers(self) -> ModelConfig:
+        if self.moe is None and self.dense_layers:
+            raise ValueError("dense_layers is only meaningful with moe set")
+        if self.dense_layers > self.n_layers:
+            raise ValueError(f"dense_layers ({self.dense_layers}) exceeds n_layers ({self.n_layers})")
+        return self
+
+    def attention_of(self, layer: int) -> str:
+        return self.layer_pattern[layer % len(self.layer_pattern)]
+
+    def ffn_of(self, layer: int) -> tuple[str, str]:
+        """``(kind, name)`` of the feed-forward block of ``layer``."""
+        if self.moe is not None and layer >= self.dense_layers:
+            return "moe", self.moe
+        return "ffn", self.ffn
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(8, ge=1, description="windows per micro-batch")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    bf16: bool = Field(False, description="bf16 autocast for the forward (weights and optimizer stay fp32)")
+    loss_chunk: int = Field(4096, ge=1, description="tokens per chunk of the LM-head + loss computation")
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(0, ge=0, description="steps between held-out evals during training; 0 = only at the end")
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    memory_policies: list[str] = Field([], description="memory policy names applied in order")
+
+
+class EvalConfig(Section):
+    windows: int = Field(64, ge=1, description="held-out windows scored")
+    batch_size: int = Field(8, ge=1)
+    markov_order: int = Field(8, ge=0, le=12)
+    first_bucket: int = Field(1024, ge=1, description="end of the first context-position bucket")
+
+
+class Recipe(Section):
+    """A validated recipe. ``components[kind][name]`` holds each used component's validated config."""
+
+    run: RunConfig = RunConfig()
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    components: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    source: str = "<recipe>"
+
+    def component(self, kind: str, name: str) -> ComponentConfig:
+        return self.components[kind][name]
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.run.out_dir.replace("{name}", self.run.name))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as TOML-shaped data (what ``load_recipe`` accepts); stored in every checkpoint."""
+        raw = self.model_dump(mode="json", exclude={"components", "source"})
+        sections = {kind: {} for kind in COMPONENT_SECTIONS}
+        for section, kind in COMPONENT_SECTIONS.items():
+            for name, cfg in self.components.get(kind, {}).items():
+                sections[section][name] = cfg.model_dump(mode="json")
+        raw.update({k: v for k, v in sections.items() if v})
+        return raw
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _validation_message(source: str, prefix: str, exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    key = ".".join(p for p in (prefix, _format_loc(tuple(err["loc"]))) if p)
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    got = f" (got {err['input']!r})" if err["type"] not in ("extra_forbidden", "missing") else ""
+    return f"{source}: {key}: {msg}{got}{more}"
+
+
+def _allowed_keys(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"train.lr=1e-3"`` -> ``(["train", "lr"], 0.001)``; the value is read as TOML, else as a string."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. --set train.lr=1e-3")
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    return key.strip().split("."), parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a table")
+        node[path[-1]] = value
+    return raw
+
+
+def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recipe>") -> Recipe:
+    """Validate TOML-shaped data against core's schema and each used component's schema."""
+    raw = dict(raw)
+    component_raw = {section: raw.pop(section, {}) for section in COMPONENT_SECTIONS}
+    try:
+        recipe = Recipe(**raw, source=source)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        top = err["loc"][0] if err["loc"] else ""
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            allowed = ", ".join(["run", "data", "model", "train", "eval", *COMPONENT_SECTIONS])
+            raise ConfigError(f"{source}: [{top}]: unknown section; allowed: {allowed}") from None
+        msg = _validation_message(source, "", exc)
+        section = Recipe.model_fields.get(str(top))
+        if err["type"] == "extra_forbidden" and section is not None and isinstance(section.annotation, type):
+            msg += f"; allowed: {_allowed_keys(section.annotation)}"
+        raise ConfigError(msg) from None
+    except TypeError as exc:  # e.g. a section that is not a table
+        raise ConfigError(f"{source}: {exc}") from None
+
+    model = recipe.model
+    used: dict[str, set[str]] = {kind: set() for kind in COMPONENT_SECTIONS.values()}
+    where: dict[tuple[str, str], str] = {}
+    for i, name in enumerate(model.layer_pattern):
+        used["attention"].add(name)
+        where.setdefault(("attention", name), f"model.layer_pattern[{i}]")
+    for layer in range(model.n_layers):
+        kind, name = model.ffn_of(layer)
+        used[kind].add(name)
+        where.setdefault((kind, name), "model.moe" if kind == "moe" else "model.ffn")
+    for i, name in enumerate(recipe.train.memory_policies):
+        used["memory_policy"].add(name)
+        where.setdefault(("memory_policy", name), f"train.memory_policies[{i}]")
+
+    components: dict[str, dict[str, Any]] = {kind: {} for kind in COMPONENT_SECTIONS.values()}
+    for section, kind in COMPONENT_SECTIONS.items():
+        tables = component_raw[section]
+        if not isinstance(tables, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table of [{section}.NAME] tables")
+        for name in sorted(set(tables) - used[kind]):
+            users = {"attention": "model.layer_pattern", "ffn": "model.ffn", "moe": "model.moe",
+                     "memory_policy": "train.memory_policies"}[kind]
+            raise ConfigError(f"{source}: [{section}.{name}] is configured but not used by {users}")
+        for name in sorted(used[kind]):
+            provided = plugins.get(kind, name, where=f"{source}: {where[(kind, name)]}")
+            table = tables.get(name, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: [{section}.{name}] must be a table")
+            try:
+                components[kind][name] = provided.spec.config(**table)
+            except ValidationError as exc:
+                msg = _validation_message(source, f"{section}.{name}", exc)
+                if exc.errors()[0]["type"] == "extra_forbidden":
+                    msg += f"; allowed: {_allowed_keys(provided.spec.config)}"
+                raise ConfigError(msg) from None
+    return recipe.model_copy(update={"components": components})
+
+
+def load_recipe(path: str | Path, plugins: Plugins, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: recipe not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return validate_recipe(apply_overrides(raw, overrides or []), plugins, source=str(path))

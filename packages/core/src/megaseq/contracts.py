@@ -1,0 +1,230 @@
+"""The contracts between core and plugins: what a component receives and what it must do.
+
+A component is an ``nn.Module`` built by its record's target, ``build(config, dims, layer_idx)``. Every
+forward receives a :class:`ForwardContext` that carries what is shared by all layers of one forward pass:
+document boundaries of packed rows, the context-parallel shard, routing record/replay, and places to put
+auxiliary losses and metrics. The conformance suites in ``megaseq.testing`` are the executable form of
+these contracts.
+
+Example: a minimal attention component (see docs/writing-a-plugin.md for the packaging around it)::
+
+    class Identity(nn.Module):
+        def forward(self, x, ctx, cache=None):
+            return x                      # causal, packing-safe and decodable, trivially
+
+        def init_cache(self, batch_size, *, device, dtype):
+            return None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from megaseq.records import ModelDims
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's share of a sequence split over a context-parallel process group.
+
+    Layout (the only one): zig-zag. The global sequence of length ``seq_len`` (a multiple of
+    ``2 * world_size``) is cut into ``2 * world_size`` equal segments; rank ``r`` holds segments ``r`` and
+    ``2 * world_size - 1 - r``, concatenated in that order. Pairing an early and a late segment balances
+    causal-attention work across ranks. ``megaseq.parallel.zigzag_shard`` does the split.
+    """
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    world_size: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        if self.seq_len % (2 * self.world_size):
+            raise ValueError(
+                f"context parallel: sequence length {self.seq_len} is not a multiple of 2 x {self.world_size} ranks"
+            )
+
+    @property
+    def segment_len(self) -> int:
+        return self.seq_len // (2 * self.world_size)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Global ``[start, end)`` of the local segments, in local order."""
+        n = self.segment_len
+        return [(i * n, (i + 1) * n) for i in (self.rank, 2 * self.world_size - 1 - self.rank)]
+
+    def positions(self, device: torch.device | str | None = None) -> Tensor:
+        """Global position of every local token, shape ``[seq_len // world_size]``."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.segments()])
+
+
+class RoutingReplay:
+    """Records the expert choice of every MoE layer in one forward and replays it in another.
+
+    RL needs the trainer's forward to route tokens as the rollout did (R3). MoE layers call
+    :meth:`route` with a stable key (their module name) and the indices they computed; in ``"record"``
+    mode the indices are stored and returned, in ``"replay"`` mode the stored indices are returned instead.
+    """
+
+    def __init__(self, mode: Literal["record", "replay"] = "record") -> None:
+        if mode not in ("record", "replay"):
+            raise ValueError(f"routing replay mode must be 'record' or 'replay', got {mode!r}")
+        self.mode = mode
+        self.indices: dict[str, Tensor] = {}
+
+    def route(self, key: str, indices: Tensor) -> Tensor:
+        if self.mode == "record":
+            self.indices[key] = indices.detach().clone()
+            return indices
+        if key not in self.indices:
+            raise KeyError(f"routing replay has no record for layer {key!r}; recorded: {sorted(self.indices)}")
+        stored = self.indices[key]
+        if stored.shape != indices.shape:
+            raise ValueError(f"routing replay for {key!r}: recorded {tuple(stored.shape)}, now {tuple(indices.shape)}")
+        return stored.to(indices.device)
+
+    def replay(self) -> RoutingReplay:
+        """A replaying copy of what was recorded."""
+        out = RoutingReplay("replay")
+        out.indices = dict(self.indices)
+        return out
+
+
+@dataclass
+class ForwardContext:
+    """Shared state of one forward pass, handed to every component.
+
+    ``cu_seqlens``: int32 ``[N + 1]`` cumulative document lengths of a packed batch (then the batch size is 1).
+    No attention, state or convolution may cross a boundary. ``None`` means each row is one document.
+    ``cp``: the context-parallel shard when the sequence is split over ranks, else ``None``; with ``cp``,
+    inputs are this rank's zig-zag share and ``cu_seqlens`` (if any) are global boundaries.
+    ``routing``: MoE routing record/replay, or ``None``.
+    ``ep_group``: the expert-parallel process group (experts sharded as ``ModelDims.ep_rank/ep_size``), or ``None``.
+    ``losses``: auxiliary losses (already weighted) that the trainer adds to the LM loss and logs by name.
+    ``metrics``: scalars a component wants logged for this step.
+    """
+
+    cu_seqlens: Tensor | None = None
+    cp: ContextParallel | None = None
+    routing: RoutingReplay | None = None
+    ep_group: Any | None = None
+    losses: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def add_loss(self, name: str, value: Tensor) -> None:
+        """Add an auxiliary loss; losses with the same name (e.g. one per layer) are summed."""
+        self.losses[name] = self.losses[name] + value if name in self.losses else value
+
+    def log(self, name: str, value: float | Tensor) -> None:
+        """Report a scalar metric; later values with the same name are averaged by the trainer's logger."""
+        self.metrics[name] = float(value)
+
+
+@runtime_checkable
+class Attention(Protocol):
+    """A causal token mixer: ``[B, T, d_model] -> [B, T, d_model]``.
+
+    - Causal: output at position t depends on inputs at positions <= t only.
+    - Packing: with ``ctx.cu_seqlens`` nothing crosses a document boundary; the result equals running the
+      documents separately.
+    - Decoding: ``init_cache`` makes an empty per-sequence inference state; ``forward(x, ctx, cache)`` with a
+      cache treats ``x`` as the continuation of the cached sequences (any length >= 1: a prefill, then
+      one token at a time), updates the cache in place, and equals the full forward. Caches are used without
+      packing and without context parallelism.
+    - Context parallelism: with ``ctx.cp`` the output equals the single-rank output at the local positions,
+      in values and gradients; a component that cannot do this raises a one-line error.
+    """
+
+    def forward(self, x: Tensor, ctx: ForwardContext, cache: Any | None = None) -> Tensor: ...
+
+    def init_cache(self, batch_size: int, *, device: torch.device, dtype: torch.dtype) -> Any: ...
+
+
+@runtime_checkable
+class FeedForward(Protocol):
+    """A per-token block ``[B, T, d_model] -> [B, T, d_model]``: each token's output depends on that token only."""
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor: ...
+
+
+@runtime_checkable
+class MoE(FeedForward, Protocol):
+    """A mixture-of-experts feed-forward block, dropless.
+
+    ``forward`` must equal, for every token x, ``shared_forward(x) + sum_j w_j * expert_forward(e_j, x)`` with
+    ``(e, w) = route(x)`` (or the replayed ``e`` when ``ctx.routing`` replays), however skewed the routing,
+    whatever ``chunk_tokens`` is. ``load_stats`` describes the last training forward.
+    """
+
+    n_experts: int
+    top_k: int
+    chunk_tokens: int | None
+
+    def route(self, x: Tensor, indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Expert indices ``[N, k]`` and combine weights ``[N, k]`` for tokens ``x [N, d]``; with ``indices``
+        given, the weights of those experts instead of the router's choice."""
+        ...
+
+    def expert_forward(self, expert: int, x: Tensor) -> Tensor: ...
+
+    def shared_forward(self, x: Tensor) -> Tensor: ...
+
+    def load_stats(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class MemoryPolicy(Protocol):
+    """Trades compute or host memory for device memory (recompute, offload, tiling).
+
+    ``apply`` is called once on the built model before the optimizer is made (it may wrap modules);
+    ``forward_context`` is entered around each micro-batch's forward and backward (e.g. to install
+    saved-tensor hooks). Per-step resources are released in the plugin's ``megaseq_step_end`` hook.
+    """
+
+    def apply(self, model: torch.nn.Module) -> None: ...
+
+    def forward_context(self) -> AbstractContextManager[None]: ...
+
+
+@runtime_checkable
+class RLAlgorithm(Protocol):
+    """A policy-gradient objective over groups of sampled completions.
+
+    ``advantages(rewards [G, n]) -> [G, n]`` (n completions per prompt); ``loss`` receives per-token
+    log-probabilities under the current and the behaviour policy, per-sequence advantages broadcast to
+    tokens, and the token mask, and returns the scalar loss and metrics.
+    """
+
+    def advantages(self, rewards: Tensor) -> Tensor: ...
+
+    def loss(
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+    ) -> tuple[Tensor, dict[str, float]]: ...
+
+
+def iter_modules(model: torch.nn.Module, cls: type) -> Iterator[tuple[str, Any]]:
+    """``(name, module)`` for each submodule that is an instance of ``cls``: how a plugin finds its own
+    modules in a model from its lifecycle hooks."""
+    for name, module in model.named_modules():
+        if isinstance(module, cls):
+            yield name, module
+
+
+__all__ = [
+    "Attention",
+    "ContextParallel",
+    "FeedForward",
+    "ForwardContext",
+    "MemoryPolicy",
+    "ModelDims",
+    "MoE",
+    "RLAlgorithm",
+    "RoutingReplay",
+    "iter_modules",
+]

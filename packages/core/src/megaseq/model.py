@@ -1,0 +1,123 @@
+"""The model: embeddings, a stack of pre-norm blocks (attention + FFN/MoE from plugins), a tied LM head.
+
+The LM head is never applied to the whole sequence at once: :func:`chunked_token_losses` computes the
+per-token cross-entropy over chunks of tokens and recomputes each chunk's logits in backward, so full
+``[T, vocab]`` logits never exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from megaseq.config import Recipe
+from megaseq.contracts import ForwardContext
+from megaseq.plugins import Plugins
+from megaseq.records import ModelDims
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    return RMSNorm(dim, eps) if kind == "rmsnorm" else nn.LayerNorm(dim, eps=eps)
+
+
+class Block(nn.Module):
+    def __init__(self, attention: nn.Module, ffn: nn.Module, d_model: int, norm: str, eps: float) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(norm, d_model, eps)
+        self.attention = attention
+        self.ffn_norm = make_norm(norm, d_model, eps)
+        self.ffn = ffn
+
+    def forward(self, x: Tensor, ctx: ForwardContext, cache: Any | None = None) -> Tensor:
+        x = x + self.attention(self.attn_norm(x), ctx, cache)
+        return x + self.ffn(self.ffn_norm(x), ctx)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, blocks: list[Block], dims: ModelDims, norm: str, eps: float, tie: bool) -> None:
+        super().__init__()
+        self.dims = dims
+        self.embed = nn.Embedding(dims.vocab_size, dims.d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(blocks)
+        self.final_norm = make_norm(norm, dims.d_model, eps)
+        self.head = None if tie else nn.Linear(dims.d_model, dims.vocab_size, bias=False)
+        if self.head is not None:
+            nn.init.normal_(self.head.weight, std=0.02)
+
+    @property
+    def head_weight(self) -> Tensor:
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def forward(self, tokens: Tensor, ctx: ForwardContext | None = None, caches: list[Any] | None = None) -> Tensor:
+        """Final hidden states ``[B, T, d_model]`` (normalised; apply :meth:`logits` or the chunked loss)."""
+        ctx = ctx or ForwardContext()
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            x = block(x, ctx, None if caches is None else caches[i])
+        return self.final_norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return hidden @ self.head_weight.to(hidden.dtype).t()
+
+    def init_caches(self, batch_size: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[Any]:
+        device = torch.device(device)
+        return [b.attention.init_cache(batch_size, device=device, dtype=dtype) for b in self.blocks]
+
+
+def _chunk_loss(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    logits = (hidden @ weight.to(hidden.dtype).t()).float()
+    return F.cross_entropy(logits, targets, reduction="none")
+
+
+def chunked_token_losses(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    """Per-token cross-entropy (nats, fp32) of ``hidden [B, T, D]`` against ``targets [B, T]``.
+
+    Logits exist for ``chunk`` tokens at a time, in forward and (by recomputation) in backward.
+    """
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    parts = []
+    for start in range(0, flat_t.numel(), chunk):
+        h, t = flat_h[start : start + chunk], flat_t[start : start + chunk]
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            parts.append(checkpoint(_chunk_loss, h, weight, t, use_reentrant=False))
+        else:
+            parts.append(_chunk_loss(h, weight, t))
+    return torch.cat(parts).view(targets.shape)
+
+
+def build_model(recipe: Recipe, plugins: Plugins, dims: ModelDims | None = None) -> LanguageModel:
+    """Build the model a recipe describes, each block's components through the plugin registry."""
+    m = recipe.model
+    dims = dims or ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
+    blocks = []
+    for layer in range(m.n_layers):
+        attn_name = m.attention_of(layer)
+        attn = plugins.get("attention", attn_name).load()(recipe.component("attention", attn_name), dims, layer)
+        ffn_kind, ffn_name = m.ffn_of(layer)
+        ffn = plugins.get(ffn_kind, ffn_name).load()(recipe.component(ffn_kind, ffn_name), dims, layer)
+        blocks.append(Block(attn, ffn, m.d_model, m.norm, m.norm_eps))
+    return LanguageModel(blocks, dims, m.norm, m.norm_eps, m.tie_embeddings)
+
+
+def describe(model: LanguageModel) -> str:
+    """One line per distinct block type with parameter counts."""
+    n = sum(p.numel() for p in model.parameters())
+    kinds = [f"{type(b.attention).__name__}+{type(b.ffn).__name__}" for b in model.blocks]
+    return f"{n / 1e6:.2f}M parameters; layers: " + ", ".join(kinds)

@@ -1,0 +1,68 @@
+"""Run a function on several CPU processes joined by a gloo process group, for multi-rank tests."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        # results travel as bytes: tensors sent through a queue would share memory with a process about to exit
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # report any failure to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with a gloo group initialised.
+
+    ``fn`` must be importable (a module-level function) and its return value picklable (e.g. tensors).
+    Returns the results in rank order; raises ``RuntimeError`` with the worker's traceback if any rank fails.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    for _ in range(world_size):
+        try:
+            rank, status, payload = queue.get(timeout=timeout)
+        except Exception:  # a worker died without reporting (e.g. killed)
+            errors.append(f"no answer from some rank within {timeout:.0f} s")
+            break
+        if status == "ok":
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+            break
+    for p in procs:
+        p.join(timeout=timeout if not errors else 5)
+        if p.is_alive():
+            p.terminate()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
