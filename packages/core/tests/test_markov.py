@@ -7,10 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from megaseq.data import GenomeWindows, encode, tokenized
-from megaseq.eval import MarkovBaseline, PositionLoss
-from megaseq.eval import markov
+from megaseq.eval import MarkovBaseline, PositionLoss, markov
 
 BASES = "ACGT"
 
@@ -63,7 +61,10 @@ def test_counts_match_oracle(monkeypatch: pytest.MonkeyPatch, fit_block: int) ->
         model = MarkovBaseline(order).fit(tokens)
         for j, expected in enumerate(oracle_counts(seq, order)):
             expected_cells = {(code_of(context), BASES.index(x)): n for (context, x), n in expected.items()}
-            got_cells = {(int(c), int(x)): int(model.counts[j][c, x]) for c, x in zip(*model.counts[j].nonzero())}
+            got_cells = {
+                (int(c), int(x)): int(model.counts[j][c, x])
+                for c, x in zip(*model.counts[j].nonzero(), strict=True)
+            }
             assert got_cells == expected_cells
 
 

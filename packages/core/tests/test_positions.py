@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from megaseq.eval import PositionLoss, bucket_edges, format_table, plot_positions
 
 
@@ -66,7 +65,13 @@ def test_empty_bucket_reports_none() -> None:
     positions = PositionLoss(4, first_bucket=2)
     positions.add(torch.ones(1, 4), torch.tensor([[0.0, 0.0, 1.0, 1.0]]))
     summary = positions.summary()
-    assert summary["buckets"][0] == {"start": 0, "end": 2, "nats_per_base": None, "bits_per_base": None, "tokens": 0}
+    assert summary["buckets"][0] == {
+        "start": 0,
+        "end": 2,
+        "nats_per_base": None,
+        "bits_per_base": None,
+        "tokens": 0,
+    }
     assert summary["nats_per_base"] == pytest.approx(1.0)
 
 
@@ -83,15 +88,15 @@ def test_format_table() -> None:
     assert table == (
         "positions   model  markov-8\n"
         "---------  ------  --------\n"
-        "      0-2  4.5343    2.0000\n"
-        "      2-4  7.9349    2.0000\n"
+        "      0-2  4.5342    2.0000\n"
+        "      2-4  7.9348    2.0000\n"
         "      all  5.7708    2.0000\n"
     )
 
 
 def test_format_table_labels_and_mismatch() -> None:
     wide = PositionLoss(4096).summary()
-    assert format_table({"m": wide}).splitlines()[2:5] == ["   0-1k  -", "   1k-2k  -", "   2k-4k  -"]
+    assert format_table({"m": wide}).splitlines()[2:5] == ["     0-1k  -", "    1k-2k  -", "    2k-4k  -"]
     with pytest.raises(ValueError, match="different position buckets"):
         format_table({"a": wide, "b": PositionLoss(2048).summary()})
 

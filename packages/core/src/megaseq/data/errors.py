@@ -1,4 +1,4 @@
-"""The one exception type for bad data input; its message is a single line the CLI prints before exiting 2."""
+"""The exception for bad data input. It is a UserError, so the CLI prints its one-line message and exits 2."""
 
 from megaseq.errors import UserError
 

@@ -191,17 +191,15 @@ def _ensure_tokens(spec: str | Path, cache_dir: Path | None) -> tuple[Path, dict
             return tokens_path, meta
     tokens_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    meta = _write_tokens(source, tokens_path)
-    info = DATASETS.get(str(spec))
-    if info is not None:
-        _check_counts(info, source, meta)
+    meta = _write_tokens(source, tokens_path, DATASETS.get(str(spec)))
     _write_atomically(meta_path, json.dumps(meta, indent=1).encode())
     _progress(f"tokenised {source} ({meta['tokens']:,} tokens) in {time.perf_counter() - started:.1f} s")
     return tokens_path, meta
 
 
-def _write_tokens(source: Path, tokens_path: Path) -> dict:
-    """Stream the FASTA into a temporary token file, rename it into place and return its metadata."""
+def _write_tokens(source: Path, tokens_path: Path, dataset: DatasetInfo | None) -> dict:
+    """Stream the FASTA into a temporary token file, check a named dataset's base counts, rename the file
+    into place and return its metadata."""
     histogram = np.zeros(16, dtype=np.int64)
     records: list[dict] = []
     fd, tmp_name = tempfile.mkstemp(dir=tokens_path.parent, prefix=".tokens-", suffix=".tmp")
@@ -228,21 +226,24 @@ def _write_tokens(source: Path, tokens_path: Path) -> dict:
                 written += len(tokens)
         if written == 0:
             raise DataError(f"{source}: FASTA file contains no bases")
+        stat = source.stat()
+        counts = {base: int(histogram[i] + histogram[i | SOFTMASK_FLAG]) for i, base in enumerate(VOCAB)}
+        counts["softmasked"] = int(histogram[SOFTMASK_FLAG:].sum())
+        meta = {
+            "source": str(source),
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "tokens": written,
+            "records": records,
+            "counts": counts,
+        }
+        if dataset is not None:
+            _check_counts(dataset, source, meta)
         os.replace(tmp_name, tokens_path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    stat = source.stat()
-    counts = {base: int(histogram[i] + histogram[i | SOFTMASK_FLAG]) for i, base in enumerate(VOCAB)}
-    counts["softmasked"] = int(histogram[SOFTMASK_FLAG:].sum())
-    return {
-        "source": str(source),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "tokens": written,
-        "records": records,
-        "counts": counts,
-    }
+    return meta
 
 
 def _check_counts(info: DatasetInfo, source: Path, meta: dict) -> None:

@@ -93,12 +93,8 @@ class GenomeWindows:
         else:
             zero_weight = n_targets
         keep &= zero_weight < seq_len
+        # May be empty (sequence too short or all N); the caller reports that with its own context.
         self.starts: np.ndarray = candidates[keep]
-        if len(self.starts) == 0:
-            raise ValueError(
-                f"no usable window: {len(tokens)} tokens, seq_len {seq_len}, stride {stride}, "
-                f"max_n_fraction {max_n_fraction} (need seq_len + 1 tokens with some non-N targets)"
-            )
 
     def __len__(self) -> int:
         return len(self.starts)

@@ -28,7 +28,7 @@ def bucket_edges(seq_len: int, first: int = 1024) -> list[int]:
     while edge < seq_len:
         edges.append(edge)
         edge *= 2
-    return edges + [seq_len]
+    return [*edges, seq_len]
 
 
 def _per_base(nats: float, weight: float) -> dict:

@@ -1,0 +1,211 @@
+"""Conformance suite for mixture-of-experts strategies (see ``megaseq.contracts.MoE``).
+
+Subclass :class:`MoEConformance` in a pytest module and set ``name`` and ``config`` (a small config); every
+test below then runs against the component built through the installed plugins.
+
+The reference is the contract's per-token definition, ``shared_forward(x) + sum_j w_j expert_forward(e_j, x)``
+with ``(e, w) = route(x)``, evaluated on a float64 copy of the module with the experts the module itself
+chose (recorded through ``ctx.routing``), so near-ties in the top-k cannot make the comparison flaky; a
+separate check asserts that those recorded experts are the router's own choice. Tolerance: outputs and
+gradients agree to ``rtol`` (fp32 default 1e-5) times ``max(1, max |reference|)``.
+
+``load_stats()`` must report at least :data:`LOAD_STAT_KEYS` for the last training forward, counting
+(token, expert) assignments; ``routing_entropy`` is in nats of the share of assignments per expert.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from megaseq.contracts import ForwardContext, MoE, RoutingReplay
+from megaseq.records import ModelDims
+from megaseq.testing.attention import assert_close
+
+LOAD_STAT_KEYS = (
+    "tokens_per_expert_max",
+    "tokens_per_expert_mean",
+    "tokens_per_rank_max",
+    "tokens_per_rank_mean",
+    "routing_entropy",
+)
+
+
+def dense_reference(module: Any, x: Tensor, indices: Tensor | None = None) -> Tensor:
+    """The contract's per-token definition of the MoE output for ``x [N, d]`` (differentiable)."""
+    indices, weights = module.route(x, indices)
+    out = module.shared_forward(x)
+    for expert in indices.unique().tolist():
+        chosen = indices == expert
+        rows = chosen.any(-1).nonzero().squeeze(-1)
+        w = (weights * chosen).sum(-1)[rows, None].to(x.dtype)
+        out = out.index_add(0, rows, w * module.expert_forward(expert, x[rows]))
+    return out
+
+
+def _grad(p: Tensor) -> Tensor:
+    """A parameter's gradient; zeros when no gradient reached it (e.g. an expert no token chose)."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _record(module: nn.Module, x: Tensor) -> tuple[Tensor, RoutingReplay]:
+    """Forward ``x`` while recording the routing; returns the output and the record."""
+    routing = RoutingReplay("record")
+    out = module(x, ForwardContext(routing=routing))
+    assert len(routing.indices) == 1, f"one MoE layer must record one routing entry, got {sorted(routing.indices)}"
+    return out, routing
+
+
+class MoEConformance:
+    """Base class of an MoE strategy's conformance tests."""
+
+    name: ClassVar[str]
+    config: ClassVar[dict[str, Any]] = {}
+    d_model: ClassVar[int] = 32
+    rtol: ClassVar[float] = 1e-5
+    batch: ClassVar[int] = 2
+    seq_len: ClassVar[int] = 13
+    chunk_sizes: ClassVar[tuple[int, ...]] = (7, 1)
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The module under test, in training mode. Override only for a module that is not an installed plugin."""
+        from megaseq.testing import build_component
+
+        torch.manual_seed(seed)
+        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
+        return build_component("moe", self.name, self.config, dims).float().train()
+
+    def inputs(self, seed: int = 1) -> Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(self.batch, self.seq_len, self.d_model, generator=gen)
+
+    def reference(self, module: nn.Module, x: Tensor, indices: Tensor) -> tuple[nn.Module, Tensor, Tensor]:
+        """A float64 copy of ``module``, a float64 leaf copy of ``x`` and the reference output ``[B, T, d]``."""
+        ref_module = copy.deepcopy(module).double()
+        ref_module.zero_grad(set_to_none=True)
+        x64 = x.detach().double().requires_grad_(True)
+        out = dense_reference(ref_module, x64.reshape(-1, self.d_model), indices).view_as(x64)
+        return ref_module, x64, out
+
+    def test_protocol(self) -> None:
+        module = self.build()
+        assert isinstance(module, MoE), f"{type(module).__name__} does not implement megaseq.contracts.MoE"
+        assert 1 <= module.top_k <= module.n_experts
+        x = self.inputs().reshape(-1, self.d_model)
+        indices, weights = module.route(x)
+        n = x.shape[0]
+        assert indices.shape == (n, module.top_k) and weights.shape == (n, module.top_k)
+        assert ((indices >= 0) & (indices < module.n_experts)).all()
+        assert all(len(set(row)) == module.top_k for row in indices.tolist()), "a token chose an expert twice"
+        given = torch.randint(0, module.n_experts, (n, module.top_k), generator=torch.Generator().manual_seed(3))
+        again, _ = module.route(x, given)
+        assert torch.equal(again, given), "route(x, indices) must keep the given indices"
+
+    def test_matches_dense_reference(self) -> None:
+        module = self.build()
+        x = self.inputs()
+        out, routing = _record(module, x)
+        (recorded,) = routing.indices.values()
+        chosen, _ = module.route(x.reshape(-1, self.d_model))
+        assert torch.equal(recorded.sort(-1).values, chosen.sort(-1).values), "forward did not use route(x)'s experts"
+        assert out.shape == x.shape and out.dtype == x.dtype
+        _, _, ref = self.reference(module, x, recorded)
+        assert_close(out, ref, self.rtol, "output vs dense reference")
+
+    def test_dropless_under_skew(self) -> None:
+        """Every token routed to the same k experts: nothing may be dropped or capped."""
+        module = self.build()
+        x = self.inputs()
+        _, routing = _record(module, x)
+        (key,) = routing.indices
+        skewed = torch.arange(module.top_k).expand(x.shape[0] * x.shape[1], -1).contiguous()
+        routing.indices[key] = skewed
+        out = module(x, ForwardContext(routing=routing.replay()))
+        _, _, ref = self.reference(module, x, skewed)
+        assert_close(out, ref, self.rtol, "output under all-to-the-same-experts routing")
+
+    def test_gradients_match_reference(self) -> None:
+        module = self.build()
+        x = self.inputs().requires_grad_(True)
+        grad_out = self.inputs(seed=2)
+        out, routing = _record(module, x)
+        (out * grad_out).sum().backward()
+        (recorded,) = routing.indices.values()
+        ref_module, x64, ref = self.reference(module, x, recorded)
+        (ref * grad_out.double()).sum().backward()
+        assert_close(x.grad, x64.grad, self.rtol, "input gradient")
+        ref_params = dict(ref_module.named_parameters())
+        for pname, p in module.named_parameters():
+            assert_close(_grad(p), _grad(ref_params[pname]), self.rtol, f"gradient of {pname}")
+
+    def test_chunked_equals_unchunked(self) -> None:
+        x = self.inputs()
+        grad_out = self.inputs(seed=2)
+        results = {}
+        for chunk in (None, *self.chunk_sizes):
+            module = self.build()
+            module.chunk_tokens = chunk
+            xr = x.clone().requires_grad_(True)
+            out = module(xr, ForwardContext())
+            (out * grad_out).sum().backward()
+            results[chunk] = (out.detach(), xr.grad, {n: _grad(p) for n, p in module.named_parameters()})
+        whole, whole_grad, whole_params = results.pop(None)
+        for chunk, (out, x_grad, params) in results.items():
+            assert_close(out, whole, self.rtol, f"output with chunk_tokens={chunk}")
+            assert_close(x_grad, whole_grad, self.rtol, f"input gradient with chunk_tokens={chunk}")
+            for pname, g in params.items():
+                assert_close(g, whole_params[pname], self.rtol, f"gradient of {pname} with chunk_tokens={chunk}")
+
+    def test_routing_replay(self) -> None:
+        """Replaying a record reproduces that forward exactly, and on new inputs uses the recorded experts."""
+        module = self.build()
+        x = self.inputs()
+        out, routing = _record(module, x)
+        replayed = module(x, ForwardContext(routing=routing.replay()))
+        assert torch.equal(replayed, out), "replaying the recorded routing on the same input changed the output"
+        (recorded,) = routing.indices.values()
+        other = self.inputs(seed=5)
+        own, _ = module.route(other.reshape(-1, self.d_model))
+        assert not torch.equal(own.sort(-1).values, recorded.sort(-1).values), "test inputs route identically"
+        out_other = module(other, ForwardContext(routing=routing.replay()))
+        _, _, ref = self.reference(module, other, recorded)
+        assert_close(out_other, ref, self.rtol, "output on new input with replayed routing")
+
+    def test_load_stats(self) -> None:
+        module = self.build()
+        x = self.inputs()
+        n, k, e = x.shape[0] * x.shape[1], module.top_k, module.n_experts
+        _, routing = _record(module, x)
+        stats = module.load_stats()
+        missing = [key for key in LOAD_STAT_KEYS if key not in stats]
+        assert not missing, f"load_stats() lacks {missing}"
+        assert stats["tokens_per_expert_mean"] == pytest.approx(n * k / e)
+        assert stats["tokens_per_expert_mean"] <= stats["tokens_per_expert_max"] <= n
+        assert stats["tokens_per_rank_mean"] <= stats["tokens_per_rank_max"]
+        assert 0 <= stats["routing_entropy"] <= math.log(e) + 1e-9
+        # skewed routing: k experts take every token
+        (key,) = routing.indices
+        routing.indices[key] = torch.arange(k).expand(n, -1).contiguous()
+        module(x, ForwardContext(routing=routing.replay()))
+        skewed = module.load_stats()
+        assert skewed["tokens_per_expert_max"] == n
+        assert skewed["routing_entropy"] == pytest.approx(math.log(k), abs=1e-6)
+        # an eval forward is not training load
+        module.eval()
+        with torch.no_grad():
+            module(self.inputs(seed=9), ForwardContext())
+        assert module.load_stats() == skewed, "an eval-mode forward changed the training load statistics"
+
+    def test_finite_at_large_inputs(self) -> None:
+        module = self.build()
+        x = (self.inputs() * 50).requires_grad_(True)
+        out = module(x, ForwardContext())
+        out.square().mean().backward()
+        assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+        for pname, p in module.named_parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all(), f"non-finite gradient of {pname}"

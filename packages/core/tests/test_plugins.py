@@ -1,0 +1,206 @@
+"""The plugin manager: registration, statuses, duplicates, unknown names, allow-list, autoload switch."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import sys
+import types
+
+import pytest
+
+from megaseq import hookspecs
+from megaseq.errors import PluginError
+from megaseq.hookspecs import hookimpl
+from megaseq.plugins import Plugins
+from megaseq.records import AttentionSpec, ComponentConfig, FFNSpec
+from megaseq.testing import env, fresh_plugins, registered
+
+
+class Width(ComponentConfig):
+    width: int = 4
+
+
+class ProvidesIdentity:
+    @hookimpl
+    def megaseq_attention(self):
+        return [AttentionSpec(name="identity", target="tests_support:Identity", config=Width, summary="test")]
+
+
+def test_builtins_registered_without_entry_points():
+    plugins = fresh_plugins()
+    assert plugins.names("attention") == ["sdpa"]
+    assert plugins.names("ffn") == ["swiglu"]
+    assert [i.dist for i in plugins] == ["megaseq-core"]
+
+
+def test_registered_context_adds_and_removes():
+    plugins = fresh_plugins()
+    with registered(ProvidesIdentity(), plugins, name="identity-plugin"):
+        assert "identity" in plugins.names("attention")
+        assert plugins.get("attention", "identity").plugin.name == "identity-plugin"
+    assert "identity" not in plugins.names("attention")
+
+
+def test_duplicate_names_name_both_providers():
+    plugins = fresh_plugins()
+    plugins.register(ProvidesIdentity(), name="first", dist="dist-a", version="1.0")
+    plugins.register(ProvidesIdentity(), name="second", dist="dist-b", version="2.0")
+    with pytest.raises(PluginError, match=r"'identity' is provided twice: by dist-a 1.0 \(first\) and by dist-b 2.0"):
+        plugins.names("attention")
+
+
+def test_unknown_name_lists_choices_and_plugins():
+    plugins = fresh_plugins()
+    with pytest.raises(PluginError) as err:
+        plugins.get("attention", "kda", where="r.toml: model.layer_pattern[0]")
+    msg = str(err.value)
+    assert "r.toml: model.layer_pattern[0]: no attention named 'kda'; available: sdpa" in msg
+    assert "megaseq-core" in msg and "\n" not in msg
+
+
+def test_misspelt_hook_fails_at_registration():
+    class Misspelt:
+        @hookimpl
+        def megaseq_atention(self):
+            return []
+
+    with pytest.raises(PluginError, match="megaseq_atention"):
+        fresh_plugins().register(Misspelt(), name="typo")
+
+
+def test_broken_registration_hook_is_isolated_and_warned():
+    class Broken:
+        @hookimpl
+        def megaseq_attention(self):
+            raise RuntimeError("boom")
+
+    plugins = fresh_plugins()
+    plugins.register(Broken(), name="broken", dist="dist-broken", version="0.0.1")
+    with pytest.warns(UserWarning, match=r"'broken' \(dist-broken 0.0.1\) is broken: megaseq_attention: RuntimeError: boom"):
+        assert plugins.names("attention") == ["sdpa"]
+    info = plugins.infos["broken"]
+    assert info.status == "broken"
+    with pytest.raises(PluginError, match=r"unavailable plugins: dist-broken 0.0.1 \(broken: .*boom\)"):
+        plugins.get("attention", "anything")
+
+
+def test_wrong_record_type_is_broken():
+    class Wrong:
+        @hookimpl
+        def megaseq_attention(self):
+            return [FFNSpec(name="x", target="a:b")]
+
+    plugins = fresh_plugins()
+    plugins.register(Wrong(), name="wrong")
+    with pytest.warns(UserWarning, match="expected AttentionSpec"):
+        plugins.registry  # noqa: B018
+    assert plugins.infos["wrong"].status == "broken"
+
+
+def test_target_import_failure_names_distribution():
+    class BadTarget:
+        @hookimpl
+        def megaseq_attention(self):
+            return [AttentionSpec(name="ghost", target="no_such_module_xyz:build")]
+
+    plugins = fresh_plugins()
+    plugins.register(BadTarget(), name="bad", dist="megaseq-ghost", version="0.3.0")
+    with pytest.raises(PluginError, match=r"attention 'ghost' from megaseq-ghost 0.3.0 failed to load: ModuleNotFoundError"):
+        plugins.get("attention", "ghost").load()
+
+
+def test_record_validation():
+    with pytest.raises(ValueError, match="not 'module:attr'"):
+        AttentionSpec(name="x", target="nocolon")
+    with pytest.raises(ValueError, match="identifier"):
+        AttentionSpec(name="bad name", target="a:b")
+    with pytest.raises(ValueError, match="ComponentConfig"):
+        AttentionSpec(name="x", target="a:b", config=dict)  # type: ignore[arg-type]
+
+
+# --- entry points -----------------------------------------------------------------------------------
+
+
+class FakeDist:
+    def __init__(self, name: str, version: str, requires: list[str]) -> None:
+        self.name, self.version, self.requires = name, version, requires
+
+
+class FakeEntryPoint:
+    def __init__(self, name: str, module: str, dist: FakeDist) -> None:
+        self.name, self.module, self.dist = name, module, dist
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+
+def fake_entry_points(monkeypatch, specs):
+    """Install fake ``megaseq`` entry points: ``specs`` = [(ep name, module, dist name, version, requires)]."""
+    eps = [FakeEntryPoint(n, m, FakeDist(d, v, r)) for n, m, d, v, r in specs]
+    monkeypatch.setattr(md, "entry_points", lambda group=None: eps if group == "megaseq" else [])
+
+
+@pytest.fixture
+def plugin_module(monkeypatch):
+    module = types.ModuleType("fake_megaseq_plugin")
+
+    @hookimpl
+    def megaseq_attention():
+        return [AttentionSpec(name="fake", target="fake_megaseq_plugin:build")]
+
+    module.megaseq_attention = megaseq_attention
+    monkeypatch.setitem(sys.modules, "fake_megaseq_plugin", module)
+    return module
+
+
+def load(specs, monkeypatch) -> Plugins:
+    fake_entry_points(monkeypatch, specs)
+    plugins = Plugins()
+    plugins.load_entrypoints()
+    return plugins
+
+
+def test_entry_point_statuses(monkeypatch, plugin_module):
+    specs = [
+        ("fake", "fake_megaseq_plugin", "megaseq-fake", "1.0", ["megaseq-core>=0.1,<0.2"]),
+        ("old", "fake_megaseq_plugin", "megaseq-old", "0.1", ["megaseq-core<0.1"]),
+        ("crash", "no_such_plugin_module_xyz", "megaseq-crash", "2.0", []),
+    ]
+    with pytest.warns(UserWarning, match="megaseq-crash 2.0"):
+        plugins = load(specs, monkeypatch)
+        status = {i.name: (i.status, i.reason) for i in plugins}
+    assert status["fake"] == ("active", "")
+    assert status["old"][0] == "incompatible" and "requires megaseq-core<0.1" in status["old"][1]
+    assert status["crash"][0] == "broken" and "ModuleNotFoundError" in status["crash"][1]
+    assert plugins.names("attention") == ["fake", "sdpa"]
+
+
+def test_allow_list_and_autoload_switch(monkeypatch, plugin_module):
+    specs = [("fake", "fake_megaseq_plugin", "megaseq-fake", "1.0", [])]
+    with env(MEGASEQ_PLUGINS="something-else"):
+        plugins = load(specs, monkeypatch)
+    assert plugins.infos["fake"].status == "disabled" and "MEGASEQ_PLUGINS" in plugins.infos["fake"].reason
+    with env(MEGASEQ_PLUGINS="megaseq-fake"):
+        assert load(specs, monkeypatch).infos["fake"].status == "active"
+    with env(MEGASEQ_DISABLE_PLUGIN_AUTOLOAD="1"):
+        plugins = load(specs, monkeypatch)
+    assert plugins.infos["fake"].status == "disabled"
+    with pytest.raises(PluginError, match=r"megaseq-fake 1.0 \(disabled: MEGASEQ_DISABLE_PLUGIN_AUTOLOAD=1\)"):
+        plugins.get("attention", "fake")
+
+
+def test_active_list_for_headers():
+    assert fresh_plugins().active() == [{"name": "megaseq.builtins", "dist": "megaseq-core", "version": __import__("megaseq").__about__.__version__}]
+
+
+# --- governance: every hook is documented and exercised ----------------------------------------------
+
+
+def test_every_hookspec_is_documented_and_prefixed():
+    specs = [n for n in dir(hookspecs) if n.startswith("megaseq_")]
+    assert len(specs) >= 9
+    for name in specs:
+        assert getattr(hookspecs, name).__doc__, f"hook {name} has no docstring"
+    plugins = Plugins()
+    assert sorted(h for h in dir(plugins.pm.hook) if not h.startswith("_")) == sorted(specs)
