@@ -1,4 +1,4 @@
-"""The MoE conformance suite run on a tiny loop-over-experts MoE defined here, and shown to fail on broken ones.
+"""The MoE conformance suite run on a tiny loop-over-experts MoE defined here, and failing broken ones.
 
 The reference MoE deliberately differs from the ``chunked`` plugin (softmax router, GELU experts, no shared
 expert), so the suite is checked against more than one way of satisfying the contract.
@@ -24,7 +24,8 @@ class LoopMoE(nn.Module):
         self.n_experts, self.top_k, self.chunk_tokens = N_EXPERTS, TOP_K, None
         self.router = nn.Linear(D_MODEL, N_EXPERTS, bias=False)
         self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(D_MODEL, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, D_MODEL)) for _ in range(N_EXPERTS)
+            nn.Sequential(nn.Linear(D_MODEL, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, D_MODEL))
+            for _ in range(N_EXPERTS)
         )
         self.last_load: Tensor | None = None
 
@@ -73,7 +74,10 @@ class LoopMoE(nn.Module):
             self.last_load = torch.bincount(indices.reshape(-1), minlength=self.n_experts)
         _, weights = self.route(flat, indices)
         chunks = flat.shape[0] if self.chunk_tokens is None else self.chunk_tokens
-        parts = [self.combine(*p) for p in zip(flat.split(chunks), indices.split(chunks), weights.split(chunks))]
+        parts = [
+            self.combine(*p)
+            for p in zip(flat.split(chunks), indices.split(chunks), weights.split(chunks), strict=True)
+        ]
         return torch.cat(parts).view_as(x)
 
 

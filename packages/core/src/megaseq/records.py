@@ -26,10 +26,11 @@ class NoConfig(ComponentConfig):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """What one component instance costs, as numbers for a given sequence length (bytes).
+    """What one component instance costs for a given sequence length, all in bytes.
 
-    ``saved_per_token`` is what autograd keeps alive per token between forward and backward;
-    ``temporary`` is the largest transient buffer inside one forward or backward call.
+    ``parameters``: the parameters at their stored dtype; ``saved_per_token``: what autograd keeps alive per
+    token between forward and backward; ``temporary``: the largest transient buffer inside one forward or
+    backward call. The memory planner (next: the offload package) sums these over a recipe's layers.
     """
 
     parameters: int

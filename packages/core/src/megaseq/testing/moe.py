@@ -57,7 +57,9 @@ def _record(module: nn.Module, x: Tensor) -> tuple[Tensor, RoutingReplay]:
     """Forward ``x`` while recording the routing; returns the output and the record."""
     routing = RoutingReplay("record")
     out = module(x, ForwardContext(routing=routing))
-    assert len(routing.indices) == 1, f"one MoE layer must record one routing entry, got {sorted(routing.indices)}"
+    assert len(routing.indices) == 1, (
+        f"one MoE layer must record one routing entry, got {sorted(routing.indices)}"
+    )
     return out, routing
 
 
@@ -73,7 +75,7 @@ class MoEConformance:
     chunk_sizes: ClassVar[tuple[int, ...]] = (7, 1)
 
     def build(self, seed: int = 0) -> nn.Module:
-        """The module under test, in training mode. Override only for a module that is not an installed plugin."""
+        """The module under test, in training mode. Override only for a module that is not a plugin."""
         from megaseq.testing import build_component
 
         torch.manual_seed(seed)
@@ -85,7 +87,7 @@ class MoEConformance:
         return torch.randn(self.batch, self.seq_len, self.d_model, generator=gen)
 
     def reference(self, module: nn.Module, x: Tensor, indices: Tensor) -> tuple[nn.Module, Tensor, Tensor]:
-        """A float64 copy of ``module``, a float64 leaf copy of ``x`` and the reference output ``[B, T, d]``."""
+        """A float64 copy of ``module``, a float64 leaf copy of ``x``, the reference output ``[B, T, d]``."""
         ref_module = copy.deepcopy(module).double()
         ref_module.zero_grad(set_to_none=True)
         x64 = x.detach().double().requires_grad_(True)
@@ -102,7 +104,9 @@ class MoEConformance:
         assert indices.shape == (n, module.top_k) and weights.shape == (n, module.top_k)
         assert ((indices >= 0) & (indices < module.n_experts)).all()
         assert all(len(set(row)) == module.top_k for row in indices.tolist()), "a token chose an expert twice"
-        given = torch.randint(0, module.n_experts, (n, module.top_k), generator=torch.Generator().manual_seed(3))
+        given = torch.randint(
+            0, module.n_experts, (n, module.top_k), generator=torch.Generator().manual_seed(3)
+        )
         again, _ = module.route(x, given)
         assert torch.equal(again, given), "route(x, indices) must keep the given indices"
 
@@ -112,7 +116,9 @@ class MoEConformance:
         out, routing = _record(module, x)
         (recorded,) = routing.indices.values()
         chosen, _ = module.route(x.reshape(-1, self.d_model))
-        assert torch.equal(recorded.sort(-1).values, chosen.sort(-1).values), "forward did not use route(x)'s experts"
+        assert torch.equal(recorded.sort(-1).values, chosen.sort(-1).values), (
+            "forward did not use route(x)'s experts"
+        )
         assert out.shape == x.shape and out.dtype == x.dtype
         _, _, ref = self.reference(module, x, recorded)
         assert_close(out, ref, self.rtol, "output vs dense reference")
@@ -159,7 +165,9 @@ class MoEConformance:
             assert_close(out, whole, self.rtol, f"output with chunk_tokens={chunk}")
             assert_close(x_grad, whole_grad, self.rtol, f"input gradient with chunk_tokens={chunk}")
             for pname, g in params.items():
-                assert_close(g, whole_params[pname], self.rtol, f"gradient of {pname} with chunk_tokens={chunk}")
+                assert_close(
+                    g, whole_params[pname], self.rtol, f"gradient of {pname} with chunk_tokens={chunk}"
+                )
 
     def test_routing_replay(self) -> None:
         """Replaying a record reproduces that forward exactly, and on new inputs uses the recorded experts."""
@@ -167,7 +175,9 @@ class MoEConformance:
         x = self.inputs()
         out, routing = _record(module, x)
         replayed = module(x, ForwardContext(routing=routing.replay()))
-        assert torch.equal(replayed, out), "replaying the recorded routing on the same input changed the output"
+        assert torch.equal(replayed, out), (
+            "replaying the recorded routing on the same input changed the output"
+        )
         (recorded,) = routing.indices.values()
         other = self.inputs(seed=5)
         own, _ = module.route(other.reshape(-1, self.d_model))
