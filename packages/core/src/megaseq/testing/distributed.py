@@ -22,6 +22,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # several ranks share the machine's cores: intra-op threads would oversubscribe
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         # results travel as bytes: tensors sent through a queue would share memory with a process about to exit
