@@ -1,0 +1,283 @@
+"""DeepSeek Sparse Attention layer: MLA in MQA mode over the lightning indexer's top-k keys.
+
+Per token x:
+
+    c_q    = RMSNorm(W_dq x)                          compressed query      [q_lora_rank]
+    latent = RMSNorm(W_dkv x)                         the one key AND value [kv_lora_rank]
+    q_h    = W_uk,h^T (W_uq,h c_q)                    query absorbed into the latent space, per head
+    o_h    = softmax over selected s of (scale q_h . latent_s)  weighting latent_s
+    out    = W_o concat_h(W_uv,h o_h)
+
+Absorbing the key up-projection W_uk into the query is MLA's inference form: q_h . latent_s equals
+(W_uq,h c_q) . (W_uk,h latent_s), so scale = head_dim^-1/2 as for the unabsorbed heads, and only the latent is
+stored per token (cache, all-gather). With ``rope`` a small rotary part is appended: a query part per head from
+c_q and one key part per token from x, shared by the heads (MLA's decoupled RoPE); values stay the latent.
+
+Selection (``mode = "sparse"``): the indexer (``megaseq_dsa.indexer``) scores keys from the detached input,
+``select_topk`` picks each query's top-k (with key pooling when ``index_pool > 1``; all visible keys when there
+are at most k), and ``sparse_attention`` takes the softmax over those keys only. The selection carries no
+gradient. ``mode = "dense_warmup"``: the main attention is dense causal attention (per document, through
+``scaled_dot_product_attention``, whose fused kernels keep memory O(L)); the indexer learns it. In both modes
+the indexer's KL loss (``indexer_kl``) is added as ``ctx.add_loss("dsa_indexer", coef * mean KL per token)``
+when gradients are enabled and no decoding cache is used; the indexer sees only detached inputs, so that
+loss trains the indexer and nothing else, and the main attention's output never depends on the indexer's
+parameters in a differentiable way.
+
+Keys and queries: every path works on the keys of a whole sequence and on queries at known positions in it.
+Plain and packed rows: both are the local tokens. Context parallelism: keys are all-gathered
+(``megaseq_dsa.parallel``), queries are this rank's zig-zag share at their global positions. Decoding: keys
+are the cache plus the new tokens, queries the new tokens. The operations take queries and keys of equal
+length, so queries that are a subset are placed at their positions in a zero tensor of the keys' length
+(rows without a query select nothing) and the results are read back at those positions: exact, at the cost
+of running the operations over the whole key length (see the package README).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+from megaseq.builtins.sdpa import rotary
+from megaseq.contracts import ForwardContext
+from megaseq.records import MemoryEstimate, ModelDims
+from torch import Tensor, nn
+
+from megaseq_dsa.config import DSAConfig
+from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl
+from megaseq_dsa.ops import select_topk, selected_slots, sparse_attention
+from megaseq_dsa.ops.indexer import document_starts
+from megaseq_dsa.parallel import gather_sequence
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@dataclass
+class DSACache:
+    """Decoding state of one layer: per cached token its key (latent, plus the rotary part) and index key."""
+
+    key: Tensor  # [B, L, kv_lora_rank (+ rope_dim)]; the value is key[..., :kv_lora_rank]
+    k_idx: Tensor  # [B, L, index_dim]
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[1]
+
+
+class DeepSeekSparseAttention(nn.Module):
+    def __init__(self, d_model: int, config: DSAConfig, n_layers: int) -> None:
+        super().__init__()
+        if config.backend == "triton" and not HAS_TRITON:
+            raise ValueError(
+                "attention.dsa: backend 'triton' needs triton, which is not installed "
+                "(pip install 'megaseq-attn-dsa[triton]')"
+            )
+        self.config = config
+        heads, head_dim, latent = config.n_heads, config.head_dim, config.kv_lora_rank
+        self.rope_dim = config.rope_dim if config.rope else 0
+        self.scale = (head_dim + self.rope_dim) ** -0.5
+        self.q_down = nn.Linear(d_model, config.q_lora_rank, bias=False)
+        self.q_norm = nn.RMSNorm(config.q_lora_rank, eps=1e-6)
+        self.q_up = nn.Linear(config.q_lora_rank, heads * head_dim, bias=False)
+        self.k_up = nn.Parameter(torch.randn(heads, head_dim, latent) * latent**-0.5)  # absorbed into q
+        self.kv_down = nn.Linear(d_model, latent, bias=False)
+        self.kv_norm = nn.RMSNorm(latent, eps=1e-6)
+        self.v_up = nn.Parameter(torch.randn(heads, latent, head_dim) * latent**-0.5)
+        self.out = nn.Linear(heads * head_dim, d_model, bias=False)
+        if config.rope:
+            self.q_rope = nn.Linear(config.q_lora_rank, heads * self.rope_dim, bias=False)
+            self.k_rope = nn.Linear(d_model, self.rope_dim, bias=False)
+        self.indexer = LightningIndexer(d_model, config.q_lora_rank, config.index_heads, config.index_dim)
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.dim() == 2 and not name.startswith("indexer."):
+                nn.init.normal_(p, std=p.shape[1] ** -0.5)  # unit-scale outputs from unit-scale inputs
+        nn.init.normal_(self.out.weight, std=0.02 / (2 * n_layers) ** 0.5)
+        if config.mode == "dense_warmup" and config.freeze_main_in_warmup:
+            for name, p in self.named_parameters():
+                if not name.startswith("indexer."):
+                    p.requires_grad_(False)
+
+    def init_cache(self, batch_size: int, *, device: torch.device, dtype: torch.dtype) -> DSACache:
+        key_width = self.config.kv_lora_rank + self.rope_dim
+        return DSACache(
+            key=torch.zeros(batch_size, 0, key_width, device=device, dtype=dtype),
+            k_idx=torch.zeros(batch_size, 0, self.config.index_dim, device=device, dtype=dtype),
+        )
+
+    def forward(self, x: Tensor, ctx: ForwardContext, cache: DSACache | None = None) -> Tensor:
+        b, t, _ = x.shape
+        if cache is not None and (ctx.cu_seqlens is not None or ctx.cp is not None):
+            raise ValueError(
+                "attention.dsa: a decoding cache cannot be combined with packing or context parallelism"
+            )
+        c_q = self.q_norm(self.q_down(x))
+        latent = self.kv_norm(self.kv_down(x))
+        q = torch.einsum("bthd,hdc->bthc", self.q_up(c_q).view(b, t, self.config.n_heads, -1), self.k_up)
+        key = latent
+        if self.rope_dim:
+            pos = self._rope_positions(t, ctx, cache, x.device)
+            q_rot = rotary(self.q_rope(c_q).view(b, t, self.config.n_heads, -1), pos, self.config.rope_theta)
+            k_rot = rotary(self.k_rope(x)[:, :, None], pos, self.config.rope_theta)[:, :, 0]
+            q, key = torch.cat([q, q_rot], dim=-1), torch.cat([latent, k_rot], dim=-1)
+        q_idx, k_idx, idx_weights = self.indexer(x.detach(), c_q.detach())
+
+        # Keys of the whole sequence; queries at query_pos in it.
+        cu_seqlens = ctx.cu_seqlens
+        if cache is not None:
+            query_pos = torch.arange(cache.length, cache.length + t, device=x.device)
+            cache.key = key = torch.cat([cache.key, key], dim=1)
+            cache.k_idx = k_idx = torch.cat([cache.k_idx, k_idx], dim=1)
+        elif ctx.cp is not None:
+            query_pos = ctx.cp.positions(x.device)
+            key, k_idx = gather_sequence(key, ctx.cp), gather_sequence(k_idx, ctx.cp)
+        else:
+            query_pos = torch.arange(t, device=x.device)
+
+        if self.config.mode == "sparse":
+            indices = self._select(q_idx, k_idx, idx_weights, query_pos, cu_seqlens)
+            o = self._sparse(q, key, indices, query_pos)
+        else:
+            indices = None
+            o = self._dense(q, key, query_pos, cu_seqlens)
+        if cache is None and torch.is_grad_enabled():
+            doc_start = document_starts(cu_seqlens, key.shape[1], x.device)
+            kl = indexer_kl(
+                q_idx,
+                k_idx,
+                idx_weights,
+                q,
+                key,
+                self.scale,
+                query_pos,
+                doc_start,
+                indices,
+                self.config.query_chunk,
+            )
+            # Divided by the global token count: the context-parallel ranks' shares add up to the one-rank mean.
+            tokens = b * (ctx.cp.seq_len if ctx.cp is not None else t)
+            ctx.add_loss("dsa_indexer", self.config.indexer_loss_coef * kl / tokens)
+            ctx.log("dsa_indexer_kl", kl.detach() / (b * t))
+        o = torch.einsum("bthc,hcd->bthd", o, self.v_up)
+        return self.out(o.reshape(b, t, -1))
+
+    def _rope_positions(
+        self, t: int, ctx: ForwardContext, cache: DSACache | None, device: torch.device
+    ) -> Tensor:
+        """Position of each local token inside its document (rotary angles restart at each document)."""
+        if cache is not None:
+            return torch.arange(cache.length, cache.length + t, device=device)
+        pos = ctx.cp.positions(device) if ctx.cp is not None else torch.arange(t, device=device)
+        length = ctx.cp.seq_len if ctx.cp is not None else t
+        return pos - document_starts(ctx.cu_seqlens, length, device)[pos]
+
+    def _use_triton(self, x: Tensor) -> bool:
+        return self.config.backend == "triton" or (self.config.backend == "auto" and x.is_cuda and HAS_TRITON)
+
+    @torch.no_grad()
+    def _select(
+        self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, query_pos: Tensor, cu_seqlens: Tensor | None
+    ) -> Tensor:
+        """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice)."""
+        length = k_idx.shape[1]
+        q_idx, weights = _at_positions(q_idx, query_pos, length), _at_positions(weights, query_pos, length)
+        topk, pool = self.config.topk, self.config.index_pool
+        if self._use_triton(q_idx) and pool == 1:
+            from megaseq_dsa.ops.triton import select_topk_triton
+
+            indices = select_topk_triton(q_idx, k_idx, weights, topk, cu_seqlens)
+        else:
+            block = {"query_block": self.config.query_chunk} if self.config.query_chunk else {}
+            indices = select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, **block)
+        return indices[:, query_pos]
+
+    def _sparse(self, q: Tensor, key: Tensor, indices: Tensor, query_pos: Tensor) -> Tensor:
+        """Softmax over each query's selected keys: latent outputs [B, Tq, H, kv_lora_rank]."""
+        length = key.shape[1]
+        if q.shape[1] != length:
+            rows = indices.new_full((indices.shape[0], length, indices.shape[2]), -1)
+            indices = rows.index_copy(1, query_pos, indices)
+        q_all = _at_positions(q, query_pos, length)
+        value = key[..., : self.config.kv_lora_rank]
+        if self._use_triton(q):
+            from megaseq_dsa.ops.triton import sparse_attention_triton
+
+            o = sparse_attention_triton(q_all, key, value, indices.to(torch.int32), self.scale)
+        else:
+            o = sparse_attention(q_all, key, value, indices, self.scale, self.config.query_chunk)
+        return o if q.shape[1] == length else o[:, query_pos]
+
+    def _dense(self, q: Tensor, key: Tensor, query_pos: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+        """Dense causal attention inside each document: latent outputs [B, Tq, H, kv_lora_rank]."""
+        length = key.shape[1]
+        q_all = _at_positions(q, query_pos, length).transpose(1, 2)  # [B, H, L, D]
+        # Values padded with zeros to the key width: the rotary columns then add nothing, and equal q/k/v widths
+        # let SDPA pick its fused O(L)-memory kernels instead of materialising the L x L scores.
+        value = F.pad(key[..., : self.config.kv_lora_rank], (0, self.rope_dim))[:, None]
+        key = key[:, None]
+        bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, length]
+        parts = [
+            F.scaled_dot_product_attention(
+                q_all[:, :, s:e],
+                key[:, :, s:e],
+                value[:, :, s:e],
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            for s, e in pairwise(bounds)
+            if e > s
+        ]
+        o = torch.cat(parts, dim=2).transpose(1, 2)[..., : self.config.kv_lora_rank]
+        return o if q.shape[1] == length else o[:, query_pos]
+
+
+def _at_positions(rows: Tensor, positions: Tensor, length: int) -> Tensor:
+    """rows [B, Tq, ...] placed at positions [Tq] of a zero tensor [B, length, ...] (differentiable)."""
+    if rows.shape[1] == length:
+        return rows  # the queries are the whole sequence, in order
+    return rows.new_zeros(rows.shape[0], length, *rows.shape[2:]).index_copy(1, positions, rows)
+
+
+def build(config: DSAConfig, dims: ModelDims, layer_idx: int) -> DeepSeekSparseAttention:
+    return DeepSeekSparseAttention(dims.d_model, config, dims.n_layers)
+
+
+def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """fp32 bytes. Saved per token: the input, c_q, latent and key, queries in latent space (H x key width),
+    latent and up-projected outputs, the indexer's queries, key and weights, and the selected indices (int32).
+    Temporary: one chunk of sparse attention's gathered keys/values (its 32 MiB default) or of the indexer
+    loss (CHUNK_BYTES)."""
+    d, heads, latent = dims.d_model, config.n_heads, config.kv_lora_rank
+    rope = config.rope_dim if config.rope else 0
+    key_width = latent + rope
+    parameters = (
+        d * config.q_lora_rank
+        + config.q_lora_rank
+        + config.q_lora_rank * heads * config.head_dim
+        + 2 * heads * config.head_dim * latent
+        + d * latent
+        + latent
+        + heads * config.head_dim * d
+        + (config.q_lora_rank * heads * rope + d * rope)
+        + config.q_lora_rank * config.index_heads * config.index_dim
+        + d * config.index_dim
+        + d * config.index_heads
+    )
+    index_width = config.index_heads * config.index_dim + config.index_dim + config.index_heads
+    per_token = (
+        d
+        + config.q_lora_rank
+        + latent
+        + key_width
+        + heads * key_width
+        + heads * (latent + config.head_dim)
+        + heads * config.head_dim
+        + index_width
+    )
+    if config.mode == "sparse":
+        per_token += selected_slots(config.topk, config.index_pool)
+    return MemoryEstimate(
+        parameters=4 * parameters, saved_per_token=4 * per_token, temporary=max(32 * 2**20, CHUNK_BYTES)
+    )

@@ -1,0 +1,42 @@
+"""Helpers for this package's multi-process tests: spawned gloo workers must import them by module name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megaseq.contracts import ContextParallel, ForwardContext
+from megaseq.parallel import zigzag_shard
+from megaseq.records import ModelDims
+from megaseq.testing import build_component
+from torch import Tensor, nn
+
+
+def build_layer(config: dict[str, Any], d_model: int, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_component("attention", "dsa", config, ModelDims(d_model=d_model, n_layers=2, vocab_size=8))
+
+
+def context_parallel_cases(
+    rank: int, world: int, cases: list[tuple[dict[str, Any], Tensor, Tensor, Tensor | None]]
+) -> list[dict[str, Any]]:
+    """For each (config, x, grad_out, cu_seqlens): this rank's output and input gradient, and the parameter
+    gradients and indexer loss summed over the group, after backward of ``(out * grad_out).sum() + loss``."""
+    results = []
+    for config, x, grad_out, cu_seqlens in cases:
+        layer = build_layer(config, x.shape[-1])
+        x_local = zigzag_shard(x, rank, world).detach().requires_grad_(True)
+        cp = ContextParallel(group=dist.group.WORLD, rank=rank, world_size=world, seq_len=x.shape[1])
+        ctx = ForwardContext(cu_seqlens=cu_seqlens, cp=cp)
+        out = layer(x_local, ctx)
+        loss = ctx.losses["dsa_indexer"]
+        ((out * zigzag_shard(grad_out, rank, world)).sum() + loss).backward()
+        grads = {}
+        for name, p in layer.named_parameters():
+            grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grads[name])
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        results.append({"out": out.detach(), "x_grad": x_local.grad, "param_grads": grads, "loss": loss})
+    return results

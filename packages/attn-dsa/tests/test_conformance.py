@@ -1,0 +1,42 @@
+"""The ``dsa`` layer passes core's attention conformance suite in every mode that changes its code path.
+
+Sizes make the interesting cases happen: topk 8 < 48 tokens (queries really choose), pooled keys with a tail,
+the decoupled rotary part, the dense warm-up (SDPA per document), and topk above the length (dense through the
+sparse op). The suite's context-parallel test (two gloo ranks, ~20 s per spawn here) runs for the main
+configuration; test_parallel.py checks the other configurations on four ranks in one spawn.
+"""
+
+from typing import Any, ClassVar
+
+from megaseq.testing.attention import AttentionConformance
+
+SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}
+
+
+class TestSparseTopk(AttentionConformance):
+    name = "dsa"
+    config: ClassVar[dict[str, Any]] = {**SMALL, "topk": 8}
+
+
+class TestSparsePooledRope(AttentionConformance):
+    name = "dsa"
+    config: ClassVar[dict[str, Any]] = {**SMALL, "topk": 8, "index_pool": 4, "rope": True, "rope_dim": 4}
+    test_context_parallel_equals_one_rank = None  # in test_parallel.py, with the other configurations
+
+
+class TestDenseWarmup(AttentionConformance):
+    name = "dsa"
+    config: ClassVar[dict[str, Any]] = {
+        **SMALL,
+        "mode": "dense_warmup",
+        "rope": True,
+        "rope_dim": 4,
+        "freeze_main_in_warmup": False,
+    }
+    test_context_parallel_equals_one_rank = None  # in test_parallel.py, with the other configurations
+
+
+class TestShortSequenceIsDense(AttentionConformance):
+    name = "dsa"
+    config: ClassVar[dict[str, Any]] = {**SMALL, "topk": 64}
+    test_context_parallel_equals_one_rank = None  # in test_parallel.py, with the other configurations

@@ -1,0 +1,330 @@
+"""The ``dsa`` layer against slow, obviously-correct references built from the same weights.
+
+The reference is MLA written out without absorption (per-head keys W_uk latent and values W_uv latent) and a
+dense masked softmax over a T x T score matrix in float64. Selections come from the ops' ``select_topk`` on the
+indexer outputs recomputed here (its own tests compare it with ``select_topk_reference``; the relu makes exact
+ties at score 0 common in a layer, and ``select_topk`` breaks them towards earlier keys while the reference's
+torch.topk order is unspecified, so the reference cannot stand in for it here).
+Tolerance: max |layer - reference| <= rtol * max(1, max |reference|), rtol 1e-5 for fp32 layers and 1e-10 for
+float64 layers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from megaseq.builtins.sdpa import rotary
+from megaseq.contracts import ForwardContext
+from megaseq.records import ModelDims
+from megaseq.testing import build_component
+from megaseq.testing.attention import assert_close
+from megaseq_dsa.config import DSAConfig
+from megaseq_dsa.layer import memory_estimate
+from megaseq_dsa.ops import indexer_scores_reference, select_topk
+from megaseq_dsa.ops.indexer import document_starts
+from pydantic import ValidationError
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}
+D_MODEL = 16
+DIMS = ModelDims(d_model=D_MODEL, n_layers=2, vocab_size=8)
+
+
+def build(dtype: torch.dtype = torch.float32, seed: int = 0, **config: Any) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_component("attention", "dsa", {**SMALL, **config}, DIMS).to(dtype)
+
+
+def inputs(length: int, batch: int = 1, seed: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(batch, length, D_MODEL, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def cumulative(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def indexer_outputs(m: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return m.indexer(x, m.q_norm(m.q_down(x)))
+
+
+def reference_probs(
+    m: torch.nn.Module, x: torch.Tensor, cu: torch.Tensor | None, indices: torch.Tensor | None
+):
+    """Main attention probabilities [B, H, T, T] (float64, unabsorbed MLA) and the allowed-key mask [B, T, T]."""
+    m, x = m.double(), x.double()
+    b, t, _ = x.shape
+    heads = m.config.n_heads
+    c_q, latent = m.q_norm(m.q_down(x)), m.kv_norm(m.kv_down(x))
+    q_heads = m.q_up(c_q).view(b, t, heads, -1)
+    k_heads = torch.einsum("bsc,hdc->bshd", latent, m.k_up)
+    scores = torch.einsum("bthd,bshd->bhts", q_heads, k_heads)
+    doc_start = document_starts(cu, t, x.device)
+    if m.config.rope:
+        pos = torch.arange(t) - doc_start
+        q_rot = rotary(m.q_rope(c_q).view(b, t, heads, -1), pos, m.config.rope_theta)
+        k_rot = rotary(m.k_rope(x)[:, :, None], pos, m.config.rope_theta)[:, :, 0]
+        scores = scores + torch.einsum("bthr,bsr->bhts", q_rot, k_rot)
+    positions = torch.arange(t)
+    allowed = (positions[None, :] <= positions[:, None]) & (doc_start[None, :] == doc_start[:, None])
+    allowed = allowed.expand(b, t, t)
+    if indices is not None:
+        chosen = torch.zeros(b, t, t + 1, dtype=torch.bool).scatter_(
+            2, indices.long().masked_fill(indices < 0, t), True
+        )
+        allowed = allowed & chosen[..., :t]
+    probs = (scores * m.scale).masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+    return probs, allowed
+
+
+def reference_forward(m: torch.nn.Module, x: torch.Tensor, cu=None, indices=None) -> torch.Tensor:
+    probs, _ = reference_probs(m, x, cu, indices)
+    latent = m.kv_norm(m.kv_down(x.double()))
+    values = torch.einsum("bsc,hcd->bshd", latent, m.v_up)
+    o = torch.einsum("bhts,bshd->bthd", probs, values)
+    return m.out(o.reshape(x.shape[0], x.shape[1], -1))
+
+
+def reference_kl(m: torch.nn.Module, x: torch.Tensor, cu=None, indices=None) -> torch.Tensor:
+    """Mean over tokens of KL(mean_h p_h || softmax(I)) over the allowed keys, dense, float64."""
+    with torch.no_grad():
+        probs, allowed = reference_probs(m, x, cu, indices)
+    target = probs.mean(1)
+    q_idx, k_idx, w = indexer_outputs(m.double(), x.double())
+    scores = indexer_scores_reference(q_idx, k_idx, w, cu).masked_fill(~allowed, float("-inf"))
+    log_q = scores.log_softmax(-1).masked_fill(~allowed, 0.0)
+    return (torch.xlogy(target, target) - target * log_q).sum() / (x.shape[0] * x.shape[1])
+
+
+def run(m: torch.nn.Module, x: torch.Tensor, cu=None) -> tuple[torch.Tensor, ForwardContext]:
+    ctx = ForwardContext(cu_seqlens=cu)
+    return m(x, ctx), ctx
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense_warmup"])
+@pytest.mark.parametrize("rope", [False, True])
+def test_short_sequences_equal_dense_causal_mla(mode: str, rope: bool):
+    """T <= topk: every query attends to every visible key, in both modes (fp32 layer vs float64 oracle)."""
+    m = build(topk=64, index_pool=4, mode=mode, rope=rope, rope_dim=4)
+    cu = cumulative([7, 1, 22, 13])
+    x = inputs(43)
+    out, _ = run(m, x, cu)
+    assert_close(out, reference_forward(m, x, cu).float(), 1e-5, "layer vs dense causal MLA")
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+def test_sparse_mode_attends_to_the_reference_selection(pool: int):
+    m = build(torch.float64, topk=8, index_pool=pool, rope=True, rope_dim=4)
+    cu = cumulative([30, 3, 20])
+    x = inputs(53, dtype=torch.float64)
+    q_idx, k_idx, w = indexer_outputs(m, x)
+    indices = select_topk(q_idx, k_idx, w, 8, cu, pool)
+    assert (indices >= 0).sum(-1).max() < 30, "the test must leave keys out"
+    out, _ = run(m, x, cu)
+    assert_close(out, reference_forward(m, x, cu, indices), 1e-10, "layer vs masked dense MLA")
+
+
+def test_batch_rows_are_independent():
+    m = build(topk=8)
+    x = inputs(21, batch=3)
+    out, _ = run(m, x)
+    for row in range(3):
+        assert_close(out[row : row + 1], run(m, x[row : row + 1])[0], 1e-5, f"row {row}")
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense_warmup"])
+def test_indexer_loss_equals_dense_reference(mode: str):
+    """The added loss is coef x mean KL: dense warm-up over all visible keys, sparse over the selected ones;
+    its gradient on the indexer's parameters equals the dense reference's."""
+    coef = 0.7
+    m = build(torch.float64, topk=8, mode=mode, indexer_loss_coef=coef, query_chunk=5)
+    cu = cumulative([19, 2, 16])
+    x = inputs(37, dtype=torch.float64)
+    _, ctx = run(m, x, cu)
+    assert set(ctx.losses) == {"dsa_indexer"} and "dsa_indexer_kl" in ctx.metrics
+    loss = ctx.losses["dsa_indexer"]
+    ctx.losses["dsa_indexer"].backward()
+    grads = {n: p.grad.clone() for n, p in m.indexer.named_parameters()}
+    m.zero_grad()
+    indices = None
+    if mode == "sparse":
+        q_idx, k_idx, w = indexer_outputs(m, x)
+        indices = select_topk(q_idx, k_idx, w, 8, cu)
+    expected = coef * reference_kl(m, x, cu, indices)
+    expected.backward()
+    assert torch.isfinite(loss) and loss > 0
+    assert_close(loss, expected, 1e-10, "indexer loss")
+    assert abs(ctx.metrics["dsa_indexer_kl"] - expected.item() / coef) < 1e-10
+    for n, p in m.indexer.named_parameters():
+        assert_close(grads[n], p.grad, 1e-10, f"indexer loss gradient of {n}")
+
+
+def test_sparse_mode_separates_the_indexer_from_the_main_path():
+    m = build(topk=8, index_pool=4)
+    x = inputs(40).requires_grad_(True)
+    out, ctx = run(m, x)
+    indexer_params = {id(p) for p in m.indexer.parameters()}
+    ctx.losses["dsa_indexer"].backward(retain_graph=True)
+    assert x.grad is None, "the indexer loss reached the layer input"
+    for n, p in m.named_parameters():
+        if id(p) in indexer_params:
+            assert p.grad is not None and p.grad.abs().sum() > 0, f"indexer parameter {n} got no gradient"
+        else:
+            assert p.grad is None, f"the indexer loss reached main parameter {n}"
+    m.zero_grad()
+    out.square().sum().backward()
+    for n, p in m.indexer.named_parameters():
+        assert p.grad is None, f"the LM path reached indexer parameter {n}"
+    assert x.grad.abs().sum() > 0
+
+
+def test_freeze_main_in_warmup():
+    frozen = build(mode="dense_warmup")
+    assert all(p.requires_grad == n.startswith("indexer.") for n, p in frozen.named_parameters())
+    assert all(p.requires_grad for p in build(mode="dense_warmup", freeze_main_in_warmup=False).parameters())
+    assert all(p.requires_grad for p in build(mode="sparse").parameters())
+
+
+def test_no_loss_without_gradients_or_with_a_cache():
+    m = build(topk=8)
+    x = inputs(12)
+    with torch.no_grad():
+        _, ctx = run(m, x)
+    assert ctx.losses == {}
+    ctx = ForwardContext()
+    m(x, ctx, m.init_cache(1, device=x.device, dtype=x.dtype))
+    assert ctx.losses == {}
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense_warmup"])
+def test_chunk_sizes_do_not_change_results(mode: str):
+    cu = cumulative([25, 4, 18])
+    x = inputs(47)
+    results = []
+    for chunk in (3, 7, None):
+        m = build(
+            topk=8,
+            index_pool=4,
+            rope=True,
+            rope_dim=4,
+            mode=mode,
+            query_chunk=chunk,
+            freeze_main_in_warmup=False,
+        )
+        xr = x.clone().requires_grad_(True)
+        out, ctx = run(m, xr, cu)
+        (out.square().sum() + ctx.losses["dsa_indexer"]).backward()
+        results.append(
+            (out, ctx.losses["dsa_indexer"], xr.grad, {n: p.grad for n, p in m.named_parameters()})
+        )
+    for out, loss, x_grad, grads in results[:2]:
+        assert_close(out, results[-1][0], 1e-5, "output")
+        assert_close(loss, results[-1][1], 1e-5, "indexer loss")
+        assert_close(x_grad, results[-1][2], 1e-5, "input gradient")
+        for n, g in grads.items():
+            assert_close(g, results[-1][3][n], 1e-5, f"gradient of {n}")
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any operation produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def largest_intermediate(mode: str, t: int) -> int:
+    m = build(topk=8, mode=mode, query_chunk=16, freeze_main_in_warmup=False)
+    x = inputs(t).requires_grad_(True)
+    with LargestTensor() as largest:
+        out, ctx = run(m, x)
+        (out.sum() + ctx.losses["dsa_indexer"]).backward()
+    return largest.numel
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense_warmup"])
+def test_no_length_squared_tensor(mode: str):
+    """With small chunks, the largest forward or backward intermediate grows at most linearly with T (a
+    T x T tensor would grow 4x when T doubles) and stays below T x T."""
+    short, long = largest_intermediate(mode, 192), largest_intermediate(mode, 384)
+    assert long <= 2.2 * short, f"largest intermediate grew from {short} to {long} elements when T doubled"
+    assert long < 384 * 384, f"an intermediate has {long} elements (T x T = {384 * 384})"
+
+
+def test_config_errors_are_one_line():
+    with pytest.raises(ValidationError, match="index_pool"):
+        DSAConfig(topk=2, index_pool=4)
+    with pytest.raises(ValidationError, match="rope_dim"):
+        DSAConfig(rope=True, rope_dim=5)
+    with pytest.raises(ValidationError, match="mode"):
+        DSAConfig(mode="dense")
+
+
+def test_memory_estimate_counts_the_parameters():
+    for config in ({}, {"rope": True, "rope_dim": 4}):
+        m = build(**config)
+        estimate = memory_estimate(DSAConfig(**SMALL, **config), DIMS, seq_len=1024)
+        assert estimate.parameters == 4 * sum(p.numel() for p in m.parameters())
+        assert estimate.saved_per_token > 0 and estimate.temporary > 0
+
+
+TRITON_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megaseq.contracts import ForwardContext
+    from megaseq.records import ModelDims
+    from megaseq.testing import build_component
+    from megaseq.testing.attention import assert_close
+
+    small = {"n_heads": 2, "head_dim": 8, "q_lora_rank": 8, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8,
+             "topk": 4}
+    dims = ModelDims(d_model=16, n_layers=2, vocab_size=8)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(1, 13, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    cu = torch.tensor([0, 9, 13], dtype=torch.int32, device=device)
+    results = []
+    for backend in ("triton", "torch"):
+        torch.manual_seed(0)
+        m = build_component("attention", "dsa", {**small, "backend": backend}, dims).to(device)
+        xr = x.clone().requires_grad_(True)
+        ctx = ForwardContext(cu_seqlens=cu)
+        out = m(xr, ctx)
+        (out.square().sum() + ctx.losses["dsa_indexer"]).backward()
+        results.append((out, xr.grad, {n: p.grad for n, p in m.named_parameters()}))
+    (out, x_grad, grads), (ref, ref_x_grad, ref_grads) = results
+    assert_close(out, ref, 1e-5, "triton output")
+    assert_close(x_grad, ref_x_grad, 1e-5, "triton input gradient")
+    for n, g in grads.items():
+        assert_close(g, ref_grads[n], 1e-5, f"triton gradient of {n}")
+    print("ok")
+    """
+)
+
+
+def test_triton_backend_equals_torch_backend():
+    """The layer with backend='triton' equals backend='torch' in fp32: on CUDA when present, else with the
+    kernels in the Triton CPU interpreter (a subprocess, so TRITON_INTERPRET is set before triton is imported)."""
+    pytest.importorskip("triton")
+    env = {**os.environ} if torch.cuda.is_available() else {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_plugin_module_does_not_import_torch():
+    code = "import sys, megaseq_dsa.plugin; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]

@@ -1,0 +1,62 @@
+"""Context parallelism of the DSA layer on 4 gloo ranks equals one rank: outputs, input gradients, parameter
+gradients (summed over ranks) and the indexer loss (its per-rank shares summed), with the loss in the backward.
+
+All configurations run in one process group, since spawning dominates the cost; the suite's 2-rank test runs
+the plain sparse configuration in test_conformance.py. Tolerance: max abs error <= 1e-5 x max(1, max |ref|).
+"""
+
+from __future__ import annotations
+
+import torch
+from megaseq.contracts import ForwardContext
+from megaseq.parallel import zigzag_shard
+from megaseq.testing.attention import assert_close
+from megaseq.testing.distributed import run_gloo
+from megaseq_dsa.testing import build_layer, context_parallel_cases
+
+D_MODEL = 16
+SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}
+ROPE = {"rope": True, "rope_dim": 4}
+
+# name -> (config, batch, length, cu_seqlens)
+CASES = {
+    "sparse_batch_2": ({**SMALL, "topk": 8}, 2, 32, None),
+    "sparse_pooled_rope_packed": ({**SMALL, **ROPE, "topk": 8, "index_pool": 4}, 1, 32, [0, 3, 17, 32]),
+    "dense_warmup_rope_packed": (
+        {**SMALL, **ROPE, "mode": "dense_warmup", "freeze_main_in_warmup": False},
+        1,
+        32,
+        [0, 8, 8, 13, 32],
+    ),
+    "short_is_dense_packed": ({**SMALL, "topk": 64}, 1, 16, [0, 5, 16]),
+}
+
+
+def test_four_ranks_equal_one_rank() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for config, batch, length, cu in CASES.values():
+        x = torch.randn(batch, length, D_MODEL, generator=gen)
+        grad_out = torch.randn(batch, length, D_MODEL, generator=gen)
+        cases.append((config, x, grad_out, None if cu is None else torch.tensor(cu, dtype=torch.int32)))
+    world = 4
+    results = run_gloo(world, context_parallel_cases, cases)
+    for case_index, (name, (config, x, grad_out, cu)) in enumerate(zip(CASES, cases, strict=True)):
+        layer = build_layer(config, D_MODEL)
+        x = x.clone().requires_grad_(True)
+        ctx = ForwardContext(cu_seqlens=cu)
+        ref = layer(x, ctx)
+        loss = ctx.losses["dsa_indexer"]
+        ((ref * grad_out).sum() + loss).backward()
+        for rank in range(world):
+            res = results[rank][case_index]
+            assert_close(
+                res["out"], zigzag_shard(ref.detach(), rank, world), 1e-5, f"{name} rank {rank} output"
+            )
+            assert_close(res["x_grad"], zigzag_shard(x.grad, rank, world), 1e-5, f"{name} rank {rank} x grad")
+        assert_close(results[0][case_index]["loss"], loss.detach(), 1e-5, f"{name} indexer loss")
+        for pname, p in layer.named_parameters():
+            assert p.grad is not None, f"{name}: {pname} got no gradient"
+            assert_close(
+                results[0][case_index]["param_grads"][pname], p.grad, 1e-5, f"{name} gradient of {pname}"
+            )

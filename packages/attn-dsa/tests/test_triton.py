@@ -1,0 +1,220 @@
+"""Triton DSA kernels against the dense torch references.
+
+Without CUDA the kernels run in the Triton CPU interpreter, in fp32 (the interpreter's bf16 tl.dot is wrong).
+TRITON_INTERPRET is read when a jit function is decorated (triton's own library functions: when triton is
+first imported) and again while a kernel runs, so this module sets it before it imports triton and the
+kernels, restores it afterwards so later test modules keep their own setting, and sets it again (autouse
+fixture) while its own tests run. Sizes are small because the interpreter is slow.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+_INTERPRET = {} if ON_CUDA else {"TRITON_INTERPRET": "1"}
+_saved_env = {name: os.environ.get(name) for name in _INTERPRET}
+os.environ.update(_INTERPRET)
+import triton  # noqa: E402
+from megaseq_dsa.ops import (  # noqa: E402
+    indexer_scores_reference,
+    select_topk_reference,
+    selected_slots,
+    sparse_attention_reference,
+)
+from megaseq_dsa.ops.triton import select_topk_triton, sparse_attention_triton  # noqa: E402
+from megaseq_dsa.ops.triton.indexer import _indexer_topk_kernel  # noqa: E402
+
+for _name, _value in _saved_env.items():
+    if _value is None:
+        os.environ.pop(_name)
+    else:
+        os.environ[_name] = _value
+
+if not ON_CUDA:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # triton.language's own jit functions are decorated when triton is first imported.
+    if not all(isinstance(f, InterpretedFunction) for f in (triton.language.sum, _indexer_topk_kernel)):
+        raise RuntimeError(
+            "triton was imported in this process before TRITON_INTERPRET=1 was set; "
+            "run packages/attn-dsa/tests/test_triton.py in its own pytest process"
+        )
+
+LENGTHS = [1, 37, 64, 100, 200]
+
+
+def batch_for(length: int) -> int:
+    # Two sequences where it is cheap; one for the long lengths to keep the interpreter time down.
+    return 2 if length <= 64 else 1
+
+
+TOPKS = [16, 64]
+RAGGED = torch.tensor([0, 83, 84, 200])  # three documents, one of a single token
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in _INTERPRET.items():
+        monkeypatch.setenv(name, value)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # fp32 kernels vs a float64 oracle: measured errors stay below 1e-6 of the reference max; bound 1e-5.
+    error = (actual.double() - expected.double()).abs().max().item()
+    bound = 1e-5 * expected.abs().max().clamp_min(1).item()
+    assert error <= bound, f"max abs error {error:.3e} > {bound:.3e}"
+
+
+def indexer_inputs(batch: int, length: int, heads: int = 3, dim: int = 20, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q_idx = torch.randn(batch, length, heads, dim, generator=generator)
+    k_idx = torch.randn(batch, length, dim, generator=generator)
+    weights = torch.randn(batch, length, heads, generator=generator)
+    return q_idx, k_idx, weights
+
+
+def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, T, S] indices (-1 padding) -> bool [B, T, T]."""
+    mask = torch.zeros(*indices.shape[:2], length + 1, dtype=torch.bool)
+    mask.scatter_(2, indices.long().masked_fill(indices < 0, length), True)
+    return mask[..., :length]
+
+
+def assert_same_selection(got: torch.Tensor, expected: torch.Tensor, scores: torch.Tensor) -> None:
+    """Same layout and same selected sets; a key may differ only where it ties the k-th score.
+
+    ReLU makes many scores exactly 0, and torch.topk breaks such ties in no stated order, so a row whose cut
+    falls on a tie may pick other, equally scored keys.
+    """
+    got, expected = got.cpu(), expected.cpu()
+    assert got.shape == expected.shape and got.dtype == torch.int32
+    valid = got >= 0
+    # Ascending positions, then -1 padding only.
+    assert (valid[..., 1:] <= valid[..., :-1]).all()
+    assert (torch.where(valid[..., 1:], got[..., 1:] > got[..., :-1], True)).all()
+    got_mask, expected_mask = (
+        selection_mask(got, scores.shape[-1]),
+        selection_mask(expected, scores.shape[-1]),
+    )
+    assert torch.equal(got_mask.sum(-1), valid.sum(-1))  # no duplicates
+    assert torch.equal(got_mask.sum(-1), expected_mask.sum(-1))
+    assert torch.isfinite(scores[got_mask]).all()  # causal and inside the document
+    cut = scores.masked_fill(~expected_mask, float("inf")).amin(-1, keepdim=True)
+    tolerance = 1e-5 * scores[torch.isfinite(scores)].abs().max().clamp_min(1)
+    differing = got_mask ^ expected_mask
+    assert ((scores - cut).abs()[differing] <= tolerance).all(), "a selection differs beyond a tie"
+
+
+@pytest.mark.parametrize("topk", TOPKS)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_select_topk_matches_reference(length: int, topk: int) -> None:
+    q_idx, k_idx, weights = indexer_inputs(batch_for(length), length, seed=length + topk)
+    got = select_topk_triton(q_idx.to(DEVICE), k_idx.to(DEVICE), weights.to(DEVICE), topk)
+    expected = select_topk_reference(q_idx, k_idx, weights, topk)
+    scores = indexer_scores_reference(q_idx.double(), k_idx.double(), weights.double())
+    assert_same_selection(got, expected, scores)
+
+
+@pytest.mark.parametrize("topk", TOPKS)
+def test_select_topk_ragged_documents(topk: int) -> None:
+    q_idx, k_idx, weights = indexer_inputs(1, 200, heads=5, dim=33, seed=topk)
+    got = select_topk_triton(q_idx.to(DEVICE), k_idx.to(DEVICE), weights.to(DEVICE), topk, RAGGED)
+    expected = select_topk_reference(q_idx, k_idx, weights, topk, RAGGED)
+    scores = indexer_scores_reference(q_idx.double(), k_idx.double(), weights.double(), RAGGED)
+    assert_same_selection(got, expected, scores)
+
+
+def test_select_topk_without_ties_equals_reference_exactly() -> None:
+    # Positive inputs: no ReLU zeros, so no ties; every row must equal the reference. topk = 100 is not a
+    # power of two and keeps a 128-entry running list, wider than one 64-key block.
+    q_idx, k_idx, weights = (x.abs() for x in indexer_inputs(1, 200, heads=4, dim=24, seed=7))
+    got = select_topk_triton(q_idx.to(DEVICE), k_idx.to(DEVICE), weights.to(DEVICE), 100, RAGGED)
+    expected = select_topk_reference(q_idx, k_idx, weights, 100, RAGGED)
+    assert got.shape == (1, 200, selected_slots(100))
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_select_topk_rejects_bad_inputs() -> None:
+    q_idx, k_idx, weights = indexer_inputs(2, 8)
+    with pytest.raises(ValueError, match="batch of 1"):
+        select_topk_triton(q_idx.to(DEVICE), k_idx.to(DEVICE), weights.to(DEVICE), 4, torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="topk"):
+        select_topk_triton(q_idx.to(DEVICE), k_idx.to(DEVICE), weights.to(DEVICE), 0)
+
+
+def attention_inputs(indices: torch.Tensor, heads: int, dim: int, dim_v: int, seed: int):
+    batch, length = indices.shape[:2]
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, heads, dim, generator=generator)
+    k = torch.randn(batch, length, dim, generator=generator)
+    v = torch.randn(batch, length, dim_v, generator=generator)
+    grad_out = torch.randn(batch, length, heads, dim_v, generator=generator)
+    return q, k, v, grad_out
+
+
+def check_sparse_attention(indices: torch.Tensor, heads: int, dim: int, dim_v: int, seed: int) -> None:
+    q, k, v, grad_out = attention_inputs(indices, heads, dim, dim_v, seed)
+    scale = dim**-0.5
+    leaves = [x.detach().to(DEVICE).requires_grad_() for x in (q, k, v)]
+    out = sparse_attention_triton(*leaves, indices.to(DEVICE), scale)
+    out.backward(grad_out.to(DEVICE))
+    oracle_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = sparse_attention_reference(*oracle_leaves, indices, scale)
+    expected.backward(grad_out.double())
+    assert out.dtype == q.dtype and out.shape == expected.shape
+    assert_close(out, expected)
+    for leaf, oracle_leaf in zip(leaves, oracle_leaves, strict=True):
+        assert_close(leaf.grad, oracle_leaf.grad)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_sparse_attention_matches_reference(length: int) -> None:
+    topk = TOPKS[length % 2]  # both top-k sizes across the lengths, both below and above T
+    q_idx, k_idx, weights = indexer_inputs(batch_for(length), length, seed=length)
+    indices = select_topk_reference(q_idx, k_idx, weights, topk)
+    indices[:, length // 2] = -1  # a row with nothing selected outputs 0 and gets no gradient
+    # 5 heads pad to 16 tl.dot rows; D = 40 is one partial 64-wide chunk.
+    check_sparse_attention(indices, heads=5, dim=40, dim_v=24, seed=length)
+
+
+def test_sparse_attention_ragged_documents_holes_and_wide_heads() -> None:
+    # topk = 100 gives 128 slots (two index blocks); D = 144 is three head-dim chunks, the last partial; -1
+    # holes sit in the middle of rows, not only at the end.
+    q_idx, k_idx, weights = indexer_inputs(1, 120, seed=3)
+    cu_seqlens = torch.tensor([0, 47, 48, 120])
+    indices = select_topk_reference(q_idx, k_idx, weights, 100, cu_seqlens)
+    holes = torch.rand(indices.shape, generator=torch.Generator().manual_seed(3)) < 0.2
+    indices = indices.masked_fill(holes, -1)
+    check_sparse_attention(indices, heads=3, dim=144, dim_v=40, seed=3)
+
+
+def test_sparse_attention_rejects_bad_inputs() -> None:
+    q, k, v, _ = attention_inputs(torch.zeros(1, 4, 64), heads=2, dim=16, dim_v=16, seed=0)
+    q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    indices = torch.zeros(1, 4, 64, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="int32"):
+        sparse_attention_triton(q, k, v, indices.long(), 0.25)
+    with pytest.raises(ValueError, match="k must be"):
+        sparse_attention_triton(q, k[:, :3], v, indices, 0.25)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="checks the CPU error path, which needs a machine without CUDA")
+def test_cpu_tensors_without_interpreter_give_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    q_idx, k_idx, weights = indexer_inputs(1, 4)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        select_topk_triton(q_idx, k_idx, weights, 4)
+
+
+def test_importing_megaseq_dsa_does_not_import_triton() -> None:
+    code = "import sys, megaseq_dsa, megaseq_dsa.ops; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,210 @@
+"""The Kimi Delta Attention layer (Kimi Linear report, arXiv 2510.26692; fla's KimiDeltaAttention layout).
+
+Per token x, per head h (K = V = head_dim):
+
+    q, k = L2Norm(SiLU(ShortConv(W_q x))), L2Norm(SiLU(ShortConv(W_k x)))      (eps 1e-6)
+    v    = SiLU(ShortConv(W_v x))
+    beta = sigmoid(W_b x)                                                       (one per head)
+    f    = W_up W_down x + dt_bias                                              (low rank, per channel)
+    g    = -exp(A_log[h]) * softplus(f)                   (gate = "softplus")
+         = lower_bound * sigmoid(exp(A_log[h]) * f)       (gate = "bounded", GLM-5.3-Flash)
+    o    = KDA(q, k, v, g, beta)                                                (``megaseq_kda.ops``)
+    out  = W_o(sigmoid(W_gup W_gdown x) * RMSNorm_head(o))
+
+ShortConv is a causal depthwise convolution over time; it restarts at document boundaries and reads its
+history from the cache (decoding) or from the preceding segment on another rank (context parallelism,
+``megaseq_kda.parallel``). Gates, beta, the state and the output norm are computed in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megaseq.contracts import ForwardContext
+from megaseq.records import MemoryEstimate, ModelDims
+from torch import Tensor, nn
+
+from megaseq_kda import backends
+from megaseq_kda.config import KDAConfig
+from megaseq_kda.ops import naive_recurrent_kda
+from megaseq_kda.parallel import context_parallel_kda, conv_histories
+
+L2_EPS = 1e-6
+NORM_EPS = 1e-5
+
+
+@dataclass
+class KDACache:
+    """Decoding state of a batch of sequences: the last ``conv_size - 1`` projected inputs (the convolution's
+    history, in the activation dtype) and the recurrent state (fp32)."""
+
+    conv: Tensor  # [B, conv_size - 1, 3 * H * D]
+    state: Tensor  # [B, H, K, V]
+
+
+def causal_conv(x: Tensor, weight: Tensor, history: Tensor, position_in_doc: Tensor | None = None) -> Tensor:
+    """Depthwise causal convolution: ``out[t] = sum_j weight[:, j] * x[t - (W - 1 - j)]``.
+
+    ``x [B, T, C]``, ``weight [C, W]``, ``history [B, W - 1, C]``: the inputs just before ``x``.
+    ``position_in_doc [T]``: each token's offset in its document; a tap reaching before the document start
+    reads zero, so the convolution restarts at every boundary.
+    """
+    width, length = weight.shape[1], x.shape[1]
+    padded = torch.cat([history, x], 1)
+    out = x * weight[:, -1]
+    for lag in range(1, width):
+        tap = padded[:, width - 1 - lag : width - 1 - lag + length] * weight[:, -1 - lag]
+        if position_in_doc is not None:
+            tap = tap * (position_in_doc >= lag)[None, :, None].to(tap.dtype)
+        out = out + tap
+    return out
+
+
+def position_in_document(positions: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Offset of each global position in its document, given document boundaries ``cu_seqlens``."""
+    starts = cu_seqlens.to(positions.device, torch.long)
+    return positions - starts[torch.searchsorted(starts, positions, right=True) - 1]
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, d_model: int, config: KDAConfig, n_layers: int) -> None:
+        super().__init__()
+        backends.check_available(config.backend)
+        self.backend = config.backend
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.gate, self.gate_lower_bound = config.gate, config.gate_lower_bound
+        width = self.n_heads * self.head_dim
+        rank = config.gate_rank or self.head_dim
+        self.qkv_proj = nn.Linear(d_model, 3 * width, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(3 * width, config.conv_size))
+        self.beta_proj = nn.Linear(d_model, self.n_heads, bias=False)
+        self.gate_down = nn.Linear(d_model, rank, bias=False)
+        self.gate_up = nn.Linear(rank, width, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(width))
+        self.norm_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.out_gate_down = nn.Linear(d_model, rank, bias=False)
+        self.out_gate_up = nn.Linear(rank, width, bias=False)
+        self.out_proj = nn.Linear(width, d_model, bias=False)
+        self._init_parameters(n_layers)
+
+    def _init_parameters(self, n_layers: int) -> None:
+        for linear in (
+            self.qkv_proj,
+            self.beta_proj,
+            self.gate_down,
+            self.gate_up,
+            self.out_gate_down,
+            self.out_gate_up,
+        ):
+            nn.init.normal_(linear.weight, std=0.02)
+        nn.init.normal_(self.out_proj.weight, std=0.02 / (2 * n_layers) ** 0.5)
+        # PyTorch's default for a depthwise Conv1d (fan-in = kernel size)
+        bound = self.conv_weight.shape[1] ** -0.5
+        nn.init.uniform_(self.conv_weight, -bound, bound)
+        # fla's: decay rates A ~ U(1, 16); dt ~ logU(1e-3, 0.1) stored as its inverse softplus
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def init_cache(self, batch_size: int, *, device: torch.device, dtype: torch.dtype) -> KDACache:
+        channels, width = self.conv_weight.shape
+        return KDACache(
+            conv=torch.zeros(batch_size, width - 1, channels, device=device, dtype=dtype),
+            state=torch.zeros(batch_size, self.n_heads, self.head_dim, self.head_dim, device=device),
+        )
+
+    def forget_gate(self, x: Tensor) -> Tensor:
+        """Per-channel log-decay g <= 0, fp32 ``[B, T, H, K]``."""
+        f = self.gate_up(self.gate_down(x)).float() + self.dt_bias.float()
+        f = f.unflatten(-1, (self.n_heads, self.head_dim))
+        rate = self.A_log.float().exp()[:, None]
+        if self.gate == "softplus":
+            return -rate * F.softplus(f)
+        return self.gate_lower_bound * torch.sigmoid(rate * f)
+
+    def forward(self, x: Tensor, ctx: ForwardContext, cache: KDACache | None = None) -> Tensor:
+        if cache is not None and (ctx.cu_seqlens is not None or ctx.cp is not None):
+            raise ValueError(
+                "attention.kda: a decoding cache cannot be combined with packing or context parallelism"
+            )
+        if ctx.cp is not None and x.shape[1] != 2 * ctx.cp.segment_len:
+            raise ValueError(
+                f"attention.kda: context parallel input has {x.shape[1]} tokens, expected this rank's two "
+                f"segments of {ctx.cp.segment_len} (seq_len {ctx.cp.seq_len} over {ctx.cp.world_size} ranks)"
+            )
+        op = backends.kda_op(self.backend, x.device)
+        projected = self.qkv_proj(x)
+        q, k, v = (
+            F.silu(self._convolve(projected, ctx, cache))
+            .unflatten(-1, (3, self.n_heads, self.head_dim))
+            .unbind(2)
+        )
+        q, k = (
+            y * torch.rsqrt(y.float().square().sum(-1, keepdim=True) + L2_EPS).to(y.dtype) for y in (q, k)
+        )
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.beta_proj(x).float())
+        if cache is not None:
+            step = naive_recurrent_kda if x.shape[1] == 1 else op  # one token: the recurrence is cheapest
+            o, cache.state = step(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+        elif ctx.cp is not None:
+            o = context_parallel_kda(op, q, k, v, g, beta, ctx.cp, ctx.cu_seqlens)
+        else:
+            o, _ = op(q, k, v, g, beta, cu_seqlens=ctx.cu_seqlens)
+        o = o.float()
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + NORM_EPS) * self.norm_weight.float()
+        out_gate = torch.sigmoid(self.out_gate_up(self.out_gate_down(x)).float())
+        o = out_gate * o.flatten(-2)
+        return self.out_proj(o.to(x.dtype))
+
+    def _convolve(self, projected: Tensor, ctx: ForwardContext, cache: KDACache | None) -> Tensor:
+        """The short convolution over ``projected [B, T, C]`` with the history each case calls for."""
+        batch, length, channels = projected.shape
+        history_len = self.conv_weight.shape[1] - 1
+        weight = self.conv_weight.to(projected.dtype)
+        if cache is not None:
+            out = causal_conv(projected, weight, cache.conv)
+            cache.conv = torch.cat([cache.conv, projected], 1)[:, -history_len:]
+            return out
+        if ctx.cp is None:
+            spans = [(0, length)]
+            segments = [projected]
+            histories = [projected.new_zeros(batch, history_len, channels)]
+        else:
+            spans = ctx.cp.segments()
+            segments = list(projected.chunk(2, dim=1))
+            histories = conv_histories(segments, ctx.cp, history_len)
+        outputs = []
+        for (start, end), segment, history in zip(spans, segments, histories, strict=True):
+            doc_positions = None
+            if ctx.cu_seqlens is not None:
+                positions = torch.arange(start, end, device=projected.device)
+                doc_positions = position_in_document(positions, ctx.cu_seqlens)
+            outputs.append(causal_conv(segment, weight, history, doc_positions))
+        return torch.cat(outputs, 1)
+
+
+def build(config: KDAConfig, dims: ModelDims, layer_idx: int) -> KimiDeltaAttention:
+    return KimiDeltaAttention(dims.d_model, config, dims.n_layers)
+
+
+def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """fp32 bytes. Saved per token: the input, projections before and after the convolution (3 x width
+    each), gate and output-gate activations, the op's per-token tensors (q, k, v, g, W, U, ~6 x width) and its
+    in-chunk scores (64 per head), the output before and after the norm, plus one K x V state per head per
+    64-token chunk. The op's temporaries are per chunk and counted in what is saved: ``temporary`` is 0."""
+    width = config.n_heads * config.head_dim
+    rank = config.gate_rank or config.head_dim
+    d = dims.d_model
+    parameters = (
+        d * 3 * width + 3 * width * config.conv_size + d * config.n_heads + 2 * (d * rank + rank * width)
+    )
+    parameters += config.n_heads + width + config.head_dim + width * d
+    per_token = d + 6 * width + 2 * rank + 2 * width + 6 * width + 64 * config.n_heads + 2 * width
+    per_token += config.n_heads * config.head_dim**2 / 64
+    return MemoryEstimate(parameters=parameters * 4, saved_per_token=per_token * 4, temporary=0)

@@ -1,0 +1,10 @@
+"""KDA operations, in fla's calling convention so implementations can be swapped.
+
+``naive_recurrent_kda`` is the token-loop oracle, ``chunk_kda`` the chunked CPU fast path, and
+``kda_transition`` the state-transition matrix used for context parallelism.
+"""
+
+from megaseq_kda.ops.chunk import chunk_kda, kda_transition
+from megaseq_kda.ops.naive import naive_recurrent_kda
+
+__all__ = ["chunk_kda", "kda_transition", "naive_recurrent_kda"]

@@ -1,0 +1,309 @@
+"""Chunked KDA for CPU (pure PyTorch): batched matmuls within 64-token chunks, one short loop across chunks.
+
+Within a chunk let G be the inclusive cumulative log-decay (restarting at every chunk), S the state entering
+the chunk, and delta_s = beta_s (v_s - (exp(G_s) * k_s)^T S - sum_{j<s} A_kk[s, j] delta_j) the per-token
+correction with A_kk[s, j] = beta_s sum_d k_s[d] k_j[d] exp(G_s[d] - G_j[d]). Solving the unit
+lower-triangular system (WY/UT representation) gives delta = U - W S with
+
+    U = (I + A_kk)^{-1} Diag(beta) V,    W = (I + A_kk)^{-1} Diag(beta) (exp(G) * K)
+
+and then, with A_qk[s, j] = sum_d q_s[d] k_j[d] exp(G_s[d] - G_j[d]) for j <= s,
+
+    o      = (exp(G) * Q) S + A_qk delta
+    S_next = Diag(exp(G_last)) S + (exp(G_last - G) * K)^T delta.
+
+Numerics: only exponents <= 0 are ever exponentiated. The gated Gram matrices are built in 16-token
+sub-chunks: a block below the diagonal factorises as exp(G_s - G_r) * exp(G_r - G_j) with r the first row of
+the row's sub-chunk (j < r <= s, so both factors decay), and the 16 x 16 diagonal blocks are formed one
+sub-diagonal at a time from exp(g_{j+1} + ... + g_s), j <= s (a custom autograd Function, so that no
+[T, 16, K] tensor is ever stored). Cumulative log-decays are summed in float64 (differences of large sums
+would lose accuracy in fp32); everything else runs in fp32 (float64 for float64 inputs).
+
+Memory: the sequential part is a custom autograd Function that stores only the state entering each chunk
+([.., n_chunks, K, V]) and per-token tensors; its backward is a hand-written reverse loop over chunks.
+
+Documents (``cu_seqlens``) are laid out in chunk slots, each document starting at a fresh chunk and its tail
+padded with k = v = g = beta = 0 (such tokens leave the state untouched), so a single pass over the chunks
+handles ragged documents; the state is replaced by the document's initial state at each document start.
+
+Context parallel: the final state is affine in the initial one, final(S0) = M S0 + final(0). M is that
+linear map, so it is the final state of a run with v = 0 from S0 = I (``kda_transition``).
+"""
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megaseq_kda.ops.inputs import check_cu_seqlens, check_kda_inputs, compute_dtype
+
+CHUNK = 64
+SUBCHUNK = 16
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA (same maths as the oracle): ``(o [B, T, H, V], final_state [N, H, K, V] or None)``."""
+    n_seqs = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    scale = K**-0.5 if scale is None else scale
+    out_dtype, dtype = q.dtype, compute_dtype(q)
+    layout = _ChunkLayout.build(B, T, cu_seqlens, q.device)
+    q, k, v, g, beta = (layout.to_chunks(x.to(dtype)) for x in (q, k, v, g, beta[..., None]))
+    if initial_state is None:
+        initial_state = q.new_zeros(n_seqs, H, K, v.shape[-1])
+    Qg, Kg, W, U, A_qk, chunk_decay = _intra_chunk(q * scale, k, v, g, beta.squeeze(-1))
+    o, final_state = _ChunkRecurrence.apply(Qg, Kg, W, U, A_qk, chunk_decay, initial_state.to(dtype), layout)
+    return layout.from_chunks(o, T).to(out_dtype), final_state if output_final_state else None
+
+
+def kda_transition(
+    k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The linear part M of the state update, final(S0) = M @ S0 + final(0): ``[N, H, K, K]`` (fp32).
+
+    M = prod_t (I - beta_t k_t k_t^T) Diag(exp(g_t)), later tokens on the left, one per sequence/document.
+    """
+    B, T, H, K = k.shape
+    n_seqs = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    identity = torch.eye(K, dtype=compute_dtype(k), device=k.device).expand(n_seqs, H, K, K)
+    zeros = torch.zeros_like(k)
+    _, transition = chunk_kda(
+        zeros, k, zeros, g, beta, initial_state=identity, output_final_state=True, cu_seqlens=cu_seqlens
+    )
+    return transition
+
+
+@dataclass(frozen=True)
+class _ChunkLayout:
+    """Where tokens sit in the chunk grid ``[rows, H, n_chunks, CHUNK, D]`` and where sequences start/end.
+
+    Without cu_seqlens the rows are the batch (each row padded to whole chunks); with cu_seqlens there is one
+    row and each document occupies its own run of chunks. ``starts``/``ends`` map a chunk index to the rows
+    of the initial/final states that enter/leave there.
+    """
+
+    n_chunks: int
+    starts: dict[int, slice]
+    ends: dict[int, slice]
+    token_of_slot: torch.Tensor | None  # [n_chunks * CHUNK]; padding slots point at an extra zero token T
+    slot_of_token: torch.Tensor | None  # [T]
+
+    @classmethod
+    def build(
+        cls, batch: int, length: int, cu_seqlens: torch.Tensor | None, device: torch.device
+    ) -> "_ChunkLayout":
+        if cu_seqlens is None:
+            n_chunks = max(1, math.ceil(length / CHUNK))
+            return cls(n_chunks, {0: slice(None)}, {n_chunks - 1: slice(None)}, None, None)
+        offsets = cu_seqlens.tolist()
+        lengths = [end - start for start, end in itertools.pairwise(offsets)]
+        # An empty document still gets one all-padding chunk so that its final state is its initial state.
+        doc_chunks = [max(1, math.ceil(n / CHUNK)) for n in lengths]
+        first_chunks = [0, *itertools.accumulate(doc_chunks)][:-1]
+        starts = {c: slice(d, d + 1) for d, c in enumerate(first_chunks)}
+        ends = {
+            c + n - 1: slice(d, d + 1) for d, (c, n) in enumerate(zip(first_chunks, doc_chunks, strict=True))
+        }
+        n_chunks = sum(doc_chunks)
+        doc_of_token = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        token = torch.arange(length)
+        slot_of_token = (torch.tensor(first_chunks) * CHUNK - torch.tensor(offsets[:-1]))[
+            doc_of_token
+        ] + token
+        token_of_slot = torch.full((n_chunks * CHUNK,), length, dtype=torch.long)
+        token_of_slot[slot_of_token] = token
+        return cls(n_chunks, starts, ends, token_of_slot.to(device), slot_of_token.to(device))
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H, D]`` -> ``[rows, H, n_chunks, CHUNK, D]`` with zero padding."""
+        _, T, H, D = x.shape
+        if self.token_of_slot is None:
+            x = F.pad(x, (0, 0, 0, 0, 0, self.n_chunks * CHUNK - T))
+        else:
+            x = torch.cat([x[0], x.new_zeros(1, H, D)]).index_select(0, self.token_of_slot)[None]
+        return x.reshape(-1, self.n_chunks, CHUNK, H, D).permute(0, 3, 1, 2, 4).contiguous()
+
+    def from_chunks(self, x: torch.Tensor, length: int) -> torch.Tensor:
+        """``[rows, H, n_chunks, CHUNK, D]`` -> ``[B, T, H, D]``, dropping the padding."""
+        rows, H, _, _, D = x.shape
+        x = x.permute(0, 2, 3, 1, 4).reshape(rows, self.n_chunks * CHUNK, H, D)
+        if self.slot_of_token is None:
+            return x[:, :length]
+        return x[0].index_select(0, self.slot_of_token)[None]
+
+
+def _intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Everything that needs no state, batched over all chunks (ordinary autograd, O(T * (K + V + C)) saved).
+
+    Returns Qg = exp(G) * q, Kg = exp(G_last - G) * k, W, U, A_qk and the per-chunk decay exp(G_last).
+    """
+    # Float64 log-decay: exponents are differences of cumulative sums that can be large (|G| ~ 300 for
+    # g = -5), and in fp32 the difference of two such sums would lose ~|G| * 6e-8 of absolute accuracy.
+    G = g.to(torch.float64).cumsum(-2)
+    A_qk, A_kk = _gated_grams(q, k, g, G)
+    V = v.shape[-1]
+    decay = _exp(G, k.dtype)
+    rhs = beta[..., None] * torch.cat([v, decay * k], -1)
+    # unitriangular: the solver takes the unit diagonal as given, so the strict lower part is all it reads.
+    UW = torch.linalg.solve_triangular(beta[..., None] * A_kk, rhs, upper=False, unitriangular=True)
+    U, W = UW.split([V, UW.shape[-1] - V], -1)
+    G_last = G[..., -1:, :]
+    return decay * q, _exp(G_last - G, k.dtype) * k, W, U, A_qk, _exp(G_last.squeeze(-2), k.dtype)
+
+
+def _exp(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """exp of a float64 exponent (always <= 0 here), evaluated in the compute dtype."""
+    return exponent.to(dtype).exp()
+
+
+def _gated_grams(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, G: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk, A_qk[s, j] = sum_d q_s k_j exp(G_s - G_j) for j <= s, and A_kk the same with k_s for j < s.
+
+    Zero above the diagonal. Blocks below the diagonal are matmuls rebased on the first row r of their
+    row sub-chunk; the diagonal 16 x 16 blocks come from ``_SubchunkDiagonalGrams``.
+    """
+    diag_qk, diag_kk = _SubchunkDiagonalGrams.apply(q, k, g)
+    G_sub = _split_subchunks(G)
+    row_decay = _exp(G_sub - G_sub[..., :1, :], q.dtype)  # exp(G_s - G_r), r = first row of s's sub-chunk
+    q_rows, k_rows = (_split_subchunks(x) * row_decay for x in (q, k))
+    rows_qk, rows_kk = [], []
+    for i in range(CHUNK // SUBCHUNK):
+        first = i * SUBCHUNK
+        cols = (k[..., :first, :] * _exp(G_sub[..., i, :1, :] - G[..., :first, :], k.dtype)).transpose(-1, -2)
+        right_zeros = (0, CHUNK - first - SUBCHUNK)
+        rows_qk.append(F.pad(torch.cat([q_rows[..., i, :, :] @ cols, diag_qk[..., i, :, :]], -1), right_zeros))
+        rows_kk.append(F.pad(torch.cat([k_rows[..., i, :, :] @ cols, diag_kk[..., i, :, :]], -1), right_zeros))
+    return torch.cat(rows_qk, -2), torch.cat(rows_kk, -2)
+
+
+class _SubchunkDiagonalGrams(torch.autograd.Function):
+    """The 16 x 16 diagonal blocks of the gated Gram matrices, built one sub-diagonal at a time.
+
+    Sub-diagonal d pairs token s with token j = s - d of the same sub-chunk; its exponent G_s - G_j is the
+    window sum g_{j+1} + ... + g_s, accumulated one gate per step, so it is <= 0 by construction and
+    accurate in fp32 (no difference of two large cumulative sums). Backward recomputes the exponentials
+    instead of storing them (that would cost 16 x K per token).
+    Inputs ``[..., L, K]`` (q, k and the raw gates g; L a multiple of 16, sub-chunk aligned); outputs the
+    (q, k) and (k, k) blocks ``[..., L // 16, 16, 16]``.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qk, g = _split_subchunks(torch.stack([q, k])), _split_subchunks(g)
+        ctx.save_for_backward(qk, g)
+        diags = qk.new_zeros(*qk.shape[:-1], SUBCHUNK)  # [2, ..., 16, 16]: (q, k) and (k, k)
+        window = torch.zeros_like(g)
+        for d in range(SUBCHUNK):
+            window = window[..., : SUBCHUNK - d, :] + g[..., d:, :] if d else window
+            k_decayed = qk[1, ..., : SUBCHUNK - d, :] * window.exp()
+            # The (k, k) block is strictly lower triangular: its main diagonal (d = 0) stays zero.
+            pairs = slice(None) if d else slice(0, 1)
+            diags[pairs].diagonal(-d, -2, -1).copy_((qk[pairs, ..., d:, :] * k_decayed).sum(-1))
+        return diags[0], diags[1]
+
+    @staticmethod
+    def backward(
+        ctx, d_qk: torch.Tensor, d_kk: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qk, g = ctx.saved_tensors
+        d_diags = torch.stack([d_qk, d_kk])
+        d_qk_in, dG = torch.zeros_like(qk), torch.zeros_like(g)
+        window = torch.zeros_like(g)
+        for d in range(SUBCHUNK):
+            rows, cols = slice(d, None), slice(None, SUBCHUNK - d)
+            window = window[..., cols, :] + g[..., rows, :] if d else window
+            decay = window.exp()
+            k_decayed = qk[1, ..., cols, :] * decay
+            pairs = slice(None) if d else slice(0, 1)
+            grads = d_diags[pairs].diagonal(-d, -2, -1)[..., None]
+            d_qk_in[pairs, ..., rows, :] += grads * k_decayed
+            d_k_decayed = (grads * qk[pairs, ..., rows, :]).sum(0)
+            d_qk_in[1, ..., cols, :] += d_k_decayed * decay
+            if d:
+                # d(term)/dG_s = term, d(term)/dG_j = -term; turned into d/dg by the reverse cumsum below.
+                d_exponent = d_k_decayed * k_decayed
+                dG[..., rows, :] += d_exponent
+                dG[..., cols, :] -= d_exponent
+        dg = dG.flip(-2).cumsum(-2).flip(-2)  # G_t = sum_{u <= t} g_u inside the sub-chunk
+        return d_qk_in[0].flatten(-3, -2), d_qk_in[1].flatten(-3, -2), dg.flatten(-3, -2)
+
+
+def _split_subchunks(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(*x.shape[:-2], -1, SUBCHUNK, x.shape[-1])
+
+
+class _ChunkRecurrence(torch.autograd.Function):
+    """The sequential part: for each chunk, v_new = U - W S; o = Qg S + A_qk v_new;
+    S_next = decay * S + Kg^T v_new. Saves only the state entering each chunk; reverse loop for dS."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        Qg: torch.Tensor,
+        Kg: torch.Tensor,
+        W: torch.Tensor,
+        U: torch.Tensor,
+        A_qk: torch.Tensor,
+        chunk_decay: torch.Tensor,
+        initial_state: torch.Tensor,
+        layout: _ChunkLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, H, n_chunks, _, K = W.shape
+        states = W.new_empty(rows, H, n_chunks, K, U.shape[-1])
+        v_new = torch.empty_like(U)
+        finals = []
+        for c in range(n_chunks):
+            if c in layout.starts:
+                S = initial_state[layout.starts[c]]
+            states[:, :, c] = S
+            v_new[:, :, c] = U[:, :, c] - W[:, :, c] @ S
+            S = chunk_decay[:, :, c, :, None] * S + Kg[:, :, c].transpose(-1, -2) @ v_new[:, :, c]
+            if c in layout.ends:
+                finals.append(S)
+        ctx.layout = layout
+        ctx.save_for_backward(Qg, Kg, W, A_qk, chunk_decay, states, v_new)
+        return Qg @ states + A_qk @ v_new, torch.cat(finals)
+
+    @staticmethod
+    def backward(ctx, d_o: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        Qg, Kg, W, A_qk, chunk_decay, states, v_new = ctx.saved_tensors
+        layout = ctx.layout
+        # The parts of the gradients that come straight from the outputs need no loop.
+        d_v_new = A_qk.transpose(-1, -2) @ d_o
+        d_states = Qg.transpose(-1, -2) @ d_o
+        d_states_after = torch.empty_like(states)
+        d_initial = torch.zeros_like(d_final)
+        for c in reversed(range(states.shape[2])):
+            if c in layout.ends:
+                dS = d_final[layout.ends[c]]  # replaces, not adds: a sequence's last state flows nowhere else
+            d_states_after[:, :, c] = dS
+            d_v_new[:, :, c] += Kg[:, :, c] @ dS
+            dS = (
+                d_states[:, :, c]
+                + chunk_decay[:, :, c, :, None] * dS
+                - W[:, :, c].transpose(-1, -2) @ d_v_new[:, :, c]
+            )
+            if c in layout.starts:
+                d_initial[layout.starts[c]] = dS
+        d_Qg = d_o @ states.transpose(-1, -2)
+        d_Kg = v_new @ d_states_after.transpose(-1, -2)
+        d_W = -(d_v_new @ states.transpose(-1, -2))
+        d_A_qk = d_o @ v_new.transpose(-1, -2)
+        d_decay = (d_states_after * states).sum(-1)
+        return d_Qg, d_Kg, d_W, d_v_new, d_A_qk, d_decay, d_initial, None

@@ -1,0 +1,120 @@
+"""Exact context parallelism for KDA over a zig-zag shard (see ``megaseq.contracts.ContextParallel``).
+
+The sequence is cut into 2W segments; rank r holds segments r and 2W-1-r. Two things cross segments:
+
+1. The causal short convolution needs the last ``conv_size - 1`` inputs before each segment. Every rank
+   all-gathers the tails of its two segments; a segment's history is the tail of everything before it (which
+   spans several segments when segments are shorter than the kernel).
+2. The recurrent state. Each state column evolves independently and affinely in the incoming state, so a
+   segment's end state is ``M S_in + S_loc``. One run of the op over the segment with values ``[v | 0]``
+   from the initial state ``[0 | I]`` yields ``[S_loc | M]`` at once. Every rank all-gathers
+   ``[S_loc | M]`` of its two segments, folds all 2W of them in global order to get each segment's incoming
+   state, then runs the op again on its segments from those states for the outputs.
+
+Packed documents: inside a segment the op restarts at every document boundary (offsets restricted to the
+segment). Only the segment's first piece may continue a document from earlier segments; it starts from
+``S_in`` (and ``I`` in the transition run) only then, so a segment that contains a document start has a zero
+transition from its last document start on, and the fold resets there by construction.
+
+The all-gather is ``torch.distributed.nn.functional.all_gather``: autograd-aware, and its backward uses only
+collectives gloo has (all-to-all through scatter), so gradients reach every segment's owner on CPU too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.nn.functional as dist_fn
+from megaseq.contracts import ContextParallel
+from torch import Tensor
+
+from megaseq_kda.backends import KDAOp
+
+
+def gather_segments(local: Tensor, cp: ContextParallel) -> list[Tensor]:
+    """All ranks' ``local [2, ...]`` (this rank's two segments stacked) as a list of 2W, in global order."""
+    gathered = dist_fn.all_gather(local.contiguous(), group=cp.group)
+    world = cp.world_size
+    return [gathered[s][0] if s < world else gathered[2 * world - 1 - s][1] for s in range(2 * world)]
+
+
+def segment_index(cp: ContextParallel, local: int) -> int:
+    """Global index of this rank's local segment 0 or 1."""
+    return cp.rank if local == 0 else 2 * cp.world_size - 1 - cp.rank
+
+
+def conv_histories(segments: list[Tensor], cp: ContextParallel, size: int) -> list[Tensor]:
+    """For each local segment ``[B, n, C]``, the ``size`` inputs before it in the global sequence
+    (zeros before the start): ``[B, size, C]``."""
+    tails = gather_segments(torch.stack([s[:, -size:] for s in segments]), cp)
+    zeros = segments[0].new_zeros(segments[0].shape[0], size, segments[0].shape[2])
+    return [torch.cat([zeros, *tails[: segment_index(cp, i)]], 1)[:, -size:] for i in range(len(segments))]
+
+
+def segment_documents(cu_seqlens: Tensor | None, start: int, end: int) -> tuple[Tensor | None, bool]:
+    """Offsets of the document pieces in global ``[start, end)``, relative to ``start``, and whether the first
+    piece continues a document begun before ``start``. ``(None, True)`` without packing."""
+    if cu_seqlens is None:
+        return None, True
+    bounds = cu_seqlens.tolist()
+    inside = sorted({b for b in bounds if start < b < end})
+    offsets = torch.tensor([0, *(b - start for b in inside), end - start], dtype=torch.int32)
+    # a document starting exactly at ``start`` (an offset there, not the last one) owes nothing to the past
+    return offsets, start not in bounds[:-1]
+
+
+def context_parallel_kda(
+    op: KDAOp,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cp: ContextParallel,
+    cu_seqlens: Tensor | None,
+) -> Tensor:
+    """KDA over this rank's zig-zag share ``[B, 2n, H, D]`` -> o ``[B, 2n, H, V]`` (global cu_seqlens)."""
+    n, (batch, _, heads, k_dim), v_dim = cp.segment_len, q.shape, v.shape[-1]
+    pieces = [tuple(x[:, i * n : (i + 1) * n] for x in (q, k, v, g, beta)) for i in range(2)]
+    documents = [segment_documents(cu_seqlens, *cp.segments()[i]) for i in range(2)]
+
+    def first_piece_state(initial: Tensor, offsets: Tensor | None) -> Tensor:
+        """A state per document piece: ``initial`` for the first, zeros for the others."""
+        if offsets is None:
+            return initial
+        return torch.cat([initial, initial.new_zeros(len(offsets) - 2, *initial.shape[1:])])
+
+    ends = []  # [B, H, K, V + K] = [S_loc | M] per local segment
+    eye = torch.eye(k_dim, device=q.device, dtype=torch.float32).expand(batch, heads, k_dim, k_dim)
+    for (q_i, k_i, v_i, g_i, beta_i), (offsets, continues) in zip(pieces, documents, strict=True):
+        start = torch.cat(
+            [eye.new_zeros(batch, heads, k_dim, v_dim), eye if continues else torch.zeros_like(eye)], -1
+        )
+        values = torch.cat([v_i, v_i.new_zeros(*v_i.shape[:-1], k_dim)], -1)
+        _, final = op(
+            q_i,
+            k_i,
+            values,
+            g_i,
+            beta_i,
+            initial_state=first_piece_state(start, offsets),
+            output_final_state=True,
+            cu_seqlens=offsets,
+        )
+        ends.append(final[-batch:].float())  # the last piece's state (with packing B == 1)
+
+    all_ends = gather_segments(torch.stack(ends), cp)
+    incoming = [torch.zeros_like(all_ends[0][..., :v_dim])]
+    for end in all_ends[: segment_index(cp, 1)]:
+        incoming.append(end[..., v_dim:] @ incoming[-1] + end[..., :v_dim])
+
+    outputs = []
+    for i, ((q_i, k_i, v_i, g_i, beta_i), (offsets, continues)) in enumerate(
+        zip(pieces, documents, strict=True)
+    ):
+        state = incoming[segment_index(cp, i)]
+        # Multiply rather than drop: the all-gather's backward is a collective, so every rank's graph must
+        # reach it, also when both of its segments start a document and ignore the incoming state.
+        initial = first_piece_state(state * float(continues), offsets)
+        o, _ = op(q_i, k_i, v_i, g_i, beta_i, initial_state=initial, cu_seqlens=offsets)
+        outputs.append(o)
+    return torch.cat(outputs, 1)
