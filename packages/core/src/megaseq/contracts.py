@@ -159,7 +159,10 @@ class MoE(FeedForward, Protocol):
 
     ``forward`` must equal, for every token x, ``shared_forward(x) + sum_j w_j * expert_forward(e_j, x)`` with
     ``(e, w) = route(x)`` (or the replayed ``e`` when ``ctx.routing`` replays), however skewed the routing,
-    whatever ``chunk_tokens`` is. ``load_stats`` describes the last training forward.
+    whatever ``chunk_tokens`` is (an attribute that may be changed at run time; ``None`` = unchunked).
+    ``load_stats`` describes the last training forward and returns at least
+    ``megaseq.testing.moe.LOAD_STAT_KEYS``: counts of (token, expert) assignments per expert and per
+    expert-parallel rank (max, mean) and the routing entropy in nats (``log n_experts`` when even).
     """
 
     n_experts: int

@@ -14,15 +14,26 @@ installed entry points, so they also check that registration works.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from megaseq.plugins import Plugins, get_plugins
 from megaseq.records import ModelDims
+
+
+def assert_close(actual: Tensor, expected: Tensor, rtol: float, what: str) -> None:
+    """``max |actual - expected| <= rtol * max(1, max |expected|)``, with a message naming ``what``."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    scale = max(1.0, expected.double().abs().max().item() if expected.numel() else 0.0)
+    assert err <= rtol * scale, f"{what}: max abs error {err:.3e} > {rtol:.1e} x {scale:.3e}"
 
 
 def fresh_plugins(autoload: bool = False) -> Plugins:
@@ -47,11 +58,17 @@ def registered(plugin: object, plugins: Plugins, name: str | None = None) -> Ite
         plugins.unregister(name)
 
 
+@functools.cache
+def installed_plugins() -> Plugins:
+    """The installed plugins, loaded once per process (conformance suites build many components)."""
+    return get_plugins()
+
+
 def build_component(
     kind: str, name: str, config: dict[str, Any], dims: ModelDims, layer_idx: int = 0, plugins: Plugins | None = None
 ) -> nn.Module:
     """Build one component by name (from the installed plugins unless ``plugins`` is given)."""
-    plugins = plugins or get_plugins()
+    plugins = plugins or installed_plugins()
     provided = plugins.get(kind, name)
     return provided.load()(provided.spec.config(**config), dims, layer_idx)
 
@@ -71,4 +88,4 @@ def env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-__all__ = ["build_component", "env", "fresh_plugins", "registered"]
+__all__ = ["assert_close", "build_component", "env", "fresh_plugins", "installed_plugins", "registered"]

@@ -16,16 +16,7 @@ from torch import Tensor, nn
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
-from megaseq.testing import build_component
-
-
-def assert_close(actual: Tensor, expected: Tensor, rtol: float, what: str) -> None:
-    """``max |actual - expected| <= rtol * max(1, max |expected|)``, with a message naming ``what``."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
-    scale = max(1.0, expected.double().abs().max().item() if expected.numel() else 0.0)
-    assert err <= rtol * scale, f"{what}: max abs error {err:.3e} > {rtol:.1e} x {scale:.3e}"
+from megaseq.testing import assert_close, build_component
 
 
 def _build(name: str, config: dict[str, Any], d_model: int, seed: int) -> nn.Module:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, MoE, RoutingReplay
 from megaseq.records import ModelDims
-from megaseq.testing.attention import assert_close
+from megaseq.testing import assert_close
 
 LOAD_STAT_KEYS = (
     "tokens_per_expert_max",
@@ -124,30 +124,36 @@ class MoEConformance:
         assert_close(out, ref, self.rtol, "output vs dense reference")
 
     def test_dropless_under_skew(self) -> None:
-        """Every token routed to the same k experts: nothing may be dropped or capped."""
+        """Every token routed to the same k experts: nothing may be dropped or capped, forward or backward."""
         module = self.build()
-        x = self.inputs()
-        _, routing = _record(module, x)
+        x = self.inputs().requires_grad_(True)
+        _, routing = _record(module, x.detach())
         (key,) = routing.indices
         skewed = torch.arange(module.top_k).expand(x.shape[0] * x.shape[1], -1).contiguous()
         routing.indices[key] = skewed
         out = module(x, ForwardContext(routing=routing.replay()))
-        _, _, ref = self.reference(module, x, skewed)
-        assert_close(out, ref, self.rtol, "output under all-to-the-same-experts routing")
+        self.assert_matches_reference(module, x, out, skewed, "all-to-the-same-experts routing")
 
     def test_gradients_match_reference(self) -> None:
         module = self.build()
         x = self.inputs().requires_grad_(True)
-        grad_out = self.inputs(seed=2)
         out, routing = _record(module, x)
-        (out * grad_out).sum().backward()
         (recorded,) = routing.indices.values()
-        ref_module, x64, ref = self.reference(module, x, recorded)
+        self.assert_matches_reference(module, x, out, recorded, "own routing")
+
+    def assert_matches_reference(
+        self, module: nn.Module, x: Tensor, out: Tensor, indices: Tensor, what: str
+    ) -> None:
+        """``out = module(x)`` routed by ``indices``: output, input and parameter gradients vs reference."""
+        grad_out = self.inputs(seed=2)
+        (out * grad_out).sum().backward()
+        ref_module, x64, ref = self.reference(module, x, indices)
         (ref * grad_out.double()).sum().backward()
-        assert_close(x.grad, x64.grad, self.rtol, "input gradient")
+        assert_close(out, ref, self.rtol, f"{what}: output")
+        assert_close(x.grad, x64.grad, self.rtol, f"{what}: input gradient")
         ref_params = dict(ref_module.named_parameters())
         for pname, p in module.named_parameters():
-            assert_close(_grad(p), _grad(ref_params[pname]), self.rtol, f"gradient of {pname}")
+            assert_close(_grad(p), _grad(ref_params[pname]), self.rtol, f"{what}: gradient of {pname}")
 
     def test_chunked_equals_unchunked(self) -> None:
         x = self.inputs()

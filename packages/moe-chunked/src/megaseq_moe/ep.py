@@ -1,0 +1,52 @@
+"""Expert-parallel collectives. ``group=None`` means one rank: every helper is then the identity.
+
+Rows move with ``all_to_all_single`` and explicit split sizes; gloo implements it (uneven splits included),
+whereas gloo's list ``all_to_all`` requires equal sizes, so only the single-tensor form is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def group_size(group: Any | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def exchange_rows(rows: Tensor, send_counts: list[int], recv_counts: list[int], group: Any | None) -> Tensor:
+    """Send ``send_counts[r]`` consecutive rows to rank r; receive ``recv_counts[r]`` rows from rank r."""
+    if group is None:
+        return rows
+    out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
+    return out
+
+
+def exchange_counts(counts: Tensor, group: Any | None) -> Tensor:
+    """``counts [ranks, ...]``: row r goes to rank r; returns what each rank sent here, same shape."""
+    if group is None:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def agree_max(value: int, group: Any | None, device: torch.device) -> int:
+    """The largest ``value`` over the group (so every rank runs the same number of collective rounds)."""
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def sum_over(t: Tensor, group: Any | None) -> Tensor:
+    """Sum of ``t`` over the group (a new tensor)."""
+    t = t.clone()
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t

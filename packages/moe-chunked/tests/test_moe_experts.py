@@ -1,0 +1,84 @@
+"""Grouped expert products (grouped_mm and the per-expert loop) against a float64 oracle; clamped SwiGLU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaseq_moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported, swiglu
+
+RTOL = 1e-5  # max abs error <= RTOL * max(1, max |reference|)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.numel():
+        err = (actual.double() - expected.double()).abs().max().item()
+        assert err <= RTOL * max(1.0, expected.abs().max().item()), f"{what}: error {err:.3e}"
+
+
+def grouped_linear_oracle(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    return torch.stack([x[i].double() @ weight[e].double() for i, e in enumerate(expert_of_row.tolist())])
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize(
+    "counts", [[3, 0, 7, 1], [0, 0, 0, 5], [11, 0, 0, 0]], ids=["mixed", "last-only", "first-only"]
+)
+def test_grouped_linear_matches_oracle(use_grouped_mm: bool, counts: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), 12, generator=gen, requires_grad=True)
+    weight = torch.randn(4, 12, 8, generator=gen, requires_grad=True)
+    grad_out = torch.randn(sum(counts), 8, generator=gen)
+    out = grouped_linear(x, weight, torch.tensor(counts), use_grouped_mm)
+    assert_close(out, grouped_linear_oracle(x.detach(), weight.detach(), counts), "output")
+    (out * grad_out).sum().backward()
+    x64, w64 = x.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    (grouped_linear_oracle(x64, w64, counts) * grad_out.double()).sum().backward()
+    assert_close(x.grad, x64.grad, "input gradient")
+    assert_close(weight.grad, w64.grad, "weight gradient")
+
+
+@pytest.mark.parametrize("n_rows", [0, 1, 3])
+def test_grouped_linear_accepts_column_slices(n_rows: int) -> None:
+    """Payloads are column slices: with 0 or 1 rows they look contiguous but keep a 260-byte stride."""
+    payload = torch.randn(n_rows, 65)
+    weight = torch.randn(2, 32, 8)
+    counts = torch.tensor([n_rows, 0])
+    out = grouped_linear(
+        payload[:, :32], weight, counts, use_grouped_mm=grouped_mm_supported(payload, weight)
+    )
+    assert_close(out, payload[:, :32].double() @ weight[0].double(), "slice product")
+
+
+def test_grouped_mm_support_rules() -> None:
+    aligned, weight = torch.randn(5, 8), torch.randn(3, 8, 4)
+    assert grouped_mm_supported(aligned, weight) == hasattr(F, "grouped_mm")
+    assert not grouped_mm_supported(torch.randn(5, 7), torch.randn(3, 7, 4))  # 28-byte rows
+    assert not grouped_mm_supported(aligned.double(), weight.double())
+    assert not grouped_mm_supported(aligned.bfloat16(), weight)  # mixed dtypes
+
+
+def test_experts_grouped_rows_equal_one_expert_at_a_time() -> None:
+    torch.manual_seed(0)
+    experts = GroupedExperts(n_local=3, d_model=8, hidden=4, limit=None, init_std=0.5)
+    counts = [2, 0, 5]
+    rows = torch.randn(sum(counts), 8)
+    out = experts(rows, torch.tensor(counts))
+    blocks = rows.split(counts)
+    expected = torch.cat([experts.one(e, block) for e, block in enumerate(blocks)])
+    assert_close(out, expected, "grouped experts")
+
+
+def test_swiglu_clamps_gate_above_and_up_both_sides() -> None:
+    gate = torch.tensor([-20.0, 0.5, 20.0, 3.0])
+    up = torch.tensor([-20.0, 0.5, 20.0, -3.0])
+    gate_up = torch.cat([gate, up]).requires_grad_(True)
+    out = swiglu(gate_up, limit=2.0)
+    expected = F.silu(torch.tensor([-20.0, 0.5, 2.0, 2.0])) * torch.tensor([-2.0, 0.5, 2.0, -2.0])
+    assert_close(out, expected, "clamped swiglu")
+    out.sum().backward()
+    # clamped entries pass no gradient: gate at 20 and 3 (> 2), up at -20, 20 and -3
+    assert gate_up.grad[2] == 0 and gate_up.grad[3] == 0
+    assert (gate_up.grad[[4, 6, 7]] == 0).all() and gate_up.grad[5] != 0
+    assert torch.equal(swiglu(gate_up.detach(), None), F.silu(gate) * up)

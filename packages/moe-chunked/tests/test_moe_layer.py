@@ -1,0 +1,272 @@
+"""The chunked layer beyond the conformance suite: balance loss, memory behaviour, load/bias step hook,
+plugin registration, config validation, memory estimate, bf16.
+
+Tolerance (fp32 against float64 oracles): max abs error <= 1e-5 * max(1, max |reference|).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import megaseq_moe.plugin
+from megaseq.contracts import ForwardContext, RoutingReplay
+from megaseq.records import ModelDims
+from megaseq.testing import fresh_plugins, registered
+from megaseq.testing.moe import dense_reference
+from megaseq.train.state import StepInfo
+from megaseq_moe.config import ChunkedMoEConfig
+from megaseq_moe.layer import AUX_LOSS_NAME, ChunkedMoE, build, memory_estimate
+
+D = 32
+RTOL = 1e-5
+BASE = {"n_experts": 8, "top_k": 2, "expert_hidden": 24, "init_std": 0.2}
+
+
+def make(seed: int = 0, **overrides: object) -> ChunkedMoE:
+    torch.manual_seed(seed)
+    return build(
+        ChunkedMoEConfig(**{**BASE, **overrides}), ModelDims(d_model=D, n_layers=2, vocab_size=8), 3
+    ).train()
+
+
+def assert_close(actual: Tensor, expected: Tensor, what: str) -> None:
+    err = (actual.double() - expected.double()).abs().max().item()
+    assert err <= RTOL * max(1.0, expected.abs().max().item()), f"{what}: error {err:.3e}"
+
+
+def aux_loss_oracle(module: nn.Module, x: Tensor, indices: Tensor, segments: Tensor, coef: float) -> Tensor:
+    """DeepSeek-V3 sequence-wise balance loss, one sequence at a time."""
+    e, k = module.n_experts, module.top_k
+    s = module.router.affinities(x)
+    per_sequence = []
+    for seg in segments.unique().tolist():
+        rows = segments == seg
+        f = torch.bincount(indices[rows].reshape(-1), minlength=e) * e / (k * rows.sum())
+        p = (s[rows] / s[rows].sum(-1, keepdim=True)).mean(0)
+        per_sequence.append((f * p).sum())
+    return coef * torch.stack(per_sequence).mean()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "documents"])
+def test_aux_loss_value_and_gradients_match_oracle(packed: bool) -> None:
+    module = make(aux_loss_coef=0.3, chunk_tokens=3, routed_scaling_factor=2.5)
+    gen = torch.Generator().manual_seed(1)
+    shape = (1, 17, D) if packed else (2, 11, D)
+    x = torch.randn(*shape, generator=gen).requires_grad_(True)
+    grad_out = torch.randn(*shape, generator=gen)
+    cu = torch.tensor([0, 4, 9, 17], dtype=torch.int32) if packed else None
+    ctx = ForwardContext(cu_seqlens=cu, routing=RoutingReplay())
+    out = module(x, ctx)
+    ((out * grad_out).sum() + ctx.losses[AUX_LOSS_NAME]).backward()
+
+    ref_module = copy.deepcopy(module).double()
+    ref_module.zero_grad(set_to_none=True)
+    x64 = x.detach().double().reshape(-1, D).requires_grad_(True)
+    (indices,) = ctx.routing.indices.values()
+    segments = (
+        torch.repeat_interleave(torch.arange(3), torch.tensor([4, 5, 8]))
+        if packed
+        else torch.arange(2).repeat_interleave(11)
+    )
+    ref_aux = aux_loss_oracle(ref_module, x64, indices, segments, 0.3)
+    ref_out = dense_reference(ref_module, x64, indices)
+    ((ref_out * grad_out.double().reshape(-1, D)).sum() + ref_aux).backward()
+
+    assert_close(ctx.losses[AUX_LOSS_NAME].detach(), ref_aux.detach(), "aux loss")
+    assert_close(x.grad.reshape(-1, D), x64.grad, "input gradient")
+    ref_params = dict(ref_module.named_parameters())
+    for name, p in module.named_parameters():
+        assert_close(p.grad, ref_params[name].grad, f"gradient of {name}")
+
+
+def test_no_aux_loss_when_off_or_in_eval() -> None:
+    x = torch.randn(2, 5, D)
+    ctx = ForwardContext()
+    make(aux_loss_coef=0.0)(x, ctx)
+    make(aux_loss_coef=0.3).eval()(x, ctx)
+    assert ctx.losses == {}
+
+
+def saved_bytes(module: ChunkedMoE, n_tokens: int) -> int:
+    total = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(torch.randn(1, n_tokens, D, requires_grad=True), ForwardContext())
+    return total
+
+
+@pytest.mark.parametrize("chunk", [4, None], ids=["chunked", "unchunked"])
+def test_autograd_keeps_only_input_and_indices(chunk: int | None) -> None:
+    """Between forward and backward the layer holds its input and the expert indices: nothing else per token
+    (router probabilities and dispatch buffers are not in the graph), whatever the chunk size."""
+    module = make(chunk_tokens=chunk)
+    per_token = 4 * D + 8 * module.top_k
+    assert saved_bytes(module, 40) == 40 * per_token
+    assert saved_bytes(module, 200) == 200 * per_token
+
+
+class TensorSizes(TorchDispatchMode):
+    """Records the shape of every tensor an operator produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, Tensor)]
+        return out
+
+
+def largest_chunk_sized_tensor(module: ChunkedMoE, n_tokens: int) -> int:
+    """Elements of the largest tensor made in forward + backward, other than parameter-shaped ones and the
+    full-length input, output and indices, which scale with the sequence by definition."""
+    x = torch.randn(1, n_tokens, D, requires_grad=True)
+    with TensorSizes() as sizes:
+        (module(x, ForwardContext()) * torch.randn(1, n_tokens, D)).sum().backward()
+    full_length = {(n_tokens, D), (1, n_tokens, D), (n_tokens, module.top_k), (n_tokens * module.top_k,)}
+    params = {tuple(p.shape) for p in module.parameters()}
+    params |= {(*s[:-2], s[-1], s[-2]) for s in params}  # weight gradients are also formed transposed
+    return max(torch.Size(s).numel() for s in sizes.shapes if s not in full_length and s not in params)
+
+
+def test_working_tensors_are_bounded_by_the_chunk() -> None:
+    chunk, n_tokens = 4, 300
+    module = make(chunk_tokens=chunk)
+    rows = chunk * module.top_k
+    bound = rows * (2 * D + 1)  # the backward payload [x | dy | w] of one chunk is the largest
+    assert largest_chunk_sized_tensor(module, n_tokens) <= bound
+    module.chunk_tokens = None  # the same measurement sees sequence-sized buffers without chunking
+    assert largest_chunk_sized_tensor(module, n_tokens) > n_tokens * module.top_k * D
+
+
+def test_step_end_updates_bias_from_the_step_load_and_reports_metrics() -> None:
+    module = make(bias_update_rate=0.01)
+    model = nn.Sequential(module)
+    x1, x2 = torch.randn(2, 9, D), torch.randn(1, 7, D)
+    module(x1, ForwardContext())
+    first = module.last_load.clone()
+    module(x2, ForwardContext())
+    load = first + module.last_load
+    assert load.sum() == (18 + 7) * module.top_k
+    module.eval()
+    with torch.no_grad():
+        module(torch.randn(1, 50, D), ForwardContext())  # eval forwards are not training load
+    assert torch.equal(module.step_load, load)
+
+    metrics: dict[str, float] = {}
+    with registered(megaseq_moe.plugin, fresh_plugins()) as plugins:
+        plugins.hooks.step_end(StepInfo(step=1, total_steps=2, tokens=25, lr=1e-3), model, metrics)
+        expected_bias = 0.01 * torch.sign(load.float().mean() - load.float())
+        assert torch.allclose(module.router.expert_bias, expected_bias)
+        assert module.step_load.sum() == 0
+        ratio = (load.max() / load.float().mean()).item()
+        assert metrics["moe/layer3/expert_max_over_mean"] == pytest.approx(ratio)
+        assert metrics["moe/expert_max_over_mean"] == pytest.approx(ratio)
+        assert metrics["moe/rank_max_over_mean"] == pytest.approx(1.0)
+        assert 0 < metrics["moe/routing_entropy"] <= torch.log(torch.tensor(8.0)).item()
+        assert metrics["moe/bias_abs_max"] == pytest.approx(0.01)
+        # a step without training forwards changes nothing and reports nothing
+        later: dict[str, float] = {}
+        plugins.hooks.step_end(StepInfo(step=2, total_steps=2, tokens=0, lr=1e-3), model, later)
+        assert later == {} and torch.allclose(module.router.expert_bias, expected_bias)
+
+
+def test_bias_rate_zero_keeps_bias_frozen() -> None:
+    module = make(bias_update_rate=0.0)
+    module(torch.randn(2, 9, D), ForwardContext())
+    metrics: dict[str, float] = {}
+    megaseq_moe.plugin.megaseq_step_end(StepInfo(1, 1, 18, 1e-3), nn.Sequential(module), metrics)
+    assert torch.equal(module.router.expert_bias, torch.zeros(8)) and "moe/expert_max_over_mean" in metrics
+
+
+def test_registered_through_the_entry_point() -> None:
+    with registered(megaseq_moe.plugin, fresh_plugins()) as plugins:
+        provided = plugins.get("moe", "chunked")
+        assert provided.spec.config is ChunkedMoEConfig
+        assert provided.load() is build and provided.spec.load_memory() is memory_estimate
+    from megaseq.plugins import get_plugins
+
+    assert get_plugins().get("moe", "chunked").plugin.dist == "megaseq-moe-chunked"
+
+
+def test_listing_the_plugin_does_not_import_torch() -> None:
+    code = "import sys, megaseq_moe.plugin; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"top_k": 9}, "top_k (9) must be <= n_experts (8)"),
+        ({"chunk_tokens": 0}, "chunk_tokens"),
+        ({"swiglu_limit": -1.0}, "swiglu_limit"),
+        ({"bias_update_rate": -0.1}, "bias_update_rate"),
+        ({"n_expert": 8}, "n_expert"),
+    ],
+)
+def test_config_errors_name_the_problem(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ChunkedMoEConfig(**{**BASE, **overrides})
+
+
+def test_build_and_forward_errors_are_one_line() -> None:
+    with pytest.raises(
+        ValueError, match=r"n_experts \(8\) must be a multiple of the expert-parallel size \(3\)"
+    ):
+        build(ChunkedMoEConfig(**BASE), ModelDims(d_model=D, n_layers=1, vocab_size=8, ep_size=3), 0)
+    sharded = build(
+        ChunkedMoEConfig(**BASE), ModelDims(d_model=D, n_layers=1, vocab_size=8, ep_rank=1, ep_size=2), 0
+    )
+    with pytest.raises(ValueError, match="built for 2 expert-parallel ranks, ctx.ep_group has 1"):
+        sharded(torch.randn(1, 3, D), ForwardContext())
+    with pytest.raises(ValueError, match=r"expert 0 is not on expert-parallel rank 1 \(it holds 4..7\)"):
+        sharded.expert_forward(0, torch.randn(2, D))
+
+
+def test_memory_estimate() -> None:
+    config = ChunkedMoEConfig(**BASE, chunk_tokens=64)
+    dims = ModelDims(d_model=D, n_layers=1, vocab_size=8)
+    module = build(config, dims, 0)
+    est = memory_estimate(config, dims, 1000)
+    param_bytes = sum(p.numel() * 4 for p in module.parameters()) + 4 * config.n_experts
+    assert est.parameters == param_bytes
+    assert (
+        est.saved_per_token == 4 * D + 8 * config.top_k
+    )  # what test_autograd_keeps_only_input_and_indices measures
+    assert memory_estimate(config, dims, 10**6).temporary == est.temporary  # bounded by the chunk
+    unchunked = ChunkedMoEConfig(**BASE, chunk_tokens=None)
+    assert (
+        memory_estimate(unchunked, dims, 2000).temporary
+        > 1.9 * memory_estimate(unchunked, dims, 1000).temporary
+    )
+
+
+def test_bf16_close_to_fp32() -> None:
+    """bf16 weights and activations (the grouped_mm path on CPU) track the fp32 layer to bf16 precision."""
+    module = make(chunk_tokens=5)
+    x = torch.randn(2, 9, D)
+    ctx = ForwardContext(routing=RoutingReplay())
+    ref = module(x, ctx)
+    low = copy.deepcopy(module).bfloat16()
+    out = low(x.bfloat16(), ForwardContext(routing=ctx.routing.replay()))
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() <= 3e-2 * ref.abs().max()
+    xb = x.bfloat16().requires_grad_(True)
+    low(xb, ForwardContext(routing=ctx.routing.replay())).float().square().sum().backward()
+    assert torch.isfinite(xb.grad.float()).all() and all(
+        torch.isfinite(p.grad.float()).all() for p in low.parameters()
+    )
