@@ -150,3 +150,17 @@ def test_bf16_autocast_trains(tmp_path):
     plugins = fresh_plugins()
     result = Trainer(tiny(tmp_path, plugins, steps=2, bf16=True), plugins, progress=False, tensorboard=False).run()
     assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_trainable_patterns_freeze_the_rest(tmp_path):
+    plugins = fresh_plugins()
+    trainer = Trainer(tiny(tmp_path, plugins, steps=1, trainable=["blocks.*.attention.*"]), plugins, progress=False, tensorboard=False)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train_step()
+    for name, p in trainer.model.named_parameters():
+        changed = not torch.equal(before[name], p.detach())
+        assert changed == (name.startswith("blocks.") and ".attention." in name), name
+    from megaseq.errors import UserError
+
+    with pytest.raises(UserError, match=r"train.trainable: '\*.nothing' matches no parameter"):
+        Trainer(tiny(tmp_path, plugins, trainable=["*.nothing"]), plugins, progress=False, tensorboard=False)

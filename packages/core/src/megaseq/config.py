@@ -86,6 +86,9 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0, description="steps between held-out evals during training; 0 = only at the end")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     memory_policies: list[str] = Field([], description="memory policy names applied in order")
+    trainable: list[str] | None = Field(
+        None, description="glob patterns of parameter names to train, the rest frozen (e.g. DSA warm-up: ['*.indexer.*']); None = all"
+    )
 
 
 class EvalConfig(Section):

@@ -7,6 +7,7 @@ only through lifecycle hooks (step start/end, checkpoint save/load) and the forw
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import random
 import sys
@@ -62,6 +63,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def freeze_except(model: torch.nn.Module, patterns: list[str], source: str) -> None:
+    """Train only parameters whose names match one of ``patterns`` (fnmatch globs); freeze the rest."""
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise UserError(f"{source}: train.trainable: {pattern!r} matches no parameter; e.g. {names[:3]}")
+    for name, p in model.named_parameters():
+        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            p.requires_grad_(False)
+
+
 def make_optimizer(model: torch.nn.Module, recipe: Recipe) -> torch.optim.AdamW:
     t = recipe.train
     # weight decay on matrices only: norms, biases and gates keep their scale
@@ -99,6 +111,8 @@ class Trainer:
         ]
         for policy in self.policies:
             policy.apply(self.model)
+        if recipe.train.trainable is not None:
+            freeze_except(self.model, recipe.train.trainable, recipe.source)
         self.optimizer = make_optimizer(self.model, recipe)
         t = recipe.train
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
