@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+
 from megaseq_kda.ops import chunk_kda, kda_transition, naive_recurrent_kda
 from megaseq_kda.ops.chunk import _ChunkLayout, _ChunkRecurrence, _SubchunkDiagonalGrams
 

@@ -71,10 +71,12 @@ def chunk_kda(
 def kda_transition(
     k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The linear part M of the state update, final(S0) = M @ S0 + final(0): ``[N, H, K, K]`` (fp32).
+    """The linear part M of the state update, final(S0) = M @ S0 + final(0): ``[N, H, K, K]`` in fp32.
 
     M = prod_t (I - beta_t k_t k_t^T) Diag(exp(g_t)), later tokens on the left, one per sequence/document.
     """
+    if k.dim() != 4:
+        raise ValueError(f"k must be [B, T, H, K], got shape {tuple(k.shape)}")
     B, T, H, K = k.shape
     n_seqs = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
     identity = torch.eye(K, dtype=compute_dtype(k), device=k.device).expand(n_seqs, H, K, K)
@@ -187,8 +189,12 @@ def _gated_grams(
         first = i * SUBCHUNK
         cols = (k[..., :first, :] * _exp(G_sub[..., i, :1, :] - G[..., :first, :], k.dtype)).transpose(-1, -2)
         right_zeros = (0, CHUNK - first - SUBCHUNK)
-        rows_qk.append(F.pad(torch.cat([q_rows[..., i, :, :] @ cols, diag_qk[..., i, :, :]], -1), right_zeros))
-        rows_kk.append(F.pad(torch.cat([k_rows[..., i, :, :] @ cols, diag_kk[..., i, :, :]], -1), right_zeros))
+        rows_qk.append(
+            F.pad(torch.cat([q_rows[..., i, :, :] @ cols, diag_qk[..., i, :, :]], -1), right_zeros)
+        )
+        rows_kk.append(
+            F.pad(torch.cat([k_rows[..., i, :, :] @ cols, diag_kk[..., i, :, :]], -1), right_zeros)
+        )
     return torch.cat(rows_qk, -2), torch.cat(rows_kk, -2)
 
 
