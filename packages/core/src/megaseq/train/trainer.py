@@ -181,7 +181,7 @@ class Trainer:
             losses.append(loss)
             self.tokens += n_tokens
             for name, value in ctx.losses.items():
-                aux[name] = aux.get(name, 0.0) + float(value) / t.grad_accum
+                aux[name] = aux.get(name, 0.0) + float(value.detach()) / t.grad_accum
             for name, value in ctx.metrics.items():
                 metrics[name] = metrics.get(name, 0.0) + value / t.grad_accum
         params = [p for p in self.model.parameters() if p.grad is not None]
