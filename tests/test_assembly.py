@@ -49,7 +49,7 @@ def hybrid(tmp_path, plugins, **train):
 
 
 def test_shipped_hybrid_recipes_validate(plugins):
-    for name in ("hybrid-cpu.toml", "glm5-flash-1m.toml", "genome-cpu.toml"):
+    for name in ("genome-cpu.toml", "glm5-flash-1m.toml", "genome-sdpa-cpu.toml"):
         load_recipe(REPO / "recipes" / name, plugins)
 
 
