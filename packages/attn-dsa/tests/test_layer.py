@@ -1,10 +1,9 @@
 """The ``dsa`` layer against slow, obviously-correct references built from the same weights.
 
 The reference is MLA written out without absorption (per-head keys W_uk latent and values W_uv latent) and a
-dense masked softmax over a T x T score matrix in float64. Selections come from the ops' ``select_topk`` on the
-indexer outputs recomputed here (its own tests compare it with ``select_topk_reference``; the relu makes exact
-ties at score 0 common in a layer, and ``select_topk`` breaks them towards earlier keys while the reference's
-torch.topk order is unspecified, so the reference cannot stand in for it here).
+dense masked softmax over a T x T score matrix in float64. Selections come from the dense
+``select_topk_reference`` on the indexer outputs recomputed here (it breaks the exact-zero ties relu makes
+towards the earlier key, as the layer's ``select_topk`` does).
 Tolerance: max |layer - reference| <= rtol * max(1, max |reference|), rtol 1e-5 for fp32 layers and 1e-10 for
 float64 layers.
 """
@@ -26,7 +25,7 @@ from megaseq.testing import build_component
 from megaseq.testing.attention import assert_close
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.layer import memory_estimate
-from megaseq_dsa.ops import indexer_scores_reference, select_topk
+from megaseq_dsa.ops import indexer_scores_reference, select_topk_reference
 from megaseq_dsa.ops.indexer import document_starts
 from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,7 +122,7 @@ def test_sparse_mode_attends_to_the_reference_selection(pool: int):
     cu = cumulative([30, 3, 20])
     x = inputs(53, dtype=torch.float64)
     q_idx, k_idx, w = indexer_outputs(m, x)
-    indices = select_topk(q_idx, k_idx, w, 8, cu, pool)
+    indices = select_topk_reference(q_idx, k_idx, w, 8, cu, pool)
     assert (indices >= 0).sum(-1).max() < 30, "the test must leave keys out"
     out, _ = run(m, x, cu)
     assert_close(out, reference_forward(m, x, cu, indices), 1e-10, "layer vs masked dense MLA")
@@ -154,7 +153,7 @@ def test_indexer_loss_equals_dense_reference(mode: str):
     indices = None
     if mode == "sparse":
         q_idx, k_idx, w = indexer_outputs(m, x)
-        indices = select_topk(q_idx, k_idx, w, 8, cu)
+        indices = select_topk_reference(q_idx, k_idx, w, 8, cu)
     expected = coef * reference_kl(m, x, cu, indices)
     expected.backward()
     assert torch.isfinite(loss) and loss > 0
@@ -199,6 +198,56 @@ def test_no_loss_without_gradients_or_with_a_cache():
     ctx = ForwardContext()
     m(x, ctx, m.init_cache(1, device=x.device, dtype=x.dtype))
     assert ctx.losses == {}
+
+
+def test_decode_step_selects_for_the_new_tokens_only(monkeypatch: pytest.MonkeyPatch):
+    """A decoding call scores and attends only its new queries, over the cached keys: selection and attention
+    see Tq = new tokens and Tk = cache + new tokens, so a step costs O(cache length), not O(length^2)."""
+    import megaseq_dsa.layer as layer_module
+
+    calls: list[tuple[str, int, int]] = []
+
+    def recorded(name: str, fn):
+        def wrapper(q, k, *args, **kwargs):
+            calls.append((name, q.shape[1], k.shape[1]))
+            return fn(q, k, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(layer_module, "select_topk", recorded("select", layer_module.select_topk))
+    monkeypatch.setattr(layer_module, "sparse_attention", recorded("attend", layer_module.sparse_attention))
+    m = build(topk=8, index_pool=4, backend="torch")
+    x = inputs(15, batch=2)
+    with torch.no_grad():
+        full, _ = run(m, x)
+        calls.clear()
+        cache = m.init_cache(2, device=x.device, dtype=x.dtype)
+        steps = [m(x[:, :11], ForwardContext(), cache)]
+        steps += [m(x[:, t : t + 2], ForwardContext(), cache) for t in (11, 13)]
+    shapes = [(11, 11), (2, 13), (2, 15)]  # (new tokens, cached + new)
+    assert calls == [(name, new, total) for new, total in shapes for name in ("select", "attend")]
+    assert_close(torch.cat(steps, dim=1), full, 1e-5, "prefill + steps vs full forward")
+
+
+def test_dense_warmup_decode_step_attends_with_the_new_tokens_only(monkeypatch: pytest.MonkeyPatch):
+    calls: list[tuple[int, int]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, v, *args, **kwargs):
+        calls.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    m = build(mode="dense_warmup", rope=True, rope_dim=4)
+    x = inputs(12)
+    with torch.no_grad():
+        full, _ = run(m, x)
+        calls.clear()
+        cache = m.init_cache(1, device=x.device, dtype=x.dtype)
+        steps = [m(x[:, :9], ForwardContext(), cache)]
+        steps += [m(x[:, t : t + 1], ForwardContext(), cache) for t in (9, 10, 11)]
+    assert calls == [(9, 9), (1, 10), (1, 11), (1, 12)]
+    assert_close(torch.cat(steps, dim=1), full, 1e-5, "prefill + steps vs full forward")
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dense_warmup"])

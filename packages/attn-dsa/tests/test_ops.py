@@ -1,8 +1,9 @@
 """The blocked DSA operations against their dense oracles, on random inputs of awkward sizes.
 
 Tolerance for fp32 fast paths: max |fast - oracle| <= 1e-5 * max(1, max |oracle|), oracle in float64.
-Index selections are compared exactly where ties are impossible (positive q/k make every score distinct), and
-otherwise by the multiset of selected scores (relu makes exact-zero ties likely; any of them is a valid pick).
+Index selections are compared exactly: select_topk and select_topk_reference share one tie rule (equal scores
+go to the earlier key), so the exact-zero ties relu makes on normal inputs must be broken identically.
+Keys may outnumber queries (decoding, context parallelism): then each query sits at a given key position.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+
 from megaseq_dsa.ops import (
     indexer_scores_reference,
     select_topk,
@@ -21,7 +23,7 @@ from megaseq_dsa.ops import (
     sparse_attention_reference,
     sparse_attention_with_lse,
 )
-from megaseq_dsa.ops.indexer import SAMPLE_STRIDE
+import megaseq_dsa.ops.indexer as indexer_module
 
 TOL = 1e-5
 SMALL_BLOCKS = {"query_block": 7, "key_block": 5}  # many blocks, none aligned with T, documents or pools
@@ -39,7 +41,6 @@ def indexer_inputs(
     batch: int = 1,
     heads: int = 3,
     dim: int = 8,
-    positive: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
 ):
@@ -47,8 +48,6 @@ def indexer_inputs(
     q = torch.randn(batch, seq_len, heads, dim, generator=gen, dtype=dtype)
     k = torch.randn(batch, seq_len, dim, generator=gen, dtype=dtype)
     w = torch.randn(batch, seq_len, heads, generator=gen, dtype=dtype)
-    if positive:  # relu is the identity and scores are distinct with probability 1
-        q, k = q.abs(), k.abs()
     return q, k, w
 
 
@@ -63,15 +62,6 @@ def row_tokens(row: torch.Tensor) -> list[int]:
     tokens = row[:count].tolist()
     assert tokens == sorted(set(tokens)), "selected tokens must be ascending and distinct"
     return tokens
-
-
-def pooled_scores(q, k, w, start: int, end: int, pool: int) -> torch.Tensor:
-    """Scores of the complete blocks of document [start, end) for its queries: [end - start, n_blocks]."""
-    n_blocks = (end - start) // pool
-    keys = k[0, start : start + n_blocks * pool].reshape(n_blocks, pool, k.shape[-1]).mean(1)
-    return torch.einsum(
-        "thn,th->tn", torch.einsum("thd,nd->thn", q[0, start:end], keys).relu(), w[0, start:end]
-    )
 
 
 # ----------------------------------------------------------------------------------------------- indexer
@@ -102,7 +92,7 @@ def test_indexer_scores_reference_masks_other_documents():
 @pytest.mark.parametrize("pool", [1, 4])
 @pytest.mark.parametrize("seq_len,topk", [(1, 16), (37, 64), (64, 64), (100, 16), (131, 24)])
 def test_select_topk_equals_reference_exactly(seq_len: int, topk: int, pool: int):
-    q, k, w = indexer_inputs(seq_len, batch=2, positive=True)
+    q, k, w = indexer_inputs(seq_len, batch=2)
     fast = select_topk(q, k, w, topk, pool=pool, **SMALL_BLOCKS)
     oracle = select_topk_reference(q, k, w, topk, pool=pool)
     assert fast.dtype == torch.int32 and fast.shape == (2, seq_len, selected_slots(topk, pool))
@@ -111,34 +101,83 @@ def test_select_topk_equals_reference_exactly(seq_len: int, topk: int, pool: int
 
 @pytest.mark.parametrize("pool", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_select_topk_general_inputs_pick_the_best_scores(pool: int, dtype: torch.dtype):
-    """Normal inputs: relu ties at 0 are common, so compare the multiset of selected (block) scores."""
+def test_select_topk_packed_inputs_equal_reference(pool: int, dtype: torch.dtype):
+    """Normal inputs (many exact-zero relu ties), documents, both dtypes: the same rows as the oracle."""
     seq_len, topk, cu = 123, 20, torch.tensor([0, 50, 51, 123])
     q, k, w = indexer_inputs(seq_len, dtype=dtype, seed=1)
     fast = select_topk(q, k, w, topk, cu, pool=pool, **SMALL_BLOCKS)
-    oracle = select_topk_reference(q, k, w, topk, cu, pool=pool)
-    q, k, w = q.double(), k.double(), w.double()
-    for start, end in [(0, 50), (50, 51), (51, 123)]:
-        scores = pooled_scores(q, k, w, start, end, pool)
-        for t in range(start, end):
-            got, want = row_tokens(fast[0, t]), row_tokens(oracle[0, t])
-            assert len(got) == len(want)
-            own_block = start + (t - start) // pool * pool
-            tail = own_block if t - own_block + 1 < pool else t + 1  # first tail token (none: t + 1)
-            # Tail tokens are the same in both; compare the complete blocks by their scores.
-            assert [s for s in got if s >= tail] == [s for s in want if s >= tail]
-            got_blocks = [(s - start) // pool for s in got if s < tail]
-            want_blocks = [(s - start) // pool for s in want if s < tail]
-            got_scores = scores[t - start, sorted(set(got_blocks))].sort().values
-            want_scores = scores[t - start, sorted(set(want_blocks))].sort().values
-            torch.testing.assert_close(got_scores, want_scores, rtol=TOL, atol=TOL)
+    assert torch.equal(fast, select_topk_reference(q, k, w, topk, cu, pool=pool))
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+def test_ties_go_to_the_earlier_key(pool: int):
+    """Every score equal (weights 0): each query keeps its earliest complete blocks, plus its tail."""
+    seq_len, topk = 40, 8
+    q, k, w = indexer_inputs(seq_len)
+    w = torch.zeros_like(w)
+    for select in (select_topk, select_topk_reference):
+        out = select(q, k, w, topk, pool=pool)
+        for t in range(seq_len):
+            tail = t // pool * pool if (t + 1) % pool else t + 1
+            want = list(range(min(topk, tail))) + list(range(tail, t + 1))
+            assert row_tokens(out[0, t]) == want, f"{select.__name__} row {t}"
+
+
+def key_positions(n_keys: int, n_queries: int, batch: int, seed: int) -> torch.Tensor:
+    """Distinct random key positions [B, Tq] per sequence, ascending in row 0 and shuffled in the others."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(n_keys, generator=gen)[:n_queries] for _ in range(batch)]
+    rows[0] = rows[0].sort().values
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+@pytest.mark.parametrize("n_keys,n_queries,topk", [(53, 17, 8), (97, 1, 16), (130, 41, 24), (70, 70, 64)])
+def test_select_topk_keys_longer_than_queries(n_keys: int, n_queries: int, topk: int, pool: int):
+    """Queries at given key positions ([B, Tq] and [Tq]) equal the oracle and the matching rows of the
+    selection for every key position."""
+    q, k, w = indexer_inputs(n_keys, batch=2, seed=n_keys + pool)
+    positions = key_positions(n_keys, n_queries, 2, seed=n_queries)
+    rows = torch.arange(2)[:, None], positions
+    fast = select_topk(q[rows], k, w[rows], topk, pool=pool, query_positions=positions, **SMALL_BLOCKS)
+    assert fast.shape == (2, n_queries, selected_slots(topk, pool))
+    oracle = select_topk_reference(q[rows], k, w[rows], topk, pool=pool, query_positions=positions)
+    assert torch.equal(fast, oracle)
+    assert torch.equal(fast, select_topk(q, k, w, topk, pool=pool)[rows])
+    shared = positions[0]  # one [Tq] for the whole batch
+    fast = select_topk(q[:, shared], k, w[:, shared], topk, pool=pool, query_positions=shared, **SMALL_BLOCKS)
+    want = select_topk_reference(q[:, shared], k, w[:, shared], topk, pool=pool, query_positions=shared)
+    assert torch.equal(fast, want)
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+def test_select_topk_query_positions_with_documents(pool: int):
+    """Zig-zag-like query subsets over packed documents (keys on the whole sequence, cu_seqlens over keys)."""
+    cu = torch.tensor([0, 13, 14, 61, 90])
+    q, k, w = indexer_inputs(90, seed=20 + pool)
+    positions = torch.cat([torch.arange(10, 20), torch.arange(55, 90)])  # two runs, crossing documents
+    fast = select_topk(q[:, positions], k, w[:, positions], 12, cu, pool, positions, **SMALL_BLOCKS)
+    oracle = select_topk_reference(q[:, positions], k, w[:, positions], 12, cu, pool, positions)
+    assert torch.equal(fast, oracle)
+    assert torch.equal(fast, select_topk(q, k, w, 12, cu, pool)[:, positions])
+    decode = select_topk(q[:, 89:], k, w[:, 89:], 12, cu, pool, torch.tensor([89]))  # one new token
+    assert torch.equal(decode, oracle[:, -1:])
+
+
+def test_indexer_scores_reference_at_query_positions():
+    q, k, w = indexer_inputs(30, batch=2)
+    cu, positions = torch.tensor([0, 11, 30]), torch.tensor([3, 10, 11, 29])
+    full = indexer_scores_reference(q[:1], k[:1], w[:1], cu)
+    part = indexer_scores_reference(q[:1, positions], k[:1], w[:1, positions], cu, positions)
+    assert part.shape == (1, 4, 30) and torch.equal(torch.isinf(part), torch.isinf(full[:, positions]))
+    assert_close(part.nan_to_num(neginf=0.0), full[:, positions].nan_to_num(neginf=0.0))
 
 
 @pytest.mark.parametrize("pool", [1, 4])
 def test_select_topk_documents_are_independent(pool: int):
     lengths = [13, 1, 40, 6, 70]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    q, k, w = indexer_inputs(sum(lengths), positive=True, seed=2)
+    q, k, w = indexer_inputs(sum(lengths), seed=2)
     topk = 12
     packed = select_topk(q, k, w, topk, cu, pool=pool, **SMALL_BLOCKS)
     assert torch.equal(packed, select_topk_reference(q, k, w, topk, cu, pool=pool))
@@ -187,19 +226,38 @@ def test_select_topk_pooling_tail_rule_and_slot_count():
         assert len(tokens) <= topk + pool - 1
 
 
-@pytest.mark.parametrize("pool", [1, 4])
-def test_select_topk_exact_when_the_sampled_threshold_misleads(pool: int):
-    """Keys on the sampling stride score far above the rest: the sampled threshold then drops keys that belong
-    to the top-k, and the block must fall back to the exact selection."""
-    seq_len, topk = 300, 32
-    q, k, w = indexer_inputs(seq_len, positive=True, seed=13)
-    w = w.abs()
-    on_stride = torch.arange(seq_len // pool) % SAMPLE_STRIDE == 0
-    k = k * torch.where(on_stride, 10.0, 1.0).repeat_interleave(pool)[:seq_len, None]
-    blocks = {"query_block": 50, "key_block": 64}
-    assert torch.equal(
-        select_topk(q, k, w, topk, pool=pool, **blocks), select_topk_reference(q, k, w, topk, pool=pool)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kth_largest_equals_torch_kthvalue(dtype: torch.dtype):
+    """The CPU selection (numpy) against torch.kthvalue, with ties, zeros of both signs and -inf."""
+    gen = torch.Generator().manual_seed(18)
+    scores = torch.randn(37, 101, generator=gen, dtype=dtype).relu() * torch.randint(
+        -1, 2, (37, 101), generator=gen
     )
+    scores[:, ::7] = float("-inf")
+    for k in (1, 5, 60, 101):
+        want = scores.kthvalue(101 - k + 1, dim=-1, keepdim=True).values
+        assert torch.equal(indexer_module._kth_largest(scores, k), want)
+
+
+def test_flat_positions_at_least_equals_torch_nonzero():
+    gen = torch.Generator().manual_seed(19)
+    values = torch.randn(23, 57, generator=gen).relu()
+    values[3] = float("-inf")
+    bound = torch.randn(23, 1, generator=gen).clamp_min(0)
+    want = (values >= bound).view(-1).nonzero()[:, 0]
+    assert torch.equal(indexer_module._flat_positions_at_least(values, bound), want)
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+def test_select_topk_small_score_blocks(pool: int, monkeypatch: pytest.MonkeyPatch):
+    """A tiny score-block budget shrinks the query blocks (down to one query) without changing the result."""
+    monkeypatch.setattr(indexer_module, "SCORE_BLOCK_BYTES", 8 * 50)
+    n_keys, topk = 90, 12
+    q, k, w = indexer_inputs(n_keys, batch=2, seed=17)
+    positions = torch.arange(20, 90)
+    rows = q[:, positions], k, w[:, positions], topk
+    fast = select_topk(*rows, pool=pool, query_positions=positions, key_block=16)
+    assert torch.equal(fast, select_topk_reference(*rows, pool=pool, query_positions=positions))
 
 
 def test_select_topk_glm_slot_count():
@@ -208,7 +266,7 @@ def test_select_topk_glm_slot_count():
 
 
 def test_select_topk_block_sizes_do_not_change_the_result():
-    q, k, w = indexer_inputs(90, batch=2, positive=True, seed=5)
+    q, k, w = indexer_inputs(90, batch=2, seed=5)
     want = select_topk(q, k, w, 10, pool=4)
     for query_block, key_block in [(1, 1), (90, 90), (16, 33)]:
         got = select_topk(q, k, w, 10, pool=4, query_block=query_block, key_block=key_block)
@@ -230,6 +288,26 @@ def test_select_topk_rejects_bad_arguments(kwargs: dict, message: str):
         select_topk(q, k, w, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "n_queries,n_keys,positions,message",
+    [
+        (3, 6, None, "query_positions is required"),
+        (3, 6, torch.tensor([0, 1, 6]), r"\[0, Tk-1\]"),
+        (3, 6, torch.tensor([-1, 1, 2]), r"\[0, Tk-1\]"),
+        (3, 6, torch.tensor([0, 1]), "query_positions must be"),
+        (3, 6, torch.tensor([[0, 1, 2]] * 3), "query_positions must be"),
+        (3, 6, torch.tensor([0.0, 1.0, 2.0]), "integer"),
+        (6, 3, None, "Tk >= Tq"),
+    ],
+)
+def test_select_topk_rejects_bad_query_positions(
+    n_queries: int, n_keys: int, positions: torch.Tensor | None, message: str
+):
+    q, k, w = indexer_inputs(6, batch=2, dtype=torch.float32)
+    with pytest.raises(ValueError, match=message):
+        select_topk(q[:, :n_queries], k[:, :n_keys], w[:, :n_queries], 4, query_positions=positions)
+
+
 def test_select_topk_rejects_batched_documents():
     q, k, w = indexer_inputs(6, batch=2, dtype=torch.float32)
     with pytest.raises(ValueError, match="batch of 1"):
@@ -249,10 +327,14 @@ def attention_inputs(
     return q, k, v
 
 
-def random_indices(batch: int, seq_len: int, slots: int, seed: int = 0) -> torch.Tensor:
-    """Distinct random keys per row (not causal: the op does not care), ragged -1 padding, empty rows."""
+def random_indices(
+    batch: int, seq_len: int, slots: int, seed: int = 0, n_keys: int | None = None
+) -> torch.Tensor:
+    """Distinct random keys (of n_keys, default seq_len) per query row (not causal: the op does not care),
+    ragged -1 padding, empty rows."""
+    n_keys = n_keys or seq_len
     gen = torch.Generator().manual_seed(seed)
-    rows = torch.stack([torch.randperm(seq_len, generator=gen)[:slots] for _ in range(batch * seq_len)])
+    rows = torch.stack([torch.randperm(n_keys, generator=gen)[:slots] for _ in range(batch * seq_len)])
     counts = torch.randint(0, slots + 1, (batch * seq_len, 1), generator=gen)
     rows = torch.where(torch.arange(slots) < counts, rows, -1)
     rows[0] = -1  # at least one row with nothing selected
@@ -279,6 +361,46 @@ def test_sparse_attention_matches_reference(chunk_size: int | None):
     for got, want in zip(fast, oracle, strict=True):
         assert got.dtype == torch.float32
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("chunk_size", [3, None])
+def test_sparse_attention_keys_longer_than_queries(chunk_size: int | None):
+    n_queries, n_keys, slots = 23, 61, 13
+    q, _, _ = attention_inputs(n_queries, seed=1)
+    _, k, v = attention_inputs(n_keys, seed=2)
+    indices = random_indices(2, n_queries, slots, seed=4, n_keys=n_keys)
+    grad_out = torch.randn(2, n_queries, 3, 12, generator=torch.Generator().manual_seed(5))
+    fast = forward_and_grads(sparse_attention, q, k, v, indices, 0.3, grad_out, chunk_size=chunk_size)
+    oracle = forward_and_grads(
+        sparse_attention_reference, q.double(), k.double(), v.double(), indices, 0.3, grad_out
+    )
+    for got, want in zip(fast, oracle, strict=True):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+def test_query_subset_equals_rows_of_the_whole_sequence(pool: int):
+    """Selection + attention of some queries over all keys (a context-parallel rank, a decoding step) equals
+    the whole-sequence computation at those rows, in outputs and in the gradients their loss gives."""
+    seq_len, topk, cu = 75, 16, torch.tensor([0, 20, 21, 75])
+    positions = torch.cat([torch.arange(9, 18), torch.arange(57, 66)])  # two zig-zag-like segments
+    qi, ki, wi = indexer_inputs(seq_len, dtype=torch.float32, seed=14)
+    q, k, v = attention_inputs(seq_len, batch=1, seed=15)
+    grad_out = torch.randn(1, len(positions), 3, 12, generator=torch.Generator().manual_seed(16))
+    full_indices = select_topk(qi, ki, wi, topk, cu, pool)
+    indices = select_topk(qi[:, positions], ki, wi[:, positions], topk, cu, pool, positions)
+    assert torch.equal(indices, full_indices[:, positions])
+
+    def whole(q, k, v, indices, scale):
+        return sparse_attention(q, k, v, full_indices, scale, chunk_size=8)[:, positions]
+
+    def subset(q, k, v, indices, scale):
+        return sparse_attention(q[:, positions], k, v, indices, scale, chunk_size=8)
+
+    want = forward_and_grads(whole, q, k, v, None, 0.3, grad_out)
+    got = forward_and_grads(subset, q, k, v, indices, 0.3, grad_out)
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
 
 
 def test_sparse_attention_empty_rows_give_zero_and_no_nan():
@@ -358,8 +480,8 @@ def test_sparse_attention_bfloat16_keeps_dtype():
 @pytest.mark.parametrize(
     "indices,message",
     [
-        (torch.full((1, 5, 8), 5, dtype=torch.int32), r"\[-1, T-1\]"),
-        (torch.full((1, 5, 8), -2, dtype=torch.int32), r"\[-1, T-1\]"),
+        (torch.full((1, 5, 8), 5, dtype=torch.int32), r"\[-1, Tk-1\]"),
+        (torch.full((1, 5, 8), -2, dtype=torch.int32), r"\[-1, Tk-1\]"),
         (torch.zeros(1, 5, 8), "integer"),
         (torch.zeros(1, 4, 8, dtype=torch.int32), "indices"),
     ],
@@ -368,3 +490,9 @@ def test_sparse_attention_rejects_bad_indices(indices: torch.Tensor, message: st
     q, k, v = attention_inputs(5, batch=1)
     with pytest.raises(ValueError, match=message):
         sparse_attention(q, k, v, indices, 0.3)
+
+
+def test_sparse_attention_rejects_fewer_keys_than_queries():
+    q, k, v = attention_inputs(5, batch=1)
+    with pytest.raises(ValueError, match="Tk >= Tq"):
+        sparse_attention(q, k[:, :4], v[:, :4], torch.zeros(1, 5, 8, dtype=torch.int32), 0.3)

@@ -1,5 +1,6 @@
 """Context parallelism of the DSA layer on 4 gloo ranks equals one rank: outputs, input gradients, parameter
 gradients (summed over ranks) and the indexer loss (its per-rank shares summed), with the loss in the backward.
+Each rank's selection must run with its local queries only (T / world of them) over the T gathered keys.
 
 All configurations run in one process group, since spawning dominates the cost; the suite's 2-rank test runs
 the plain sparse configuration in test_conformance.py. Tolerance: max abs error <= 1e-5 x max(1, max |ref|).
@@ -42,6 +43,7 @@ def test_four_ranks_equal_one_rank() -> None:
     world = 4
     results = run_gloo(world, context_parallel_cases, cases)
     for case_index, (name, (config, x, grad_out, cu)) in enumerate(zip(CASES, cases, strict=True)):
+        length = x.shape[1]
         layer = build_layer(config, D_MODEL)
         x = x.clone().requires_grad_(True)
         ctx = ForwardContext(cu_seqlens=cu)
@@ -54,6 +56,9 @@ def test_four_ranks_equal_one_rank() -> None:
                 res["out"], zigzag_shard(ref.detach(), rank, world), 1e-5, f"{name} rank {rank} output"
             )
             assert_close(res["x_grad"], zigzag_shard(x.grad, rank, world), 1e-5, f"{name} rank {rank} x grad")
+            # Local queries over the gathered keys: O(T_local x T) selection work per rank.
+            want = [] if config.get("mode") == "dense_warmup" else [(length // world, length)]
+            assert res["selections"] == want, f"{name} rank {rank} selection shapes"
         assert_close(results[0][case_index]["loss"], loss.detach(), 1e-5, f"{name} indexer loss")
         for pname, p in layer.named_parameters():
             assert p.grad is not None, f"{name}: {pname} got no gradient"

@@ -23,20 +23,18 @@ when gradients are enabled and no decoding cache is used; the indexer sees only 
 loss trains the indexer and nothing else, and the main attention's output never depends on the indexer's
 parameters in a differentiable way.
 
-Keys and queries: every path works on the keys of a whole sequence and on queries at known positions in it.
-Plain and packed rows: both are the local tokens. Context parallelism: keys are all-gathered
-(``megaseq_dsa.parallel``), queries are this rank's zig-zag share at their global positions. Decoding: keys
-are the cache plus the new tokens, queries the new tokens. The operations take queries and keys of equal
-length, so queries that are a subset are placed at their positions in a zero tensor of the keys' length
-(rows without a query select nothing) and the results are read back at those positions: exact, at the cost
-of running the operations over the whole key length (see the package README).
+Keys and queries: every path works on the keys of a whole sequence and on queries at known positions in it
+(the operations' ``query_positions``). Plain and packed rows: both are the local tokens. Context parallelism:
+keys are all-gathered (``megaseq_dsa.parallel``), queries are this rank's zig-zag share at their global
+positions, so a rank's work is O(T_local x T). Decoding: keys are the cache plus the new tokens, queries the
+new tokens, so a step costs O(cache length). The dense warm-up attends each run of consecutive query
+positions inside a document to that document's keys up to the run's end (causal aligned to the last key).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +42,12 @@ from megaseq.builtins.sdpa import rotary
 from megaseq.contracts import ForwardContext
 from megaseq.records import MemoryEstimate, ModelDims
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl
 from megaseq_dsa.ops import select_topk, selected_slots, sparse_attention
-from megaseq_dsa.ops.indexer import document_starts
+from megaseq_dsa.ops.indexer import SCORE_BLOCK_BYTES, document_starts
 from megaseq_dsa.parallel import gather_sequence
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -137,7 +136,7 @@ class DeepSeekSparseAttention(nn.Module):
 
         if self.config.mode == "sparse":
             indices = self._select(q_idx, k_idx, idx_weights, query_pos, cu_seqlens)
-            o = self._sparse(q, key, indices, query_pos)
+            o = self._sparse(q, key, indices)
         else:
             indices = None
             o = self._dense(q, key, query_pos, cu_seqlens)
@@ -180,64 +179,80 @@ class DeepSeekSparseAttention(nn.Module):
         self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, query_pos: Tensor, cu_seqlens: Tensor | None
     ) -> Tensor:
         """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice)."""
-        length = k_idx.shape[1]
-        q_idx, weights = _at_positions(q_idx, query_pos, length), _at_positions(weights, query_pos, length)
         topk, pool = self.config.topk, self.config.index_pool
         if self._use_triton(q_idx) and pool == 1:
             from megaseq_dsa.ops.triton import select_topk_triton
 
-            indices = select_topk_triton(q_idx, k_idx, weights, topk, cu_seqlens)
-        else:
-            block = {"query_block": self.config.query_chunk} if self.config.query_chunk else {}
-            indices = select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, **block)
-        return indices[:, query_pos]
+            return select_topk_triton(q_idx, k_idx, weights, topk, cu_seqlens, query_pos)
+        block = {"query_block": self.config.query_chunk} if self.config.query_chunk else {}
+        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_pos, **block)
 
-    def _sparse(self, q: Tensor, key: Tensor, indices: Tensor, query_pos: Tensor) -> Tensor:
+    def _sparse(self, q: Tensor, key: Tensor, indices: Tensor) -> Tensor:
         """Softmax over each query's selected keys: latent outputs [B, Tq, H, kv_lora_rank]."""
-        length = key.shape[1]
-        if q.shape[1] != length:
-            rows = indices.new_full((indices.shape[0], length, indices.shape[2]), -1)
-            indices = rows.index_copy(1, query_pos, indices)
-        q_all = _at_positions(q, query_pos, length)
         value = key[..., : self.config.kv_lora_rank]
         if self._use_triton(q):
             from megaseq_dsa.ops.triton import sparse_attention_triton
 
-            o = sparse_attention_triton(q_all, key, value, indices.to(torch.int32), self.scale)
-        else:
-            o = sparse_attention(q_all, key, value, indices, self.scale, self.config.query_chunk)
-        return o if q.shape[1] == length else o[:, query_pos]
+            return sparse_attention_triton(q, key, value, indices, self.scale)
+        return sparse_attention(q, key, value, indices, self.scale, self.config.query_chunk)
 
     def _dense(self, q: Tensor, key: Tensor, query_pos: Tensor, cu_seqlens: Tensor | None) -> Tensor:
-        """Dense causal attention inside each document: latent outputs [B, Tq, H, kv_lora_rank]."""
-        length = key.shape[1]
-        q_all = _at_positions(q, query_pos, length).transpose(1, 2)  # [B, H, L, D]
-        # Values padded with zeros to the key width: the rotary columns then add nothing, and equal q/k/v widths
-        # let SDPA pick its fused O(L)-memory kernels instead of materialising the L x L scores.
+        """Dense causal attention of each query over its document's keys up to its position: latent outputs
+        [B, Tq, H, kv_lora_rank]. One attention call per run of consecutive query positions in a document."""
+        batch, _, heads, _ = q.shape
+        # Values padded with zeros to the key width: the rotary columns then add nothing, and equal q/k/v
+        # widths let SDPA pick its fused O(L)-memory kernels instead of materialising the L x L scores.
         value = F.pad(key[..., : self.config.kv_lora_rank], (0, self.rope_dim))[:, None]
         key = key[:, None]
-        bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, length]
-        parts = [
-            F.scaled_dot_product_attention(
-                q_all[:, :, s:e],
-                key[:, :, s:e],
-                value[:, :, s:e],
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=True,
+        q = q.transpose(1, 2)  # [B, H, Tq, D]
+        doc_start = document_starts(cu_seqlens, key.shape[2], q.device)
+        block = self.config.query_chunk or max(1, CHUNK_BYTES // (4 * batch * heads * key.shape[2]))
+        parts = []
+        for q0, q1, k0 in _query_runs(query_pos, doc_start):
+            k1 = int(query_pos[q1 - 1]) + 1
+            parts.append(
+                _causal_to_last_key(q[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], self.scale, block)
             )
-            for s, e in pairwise(bounds)
-            if e > s
-        ]
-        o = torch.cat(parts, dim=2).transpose(1, 2)[..., : self.config.kv_lora_rank]
-        return o if q.shape[1] == length else o[:, query_pos]
+        o = torch.cat(parts, dim=2) if parts else q.new_zeros(batch, heads, 0, value.shape[-1])
+        return o.transpose(1, 2)[..., : self.config.kv_lora_rank]
 
 
-def _at_positions(rows: Tensor, positions: Tensor, length: int) -> Tensor:
-    """rows [B, Tq, ...] placed at positions [Tq] of a zero tensor [B, length, ...] (differentiable)."""
-    if rows.shape[1] == length:
-        return rows  # the queries are the whole sequence, in order
-    return rows.new_zeros(rows.shape[0], length, *rows.shape[2:]).index_copy(1, positions, rows)
+def _query_runs(query_pos: Tensor, doc_start: Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive query positions inside one document, as (first query, end query, first key
+    of the document)."""
+    if len(query_pos) == 0:
+        return []
+    query_doc = doc_start[query_pos]
+    breaks = (query_pos[1:] != query_pos[:-1] + 1) | (query_doc[1:] != query_doc[:-1])
+    starts = [0, *(breaks.nonzero()[:, 0] + 1).tolist()]
+    return list(zip(starts, [*starts[1:], len(query_pos)], query_doc[starts].tolist(), strict=True))
+
+
+def _causal_to_last_key(q: Tensor, key: Tensor, value: Tensor, scale: float, block: int) -> Tensor:
+    """q [B, H, n, D] at the last n of m key positions (key, value [B, 1, m, *]): query i sees keys
+    <= m - n + i. n == m is SDPA's own causal mask; otherwise queries go in blocks of `block` with an
+    explicit [block, keys] mask, each block recomputed in backward (checkpoint): no mask or score tile is kept
+    for backward."""
+    n, m = q.shape[2], key.shape[2]
+    if n == m:
+        return F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=True)
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (q, key, value))
+    parts = []
+    for q0 in range(0, n, block):
+        q1 = min(q0 + block, n)
+        args = (q[:, :, q0:q1], key[:, :, : m - n + q1], value[:, :, : m - n + q1], scale)
+        parts.append(
+            checkpoint(_masked_tail, *args, use_reentrant=False) if recompute else _masked_tail(*args)
+        )
+    return torch.cat(parts, dim=2)
+
+
+def _masked_tail(q: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+    """Attention of q [B, H, n, D], the last n of the m key positions, with the causal mask aligned to the
+    last key (query i sees keys <= m - n + i)."""
+    n, m = q.shape[2], key.shape[2]
+    mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def build(config: DSAConfig, dims: ModelDims, layer_idx: int) -> DeepSeekSparseAttention:
@@ -247,8 +262,9 @@ def build(config: DSAConfig, dims: ModelDims, layer_idx: int) -> DeepSeekSparseA
 def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
     """fp32 bytes. Saved per token: the input, c_q, latent and key, queries in latent space (H x key width),
     latent and up-projected outputs, the indexer's queries, key and weights, and the selected indices (int32).
-    Temporary: one chunk of sparse attention's gathered keys/values (its 32 MiB default) or of the indexer
-    loss (CHUNK_BYTES)."""
+    Temporary (the largest of the steps, which run one after another): the selection's score block with its
+    CPU selection copy and mask (~2.5 x SCORE_BLOCK_BYTES), or one chunk of the indexer loss (CHUNK_BYTES);
+    sparse attention's chunk buffers are a few MiB."""
     d, heads, latent = dims.d_model, config.n_heads, config.kv_lora_rank
     rope = config.rope_dim if config.rope else 0
     key_width = latent + rope
@@ -279,5 +295,7 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     if config.mode == "sparse":
         per_token += selected_slots(config.topk, config.index_pool)
     return MemoryEstimate(
-        parameters=4 * parameters, saved_per_token=4 * per_token, temporary=max(32 * 2**20, CHUNK_BYTES)
+        parameters=4 * parameters,
+        saved_per_token=4 * per_token,
+        temporary=max(5 * SCORE_BLOCK_BYTES // 2, CHUNK_BYTES),
     )

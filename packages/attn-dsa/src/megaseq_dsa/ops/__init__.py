@@ -1,6 +1,7 @@
-"""DeepSeek Sparse Attention operations in pure PyTorch: indexer top-k selection and sparse MQA attention.
+"""DeepSeek Sparse Attention operations in PyTorch: indexer top-k selection and sparse MQA attention.
 
-Each fast path has a dense oracle beside it in `reference.py`; `tests/test_ops.py` compares them.
+Each fast path has a dense oracle beside it in `reference.py`; `tests/test_ops.py` compares them. On CPU the
+selection's per-row k-th value and nonzero run in numpy (much faster there than torch's).
 """
 
 from megaseq_dsa.ops.indexer import select_topk, selected_slots

@@ -1,10 +1,11 @@
 """Lightning-indexer scoring fused with a running top-k, in Triton.
 
-One program owns a block of BLOCK_Q query rows of one sequence. It walks the key blocks those rows can see
-(from the first row's document start up to the last row), scores a [BLOCK_Q, BLOCK_K] tile as
-``sum_j w[t, j] * relu(q[t, j] . k[s])`` with a single ``tl.dot`` over all index heads at once
-([BLOCK_Q * heads, D] x [D, BLOCK_K]), and merges the tile into a per-row top-k list kept on chip, so the
-[T, T] score matrix never exists.
+One program owns a block of BLOCK_Q query rows of one sequence; each row sits at a key position (its
+`query_positions` entry: keys may outnumber queries, as in decoding and context parallelism). It walks the
+key blocks those rows can see (from the earliest of their document starts up to the latest position), scores
+a [BLOCK_Q, BLOCK_K] tile as ``sum_j w[t, j] * relu(q[t, j] . k[s])`` with a single ``tl.dot`` over all index
+heads at once ([BLOCK_Q * heads, D] x [D, BLOCK_K]), and merges the tile into a per-row top-k list kept on
+chip, so the [Tq, Tk] score matrix never exists.
 
 Each candidate is packed into one int64 sort key: the score's bits mapped to an order-preserving signed
 int32 in the high word, the key position in the low word. Sorting keys sorts by score, ties go to the
@@ -107,9 +108,11 @@ def _indexer_topk_kernel(
     q_ptr,
     k_ptr,
     w_ptr,
+    pos_ptr,
     doc_start_ptr,
     out_ptr,
-    T,
+    TQ,
+    TK,
     HEADS,
     D,
     TOPK,
@@ -125,8 +128,8 @@ def _indexer_topk_kernel(
     q_start = tl.program_id(0) * BLOCK_Q
     batch = tl.program_id(1).to(tl.int64)
     rows = q_start + tl.arange(0, BLOCK_Q)
-    row_ok = rows < T
-    tokens = batch * T + rows
+    row_ok = rows < TQ
+    tokens = batch * TQ + rows
     heads = tl.arange(0, HEADS_P)
     dims = tl.arange(0, D_P)
 
@@ -136,20 +139,21 @@ def _indexer_topk_kernel(
     q = tl.reshape(q, [BLOCK_Q * HEADS_P, D_P])
     w_mask = row_ok[:, None] & (heads < HEADS)[None, :]
     w = tl.load(w_ptr + tokens[:, None] * HEADS + heads[None, :], mask=w_mask, other=0.0).to(tl.float32)
-    doc_start = tl.load(doc_start_ptr + rows, mask=row_ok, other=0)
+    # Position and document start of each row; padding rows get values that widen no key range.
+    position = tl.load(pos_ptr + tokens, mask=row_ok, other=-1)
+    doc_start = tl.load(doc_start_ptr + tokens, mask=row_ok, other=TK)
 
     best = tl.full([BLOCK_Q, K_LIST], _EMPTY_KEY, tl.int64)
-    # Rows are in order, so the first row has the earliest document start of the block.
-    first_key = (tl.load(doc_start_ptr + q_start) // BLOCK_K) * BLOCK_K
-    end_key = tl.minimum(q_start + BLOCK_Q, T)
+    first_key = (tl.min(doc_start) // BLOCK_K) * BLOCK_K
+    end_key = tl.max(position) + 1
     for key_start in range(first_key, end_key, BLOCK_K):
         cols = key_start + tl.arange(0, BLOCK_K)
-        k_mask = (dims < D)[:, None] & (cols < T)[None, :]
-        k_t = tl.load(k_ptr + (batch * T + cols[None, :]) * D + dims[:, None], mask=k_mask, other=0.0)
+        k_mask = (dims < D)[:, None] & (cols < TK)[None, :]
+        k_t = tl.load(k_ptr + (batch * TK + cols[None, :]) * D + dims[:, None], mask=k_mask, other=0.0)
         per_head = tl.maximum(tl.dot(q, k_t, input_precision="ieee"), 0.0)
         per_head = tl.reshape(per_head, [BLOCK_Q, HEADS_P, BLOCK_K])
         score = tl.sum(per_head * w[:, :, None], axis=1)
-        visible = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= doc_start[:, None]) & row_ok[:, None]
+        visible = (cols[None, :] <= position[:, None]) & (cols[None, :] >= doc_start[:, None])
         tile = tl.where(visible, _pack_score_and_position(score, cols[None, :]), _EMPTY_KEY)
         # Skip the sorts when no row's list minimum can be beaten (the common case once the lists are full).
         can_improve = tl.max(tile, axis=1) > tl.min(best, axis=1)
@@ -157,12 +161,12 @@ def _indexer_topk_kernel(
             best = _merge_into_topk(best, tile, BLOCK_Q, BLOCK_K, LOG_BLOCK_K, K_LIST, LOG_K_LIST)
 
     # Rows are written in ascending position order (the select_topk convention), then -1 padding: sort the
-    # kept positions with empty slots and slots past TOPK mapped to T, which sorts after every position.
+    # kept positions with empty slots and slots past TOPK mapped to TK, which sorts after every position.
     slots = tl.arange(0, K_LIST)
     kept = (best != _EMPTY_KEY) & (slots < TOPK)[None, :]
-    positions = tl.where(kept, 0x7FFFFFFF - (best & 0xFFFFFFFF), T)
+    positions = tl.where(kept, 0x7FFFFFFF - (best & 0xFFFFFFFF), TK)
     positions = _sort_rows_ascending(positions, BLOCK_Q, K_LIST, LOG_K_LIST)
-    positions = tl.where(positions == T, -1, positions)
+    positions = tl.where(positions == TK, -1, positions)
     out_mask = row_ok[:, None] & (slots < TOPK)[None, :]
     tl.store(out_ptr + tokens[:, None] * OUT_WIDTH + slots[None, :], positions.to(tl.int32), mask=out_mask)
 
@@ -173,38 +177,44 @@ def select_topk_triton(
     weights: torch.Tensor,
     topk: int,
     cu_seqlens: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-``topk`` key positions per query by the lightning-indexer score (pool=1 only).
 
-    q_idx [B, T, Hi, D], k_idx [B, T, D], weights [B, T, Hi]; cu_seqlens (int, [docs + 1], needs B == 1)
-    restricts each query to its own document. Returns int32 [B, T, selected_slots(topk)]: the selected
-    positions in ascending order, then -1 padding (the `select_topk` convention); a query with <= topk
-    visible keys gets all of them. Equal scores at the cut are broken towards the earlier position.
+    q_idx [B, Tq, Hi, D], k_idx [B, Tk, D] (Tk >= Tq), weights [B, Tq, Hi]; query_positions int [Tq] or
+    [B, Tq]: each query's key position (default arange(Tq), needs Tk == Tq); cu_seqlens (int, [docs + 1] on
+    the key axis, needs B == 1) restricts each query to its own document. Returns int32
+    [B, Tq, selected_slots(topk)]: the selected positions in ascending order, then -1 padding (the
+    `select_topk` convention); a query with <= topk visible keys gets all of them. Equal scores at the cut
+    are broken towards the earlier position, as in `select_topk`.
     """
-    check_index_inputs(q_idx, k_idx, weights, cu_seqlens)
+    positions = check_index_inputs(q_idx, k_idx, weights, cu_seqlens, query_positions)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
     if q_idx.dtype != k_idx.dtype:
         raise ValueError(f"q_idx and k_idx must share one dtype, got {q_idx.dtype} and {k_idx.dtype}")
     check_runnable(q_idx)
-    batch, length, heads, dim = q_idx.shape
+    batch, n_queries, heads, dim = q_idx.shape
+    n_keys = k_idx.shape[1]
     out_width = selected_slots(topk)
-    out = torch.full((batch, length, out_width), -1, dtype=torch.int32, device=q_idx.device)
-    if length == 0:
+    out = torch.full((batch, n_queries, out_width), -1, dtype=torch.int32, device=q_idx.device)
+    if n_queries == 0:
         return out
-    doc_start = document_starts(cu_seqlens, length, q_idx.device).to(torch.int32)
+    doc_start = document_starts(cu_seqlens, n_keys, q_idx.device)[positions].to(torch.int32)
     heads_p = triton.next_power_of_2(heads)
     # BLOCK_Q * heads_p rows feed tl.dot: 64 (or heads_p when larger), above the dot's minimum of 16.
     block_q = max(1, 64 // heads_p)
     k_list = max(BLOCK_K, triton.next_power_of_2(topk))
-    grid = (triton.cdiv(length, block_q), batch)
+    grid = (triton.cdiv(n_queries, block_q), batch)
     _indexer_topk_kernel[grid](
         q_idx.contiguous(),
         k_idx.contiguous(),
         weights.contiguous(),
+        positions.to(torch.int32),
         doc_start,
         out,
-        length,
+        n_queries,
+        n_keys,
         heads,
         dim,
         topk,

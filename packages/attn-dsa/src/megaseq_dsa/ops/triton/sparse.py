@@ -68,7 +68,8 @@ def _sparse_attention_fwd_kernel(
     o_ptr,
     lse_ptr,
     scale,
-    T,
+    TQ,
+    TK,
     SLOTS,
     HEADS: tl.constexpr,
     D: tl.constexpr,
@@ -79,7 +80,7 @@ def _sparse_attention_fwd_kernel(
     BLOCK_D: tl.constexpr,
 ):
     batch = tl.program_id(1).to(tl.int64)
-    token = batch * T + tl.program_id(0)
+    token = batch * TQ + tl.program_id(0)
     heads = tl.arange(0, HEADS_P)
     head_ok = heads < HEADS
     dv = tl.arange(0, DV_P)
@@ -91,8 +92,8 @@ def _sparse_attention_fwd_kernel(
     for slot_start in range(0, SLOTS, BLOCK_S):
         slots = slot_start + tl.arange(0, BLOCK_S)
         idx = tl.load(idx_ptr + token * SLOTS + slots, mask=slots < SLOTS, other=-1)
-        valid = (idx >= 0) & (idx < T)
-        rows = batch * T + tl.where(valid, idx, 0)
+        valid = (idx >= 0) & (idx < TK)
+        rows = batch * TK + tl.where(valid, idx, 0)
         scores = _gather_scores(
             q_ptr, k_ptr, token, heads, head_ok, rows, valid, D, BLOCK_D, HEADS, HEADS_P, BLOCK_S
         )
@@ -131,7 +132,8 @@ def _sparse_attention_bwd_kernel(
     dk_ptr,
     dv_ptr,
     scale,
-    T,
+    TQ,
+    TK,
     SLOTS,
     HEADS: tl.constexpr,
     D: tl.constexpr,
@@ -142,7 +144,7 @@ def _sparse_attention_bwd_kernel(
     BLOCK_D: tl.constexpr,
 ):
     batch = tl.program_id(1).to(tl.int64)
-    token = batch * T + tl.program_id(0)
+    token = batch * TQ + tl.program_id(0)
     heads = tl.arange(0, HEADS_P)
     head_ok = heads < HEADS
     dv = tl.arange(0, DV_P)
@@ -157,8 +159,8 @@ def _sparse_attention_bwd_kernel(
     for slot_start in range(0, SLOTS, BLOCK_S):
         slots = slot_start + tl.arange(0, BLOCK_S)
         idx = tl.load(idx_ptr + token * SLOTS + slots, mask=slots < SLOTS, other=-1)
-        valid = (idx >= 0) & (idx < T)
-        rows = batch * T + tl.where(valid, idx, 0)
+        valid = (idx >= 0) & (idx < TK)
+        rows = batch * TK + tl.where(valid, idx, 0)
         scores = _gather_scores(
             q_ptr, k_ptr, token, heads, head_ok, rows, valid, D, BLOCK_D, HEADS, HEADS_P, BLOCK_S
         )
@@ -220,6 +222,7 @@ class SparseAttentionTriton(torch.autograd.Function):
                 lse,
                 scale,
                 length,
+                k.shape[1],
                 indices.shape[2],
                 num_warps=NUM_WARPS,
                 **_launch_config(q, v),
@@ -249,6 +252,7 @@ class SparseAttentionTriton(torch.autograd.Function):
                 d_v,
                 ctx.scale,
                 length,
+                k.shape[1],
                 indices.shape[2],
                 num_warps=NUM_WARPS,
                 **_launch_config(q, v),
@@ -261,23 +265,27 @@ def sparse_attention_triton(
 ) -> torch.Tensor:
     """Softmax attention of each query over its selected positions only (MQA: heads share K/V rows).
 
-    q [B, T, H, D], k [B, T, D], v [B, T, Dv], indices int32 [B, T, S] (-1 = empty slot). Returns
-    [B, T, H, Dv]; a row without a valid index returns zeros. Differentiable in q, k and v.
+    q [B, Tq, H, D], k [B, Tk, D], v [B, Tk, Dv] (Tk >= Tq), indices int32 [B, Tq, S] into the keys (-1 =
+    empty slot). Returns [B, Tq, H, Dv]; a row without a valid index returns zeros. Differentiable in q, k, v.
     """
     if q.dim() != 4 or k.dim() != 3 or v.dim() != 3 or indices.dim() != 3:
         raise ValueError(
-            f"expected q [B,T,H,D], k [B,T,D], v [B,T,Dv], indices [B,T,S]; got {tuple(q.shape)}, "
+            f"expected q [B,Tq,H,D], k [B,Tk,D], v [B,Tk,Dv], indices [B,Tq,S]; got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(indices.shape)}"
         )
-    batch, length, _, dim = q.shape
+    batch, n_queries, _, dim = q.shape
+    n_keys = k.shape[1]
     if (
-        k.shape != (batch, length, dim)
-        or v.shape[:2] != (batch, length)
-        or indices.shape[:2] != (batch, length)
+        k.shape[0] != batch
+        or k.shape[2] != dim
+        or n_keys < n_queries
+        or v.shape[:2] != (batch, n_keys)
+        or indices.shape[:2] != (batch, n_queries)
     ):
         raise ValueError(
-            f"k must be {(batch, length, dim)} and v, indices must start with {(batch, length)}; got "
-            f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(indices.shape)}"
+            f"k must be [B, Tk, D] with B = {batch}, D = {dim}, Tk >= Tq = {n_queries}; v must start with "
+            f"(B, Tk) and indices with {(batch, n_queries)}; got {tuple(k.shape)}, {tuple(v.shape)}, "
+            f"{tuple(indices.shape)}"
         )
     if indices.dtype != torch.int32:
         raise ValueError(f"indices must be int32, got {indices.dtype}")
