@@ -49,6 +49,7 @@ test-isolated: $(ISO)/.installed
 	done
 
 test-integration: setup
+	$(VENV)/bin/ruff check packages examples tests benchmarks
 	$(VENV)/bin/python -m pytest tests $(addsuffix /tests,$(EXAMPLES))
 
 lint: setup

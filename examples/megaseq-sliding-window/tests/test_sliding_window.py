@@ -10,13 +10,14 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
 from megaseq.testing import build_component, fresh_plugins
 from megaseq.testing.attention import AttentionConformance, assert_close
 from megaseq_sliding_window.config import SlidingWindowConfig
 from megaseq_sliding_window.layer import SlidingWindowAttention, rope
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # --------------------------------------------------------------------------------------------- conformance
 

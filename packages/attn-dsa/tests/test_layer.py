@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from megaseq.builtins.sdpa import rotary
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
@@ -27,8 +30,6 @@ from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.layer import memory_estimate
 from megaseq_dsa.ops import indexer_scores_reference, select_topk_reference
 from megaseq_dsa.ops.indexer import document_starts
-from pydantic import ValidationError
-from torch.utils._python_dispatch import TorchDispatchMode
 
 SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}
 D_MODEL = 16

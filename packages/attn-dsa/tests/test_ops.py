@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import megaseq_dsa.ops.indexer as indexer_module
 from megaseq_dsa.ops import (
     indexer_scores_reference,
     select_topk,
@@ -23,7 +24,6 @@ from megaseq_dsa.ops import (
     sparse_attention_reference,
     sparse_attention_with_lse,
 )
-import megaseq_dsa.ops.indexer as indexer_module
 
 TOL = 1e-5
 SMALL_BLOCKS = {"query_block": 7, "key_block": 5}  # many blocks, none aligned with T, documents or pools

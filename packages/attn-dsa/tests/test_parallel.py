@@ -9,6 +9,7 @@ the plain sparse configuration in test_conformance.py. Tolerance: max abs error 
 from __future__ import annotations
 
 import torch
+
 from megaseq.contracts import ForwardContext
 from megaseq.parallel import zigzag_shard
 from megaseq.testing.attention import assert_close

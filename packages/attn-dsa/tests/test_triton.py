@@ -24,6 +24,7 @@ _INTERPRET = {} if ON_CUDA else {"TRITON_INTERPRET": "1"}
 _saved_env = {name: os.environ.get(name) for name in _INTERPRET}
 os.environ.update(_INTERPRET)
 import triton  # noqa: E402
+
 from megaseq_dsa.ops import (  # noqa: E402
     select_topk_reference,
     selected_slots,

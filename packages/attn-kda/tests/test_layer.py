@@ -24,6 +24,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
+
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.records import ModelDims
 from megaseq.testing.attention import assert_close
@@ -32,7 +34,6 @@ from megaseq_kda.config import KDAConfig
 from megaseq_kda.layer import causal_conv, memory_estimate
 from megaseq_kda.ops import chunk_kda, naive_recurrent_kda
 from megaseq_kda.testing import build_layer
-from pydantic import ValidationError
 
 D_MODEL = 24
 SMALL = {"n_heads": 2, "head_dim": 8}

@@ -9,6 +9,7 @@ Tolerance: max abs error <= 1e-5 x max(1, max |reference|) (``assert_close`` of 
 from __future__ import annotations
 
 import torch
+
 from megaseq.contracts import ForwardContext
 from megaseq.parallel import zigzag_shard
 from megaseq.testing.attention import assert_close

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from megaseq.data import (
     DATASETS,
     DataError,

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from megaseq.data import GenomeWindows, encode, tokenized
 from megaseq.eval import MarkovBaseline, PositionLoss, markov
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from megaseq.eval import PositionLoss, bucket_edges, format_table, plot_positions
 
 

@@ -125,7 +125,7 @@ class TensorSizes(TorchDispatchMode):
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, Tensor)]
         return out

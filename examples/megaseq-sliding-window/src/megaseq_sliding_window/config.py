@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from megaseq.records import ComponentConfig
 from pydantic import Field
+
+from megaseq.records import ComponentConfig
 
 
 class SlidingWindowConfig(ComponentConfig):

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megaseq.contracts import ContextParallel, ForwardContext
-from megaseq.records import MemoryEstimate, ModelDims
 from torch import Tensor, nn
 
+from megaseq.contracts import ContextParallel, ForwardContext
+from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_sliding_window.config import SlidingWindowConfig
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from megaseq.records import ComponentConfig
 from pydantic import Field, model_validator
+
+from megaseq.records import ComponentConfig
 
 
 class DSAConfig(ComponentConfig):

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megaseq.builtins.sdpa import rotary
-from megaseq.contracts import ForwardContext
-from megaseq.records import MemoryEstimate, ModelDims
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from megaseq.builtins.sdpa import rotary
+from megaseq.contracts import ForwardContext
+from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl
 from megaseq_dsa.ops import select_topk, selected_slots, sparse_attention

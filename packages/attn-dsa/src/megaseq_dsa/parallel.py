@@ -10,9 +10,10 @@ ranks whose queries used it, returns to the rank that owns the token.
 from __future__ import annotations
 
 import torch.distributed.nn.functional as dist_fn
+from torch import Tensor
+
 from megaseq.contracts import ContextParallel
 from megaseq.parallel import zigzag_unshard
-from torch import Tensor
 
 
 def gather_sequence(local: Tensor, cp: ContextParallel) -> Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from megaseq.hookspecs import hookimpl
 from megaseq.records import AttentionSpec
-
 from megaseq_dsa.config import DSAConfig
 
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
+
+import megaseq_dsa.layer
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
 from megaseq.testing import build_component
-from torch import Tensor, nn
-
-import megaseq_dsa.layer
 
 
 def build_layer(config: dict[str, Any], d_model: int, seed: int = 0) -> nn.Module:

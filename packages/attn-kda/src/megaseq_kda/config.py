@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from megaseq.records import ComponentConfig
 from pydantic import Field
+
+from megaseq.records import ComponentConfig
 
 
 class KDAConfig(ComponentConfig):

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megaseq.contracts import ForwardContext
-from megaseq.records import MemoryEstimate, ModelDims
 from torch import Tensor, nn
 
+from megaseq.contracts import ForwardContext
+from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_kda import backends
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.ops import naive_recurrent_kda

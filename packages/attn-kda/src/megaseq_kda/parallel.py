@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.nn.functional as dist_fn
-from megaseq.contracts import ContextParallel
 from torch import Tensor
 
+from megaseq.contracts import ContextParallel
 from megaseq_kda.backends import KDAOp
 
 

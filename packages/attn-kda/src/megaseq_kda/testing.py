@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
-from torch import Tensor
-
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.layer import KimiDeltaAttention, build
 

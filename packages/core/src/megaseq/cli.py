@@ -13,7 +13,7 @@ from megaseq.errors import UserError
 
 
 def _one_line_warnings() -> None:
-    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings API
+    def show(message, category, filename, lineno, file=None, line=None):
         print(f"megaseq: warning: {message}", file=sys.stderr)
 
     warnings.showwarning = show

@@ -9,6 +9,7 @@ and flash-attn installed, plain and packed rows use flash-attn (varlen for packe
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -96,16 +97,16 @@ class SDPAttention(nn.Module):
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
         if q.shape[0] != 1:
             raise ValueError(f"sdpa: packed rows (cu_seqlens) need batch size 1, got {q.shape[0]}")
-        bounds = cu_seqlens.tolist()
-        pos = torch.cat([torch.arange(e - s, device=q.device) for s, e in zip(bounds[:-1], bounds[1:])])
+        docs = list(itertools.pairwise(cu_seqlens.tolist()))
+        pos = torch.cat([torch.arange(e - s, device=q.device) for s, e in docs])
         q, k = self._rope(q, pos), self._rope(k, pos)
         if q.is_cuda and HAS_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16):
             from flash_attn import flash_attn_varlen_func
 
             cu = cu_seqlens.to(torch.int32)
-            longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+            longest = max(e - s for s, e in docs)
             return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, longest, longest, causal=True)[None]
-        parts = [self._causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+        parts = [self._causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in docs if e > s]
         return torch.cat(parts, dim=1)
 
     def _decode(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache) -> Tensor:

@@ -7,6 +7,7 @@ must agree to ``rtol`` times the reference's largest magnitude (fp32 default 1e-
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, ClassVar
 
 import pytest
@@ -92,7 +93,7 @@ class AttentionConformance:
         packed_grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
         module.zero_grad()
         xs = x.detach().clone().requires_grad_(True)
-        parts = [module(xs[:, s:e], ForwardContext()) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        parts = [module(xs[:, s:e], ForwardContext()) for s, e in itertools.pairwise(cu.tolist())]
         separate = torch.cat(parts, dim=1)
         (separate * grad_out).sum().backward()
         assert_close(packed, separate, self.rtol, "packed output")
