@@ -78,25 +78,27 @@ def indexer_kl(
             k0, k1 = int(doc_start[pos].min()), int(pos.max()) + 1
             key_ids = torch.arange(k0, k1, device=pos.device)
             visible = (key_ids >= doc_start[pos][:, None]) & (key_ids <= pos[:, None])
-            visible = visible.expand(batch, -1, -1)
-            k_idx_rows, key_rows = k_idx[:, k0:k1], key[:, k0:k1]
+            part = checkpoint(
+                _chunk_kl, q_idx[:, c0:c1], k_idx[:, k0:k1], weights[:, c0:c1], q[:, c0:c1], key[:, k0:k1], scale,
+                visible.expand(batch, -1, -1), use_reentrant=False,
+            )
         else:
-            ids = indices[:, c0:c1].long()
-            visible = ids >= 0
-            batch_ids = torch.arange(batch, device=ids.device)[:, None, None]
-            k_idx_rows, key_rows = k_idx[batch_ids, ids.clamp_min(0)], key[batch_ids, ids.clamp_min(0)]
-        total = total + checkpoint(
-            _chunk_kl,
-            q_idx[:, c0:c1],
-            k_idx_rows,
-            weights[:, c0:c1],
-            q[:, c0:c1],
-            key_rows,
-            scale,
-            visible,
-            use_reentrant=False,
-        )
+            # gathering inside the checkpoint keeps the gathered [chunk, S, D] rows out of what backward saves
+            part = checkpoint(
+                _gathered_chunk_kl, q_idx[:, c0:c1], k_idx, weights[:, c0:c1], q[:, c0:c1], key, scale,
+                indices[:, c0:c1], use_reentrant=False,
+            )
+        total = total + part
     return total
+
+
+def _gathered_chunk_kl(
+    q_idx: Tensor, k_idx: Tensor, weights: Tensor, q: Tensor, key: Tensor, scale: float, ids: Tensor
+) -> Tensor:
+    """:func:`_chunk_kl` over the keys ``ids [B, C, S]`` of each query (-1 = padding)."""
+    batch_ids = torch.arange(ids.shape[0], device=ids.device)[:, None, None]
+    safe = ids.long().clamp_min(0)
+    return _chunk_kl(q_idx, k_idx[batch_ids, safe], weights, q, key[batch_ids, safe], scale, ids >= 0)
 
 
 def _chunk_kl(
