@@ -378,3 +378,30 @@ def test_plugin_module_does_not_import_torch():
     code = "import sys, megaseq_dsa.plugin; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_backward_never_keeps_the_selected_keys_per_query():
+    """Autograd must not save gathered [T, slots, latent] rows (the O(L*k*d) trap): what the layer keeps for
+    backward per token stays below one query's gathered latent keys (slots x kv_lora_rank x 4 bytes)."""
+    from megaseq.contracts import ForwardContext
+    from megaseq.records import ModelDims
+    from megaseq.testing import build_component
+
+    config = dict(n_heads=2, head_dim=16, q_lora_rank=32, kv_lora_rank=32, index_heads=2, index_dim=16, topk=64,
+                  query_chunk=16)
+    torch.manual_seed(0)
+    layer = build_component("attention", "dsa", config, ModelDims(64, 2, 5))
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = 1024
+    x = torch.randn(1, tokens, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ctx = ForwardContext()
+        layer(x, ctx)
+    assert ctx.losses, "the indexer loss must be part of the graph for this test to mean anything"
+    per_token = sum(storages.values()) / tokens
+    assert per_token < 64 * 32 * 4, f"{per_token:.0f} bytes saved per token"
