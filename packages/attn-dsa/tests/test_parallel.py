@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from megaseq.contracts import ForwardContext
-from megaseq.parallel import zigzag_shard
-from megaseq.testing.attention import assert_close
+from megaseq.testing.attention import check_context_parallel
 from megaseq.testing.distributed import run_gloo
-from megaseq_dsa.testing import build_layer, context_parallel_cases
+from megaseq_dsa.testing import context_parallel_cases
 
 D_MODEL = 16
 SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}
@@ -43,26 +41,10 @@ def test_four_ranks_equal_one_rank() -> None:
         cases.append((config, x, grad_out, None if cu is None else torch.tensor(cu, dtype=torch.int32)))
     world = 4
     results = run_gloo(world, context_parallel_cases, cases)
-    for case_index, (name, (config, x, grad_out, cu)) in enumerate(zip(CASES, cases, strict=True)):
+    check_context_parallel("dsa", D_MODEL, cases, world, results=results)
+    for case_index, (name, (config, x, _, _)) in enumerate(zip(CASES, cases, strict=True)):
         length = x.shape[1]
-        layer = build_layer(config, D_MODEL)
-        x = x.clone().requires_grad_(True)
-        ctx = ForwardContext(cu_seqlens=cu)
-        ref = layer(x, ctx)
-        loss = ctx.losses["dsa_indexer"]
-        ((ref * grad_out).sum() + loss).backward()
+        # Local queries over the gathered keys: O(T_local x T) selection work per rank.
+        want = [] if config.get("mode") == "dense_warmup" else [(length // world, length)]
         for rank in range(world):
-            res = results[rank][case_index]
-            assert_close(
-                res["out"], zigzag_shard(ref.detach(), rank, world), 1e-5, f"{name} rank {rank} output"
-            )
-            assert_close(res["x_grad"], zigzag_shard(x.grad, rank, world), 1e-5, f"{name} rank {rank} x grad")
-            # Local queries over the gathered keys: O(T_local x T) selection work per rank.
-            want = [] if config.get("mode") == "dense_warmup" else [(length // world, length)]
-            assert res["selections"] == want, f"{name} rank {rank} selection shapes"
-        assert_close(results[0][case_index]["loss"], loss.detach(), 1e-5, f"{name} indexer loss")
-        for pname, p in layer.named_parameters():
-            assert p.grad is not None, f"{name}: {pname} got no gradient"
-            assert_close(
-                results[0][case_index]["param_grads"][pname], p.grad, 1e-5, f"{name} gradient of {pname}"
-            )
+            assert results[rank][case_index]["selections"] == want, f"{name} rank {rank} selection shapes"

@@ -3,19 +3,15 @@
 The cases (one process group for all of them, since spawning dominates the cost) cover what the suite's
 2-rank test does not: batch > 1, document boundaries inside segments, on segment starts and empty documents,
 segments shorter than the convolution's history (the halo then spans several segments), the softplus gate.
-Tolerance: max abs error <= 1e-5 x max(1, max |reference|) (``assert_close`` of the suite).
+Tolerance: max abs error <= 1e-5 x max(1, max |reference|) (the suite's ``check_context_parallel``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megaseq.contracts import ForwardContext
-from megaseq.parallel import zigzag_shard
-from megaseq.testing.attention import assert_close
-from megaseq.testing.distributed import run_gloo
+from megaseq.testing.attention import check_context_parallel
 from megaseq_kda.parallel import segment_documents
-from megaseq_kda.testing import build_layer, context_parallel_cases
 
 D_MODEL = 16
 BOUNDED = {"n_heads": 2, "head_dim": 8}
@@ -38,23 +34,7 @@ def test_four_ranks_equal_one_rank() -> None:
         x = torch.randn(batch, length, D_MODEL, generator=gen)
         grad_out = torch.randn(batch, length, D_MODEL, generator=gen)
         cases.append((config, x, grad_out, None if cu is None else torch.tensor(cu, dtype=torch.int32)))
-    world = 4
-    results = run_gloo(world, context_parallel_cases, cases)
-    for case_index, (name, (config, x, grad_out, cu)) in enumerate(zip(CASES, cases, strict=True)):
-        layer = build_layer(config, D_MODEL)
-        x = x.clone().requires_grad_(True)
-        ref = layer(x, ForwardContext(cu_seqlens=cu))
-        (ref * grad_out).sum().backward()
-        for rank in range(world):
-            res = results[rank][case_index]
-            assert_close(
-                res["out"], zigzag_shard(ref.detach(), rank, world), 1e-5, f"{name} rank {rank} output"
-            )
-            assert_close(res["x_grad"], zigzag_shard(x.grad, rank, world), 1e-5, f"{name} rank {rank} x grad")
-        for pname, p in layer.named_parameters():
-            assert_close(
-                results[0][case_index]["param_grads"][pname], p.grad, 1e-5, f"{name} gradient of {pname}"
-            )
+    check_context_parallel("kda", D_MODEL, cases, world=4)
 
 
 def test_segment_documents() -> None:

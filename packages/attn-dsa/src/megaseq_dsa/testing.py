@@ -7,14 +7,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 import megaseq_dsa.layer
-from megaseq.contracts import ContextParallel, ForwardContext
-from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
 from megaseq.testing import build_component
+from megaseq.testing.attention import cp_rank_step
 
 
 def build_layer(config: dict[str, Any], d_model: int, seed: int = 0) -> nn.Module:
@@ -42,32 +40,11 @@ def recorded_selections() -> Iterator[list[tuple[int, int]]]:
 def context_parallel_cases(
     rank: int, world: int, cases: list[tuple[dict[str, Any], Tensor, Tensor, Tensor | None]]
 ) -> list[dict[str, Any]]:
-    """For each (config, x, grad_out, cu_seqlens): this rank's output and input gradient, and the parameter
-    gradients and indexer loss summed over the group, after backward of ``(out * grad_out).sum() + loss``;
-    and the (queries, keys) of the layer's selection calls."""
+    """Core's per-rank context-parallel step for each (config, x, grad_out, cu_seqlens), plus the
+    (queries, keys) of every selection call the layer made."""
     results = []
     for config, x, grad_out, cu_seqlens in cases:
-        layer = build_layer(config, x.shape[-1])
-        x_local = zigzag_shard(x, rank, world).detach().requires_grad_(True)
-        cp = ContextParallel(group=dist.group.WORLD, rank=rank, world_size=world, seq_len=x.shape[1])
-        ctx = ForwardContext(cu_seqlens=cu_seqlens, cp=cp)
         with recorded_selections() as selections:
-            out = layer(x_local, ctx)
-        loss = ctx.losses["dsa_indexer"]
-        ((out * zigzag_shard(grad_out, rank, world)).sum() + loss).backward()
-        grads = {}
-        for name, p in layer.named_parameters():
-            grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(grads[name])
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        results.append(
-            {
-                "out": out.detach(),
-                "x_grad": x_local.grad,
-                "param_grads": grads,
-                "loss": loss,
-                "selections": selections,
-            }
-        )
+            result = cp_rank_step(build_layer(config, x.shape[-1]), x, grad_out, cu_seqlens, rank, world)
+        results.append({**result, "selections": selections})
     return results

@@ -138,7 +138,8 @@ class Attention(Protocol):
       one token at a time), updates the cache in place, and equals the full forward. Caches are used without
       packing and without context parallelism.
     - Context parallelism: with ``ctx.cp`` the output equals the single-rank output at the local positions,
-      in values and gradients; a component that cannot do this raises a one-line error.
+      in values and gradients; a component that cannot do this raises a one-line error. Auxiliary losses
+      (``ctx.add_loss``) are per-rank shares that add up to the single-rank loss, as gradients do.
     """
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: Any | None = None) -> Tensor: ...

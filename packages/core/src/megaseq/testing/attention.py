@@ -26,23 +26,65 @@ def _build(name: str, config: dict[str, Any], d_model: int, seed: int) -> nn.Mod
     return build_component("attention", name, config, dims).float()
 
 
-def _cp_worker(
-    rank: int, world: int, name: str, config: dict[str, Any], d_model: int, x: Tensor, grad_out: Tensor,
-    cu_seqlens: Tensor | None,
-) -> dict[str, Any]:
+# A context-parallel case: (config, x [B, T, d_model], grad_out [B, T, d_model], cu_seqlens or None).
+CPCase = tuple[dict[str, Any], Tensor, Tensor, Tensor | None]
+
+
+def cp_rank_step(module: nn.Module, x: Tensor, grad_out: Tensor, cu_seqlens: Tensor | None, rank: int, world: int) -> dict[str, Any]:
+    """One rank's forward and backward of ``(out * grad_out).sum() + auxiliary losses`` on its zig-zag share.
+
+    Returns this rank's output and input gradient, and the parameter gradients and auxiliary loss summed over
+    the group (each rank's auxiliary loss is its share: the shares add up to the single-rank loss).
+    """
     import torch.distributed as dist
 
-    module = _build(name, config, d_model, seed=0)
     x_local = zigzag_shard(x, rank, world).detach().requires_grad_(True)
     cp = ContextParallel(group=dist.group.WORLD, rank=rank, world_size=world, seq_len=x.shape[1])
-    out = module(x_local, ForwardContext(cu_seqlens=cu_seqlens, cp=cp))
-    (out * zigzag_shard(grad_out, rank, world)).sum().backward()
+    ctx = ForwardContext(cu_seqlens=cu_seqlens, cp=cp)
+    out = module(x_local, ctx)
+    aux = sum(ctx.losses.values(), torch.zeros(()))
+    ((out * zigzag_shard(grad_out, rank, world)).sum() + aux).backward()
     grads = {}
     for pname, p in module.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g)  # parameter gradients are summed over the context-parallel group
-        grads[pname] = g
-    return {"out": out.detach(), "x_grad": x_local.grad, "param_grads": grads}
+        grads[pname] = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(grads[pname])
+    aux = aux.detach().clone()
+    dist.all_reduce(aux)
+    return {"out": out.detach(), "x_grad": x_local.grad, "param_grads": grads, "aux_loss": aux}
+
+
+def _cp_cases_worker(rank: int, world: int, name: str, d_model: int, cases: list[CPCase]) -> list[dict[str, Any]]:
+    return [cp_rank_step(_build(name, config, d_model, seed=0), x, g, cu, rank, world) for config, x, g, cu in cases]
+
+
+def check_context_parallel(
+    name: str, d_model: int, cases: list[CPCase], world: int, rtol: float = 1e-5,
+    results: list[list[dict[str, Any]]] | None = None,
+) -> list[list[dict[str, Any]]]:
+    """Assert that ``world`` gloo ranks equal one rank for every case: outputs, input gradients, parameter
+    gradients and auxiliary losses. All cases share one process group (spawning dominates a small case's
+    cost). ``results`` (per rank, per case, from :func:`cp_rank_step`) may come from a plugin's own worker
+    that records more; returns them for further checks."""
+    from megaseq.testing.distributed import run_gloo
+
+    results = results or run_gloo(world, _cp_cases_worker, name, d_model, cases)
+    for i, (config, x, grad_out, cu) in enumerate(cases):
+        module = _build(name, config, d_model, seed=0)
+        xr = x.clone().requires_grad_(True)
+        ctx = ForwardContext(cu_seqlens=cu)
+        ref = module(xr, ctx)
+        aux = sum(ctx.losses.values(), torch.zeros(()))
+        ((ref * grad_out).sum() + aux).backward()
+        what = f"{name} case {i}, cp{world}"
+        for rank in range(world):
+            res = results[rank][i]
+            assert_close(res["out"], zigzag_shard(ref.detach(), rank, world), rtol, f"{what} rank {rank} output")
+            assert_close(res["x_grad"], zigzag_shard(xr.grad, rank, world), rtol, f"{what} rank {rank} input grad")
+        assert_close(results[0][i]["aux_loss"], aux.detach(), rtol, f"{what} auxiliary loss")
+        for pname, p in module.named_parameters():
+            if p.grad is not None:
+                assert_close(results[0][i]["param_grads"][pname], p.grad, rtol, f"{what} gradient of {pname}")
+    return results
 
 
 class AttentionConformance:
@@ -129,23 +171,10 @@ class AttentionConformance:
 
     @pytest.mark.parametrize("packed", [False, True], ids=["single-doc", "packed"])
     def test_context_parallel_equals_one_rank(self, packed: bool) -> None:
-        from megaseq.testing.distributed import run_gloo
-
         if not self.cp_world_sizes:
             pytest.skip(f"{self.name} declares no context-parallel support (cp_world_sizes = ())")
         t = self.cp_seq_len
-        x = self.inputs(1, t)
-        grad_out = self.inputs(1, t, seed=3)
         cu = torch.tensor([0, 3, t // 2 + 1, t], dtype=torch.int32) if packed else None
-        module = self.build()
-        xr = x.clone().requires_grad_(True)
-        ref = module(xr, ForwardContext(cu_seqlens=cu))
-        (ref * grad_out).sum().backward()
+        case = (self.config, self.inputs(1, t), self.inputs(1, t, seed=3), cu)
         for world in self.cp_world_sizes:
-            results = run_gloo(world, _cp_worker, self.name, self.config, self.d_model, x, grad_out, cu)
-            for rank, res in enumerate(results):
-                assert_close(res["out"], zigzag_shard(ref.detach(), rank, world), self.rtol, f"cp{world} rank {rank} output")
-                assert_close(res["x_grad"], zigzag_shard(xr.grad, rank, world), self.rtol, f"cp{world} rank {rank} input grad")
-            for n, p in module.named_parameters():
-                if p.grad is not None:
-                    assert_close(results[0]["param_grads"][n], p.grad, self.rtol, f"cp{world} gradient of {n}")
+            check_context_parallel(self.name, self.d_model, [case], world, self.rtol)
