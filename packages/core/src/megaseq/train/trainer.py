@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import json
 import random
 import sys
 import time
@@ -32,6 +31,7 @@ from megaseq.train.checkpoint import (
     latest_checkpoint,
     load_state,
     load_weights,
+    read_meta,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -151,7 +151,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         self.tokens = state["tokens"]
-        self.step = json.loads((path / "meta.json").read_text())["step"]
+        self.step = read_meta(path)["step"]
         self.plugins.hooks.checkpoint_load(self.model, state["plugins"])
         return True
 
@@ -223,7 +223,6 @@ class Trainer:
         print(self.header(), file=sys.stderr)
         losses: list[float] = []
         bar = tqdm(total=t.steps, initial=self.step, disable=not self.progress, desc="train", file=sys.stderr)
-        result_eval = None
         while self.step < t.steps:
             metrics = self.train_step()
             losses.append(metrics["loss"])
