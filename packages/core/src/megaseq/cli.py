@@ -26,7 +26,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     plugins = get_plugins()
     recipe = load_recipe(args.recipe, plugins, args.set)
-    result = Trainer(recipe, plugins, progress=not args.no_progress).run(resume=args.resume)
+    mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
+    result = Trainer(recipe, plugins, progress=not args.no_progress).run(mode)
     assert result.eval is not None
     print(f"\nheld-out {recipe.data.heldout}, {result.eval['windows']} windows of {recipe.data.seq_len} bases "
           f"(bits/base by context position):")
@@ -42,24 +43,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from megaseq.eval.evaluate import evaluate_heldout
     from megaseq.model import build_model
     from megaseq.plugins import get_plugins
-    from megaseq.train.checkpoint import latest_checkpoint, load_weights, read_meta
+    from megaseq.train import checkpoint
     from megaseq.train.trainer import pick_device
 
     path = Path(args.checkpoint)
-    if (path / "checkpoints").is_dir():  # a run directory: take its newest checkpoint
-        path = latest_checkpoint(path / "checkpoints") or path
-    meta = read_meta(path)
+    if (path / "checkpoints").is_dir():  # a run directory: take its newest verified checkpoint
+        found = checkpoint.newest_verified(path / "checkpoints")
+        if found.path is None:
+            raise checkpoint.CheckpointError(f"no usable checkpoint in {path / 'checkpoints'}" + (f": {found.report()}" if found.skipped else ""))
+        if found.report():
+            print(f"megaseq: warning: {found.report()}", file=sys.stderr)
+        path = found.path
+    else:
+        checkpoint.verify(path)
+    meta = checkpoint.read_meta(path)
+    out = Path(args.out) if args.out else default_eval_dir(path)
     plugins = get_plugins()
     recipe = validate_recipe(apply_overrides(meta["recipe"], args.set), plugins, source=f"{path}/meta.json")
     device = pick_device(recipe.run.device)
     model = build_model(recipe, plugins).to(device)
-    load_weights(path, model)
+    checkpoint.load_weights(path, model)
+    print(f"evaluating {path} (step {meta['step']}) on {recipe.data.heldout}; writing {out}", file=sys.stderr)
     with torch.no_grad():
-        result = evaluate_heldout(model, recipe, device, out_dir=path / "eval", baseline=not args.no_baseline)
+        result = evaluate_heldout(model, recipe, device, out_dir=out, baseline=not args.no_baseline, progress=not args.no_progress)
     print(f"step {meta['step']}: held-out {recipe.data.heldout}, {result['windows']} windows of {recipe.data.seq_len} bases")
     print(result["table"])
-    print(f"wrote {path}/eval/heldout.json and heldout_by_position.png")
+    print(f"wrote {out}/heldout.json and heldout_by_position.png")
     return 0
+
+
+def default_eval_dir(checkpoint_dir: Path) -> Path:
+    """``RUN/eval/step_N`` for a checkpoint inside ``RUN/checkpoints``, else ``<checkpoint>-eval`` beside it:
+    never inside the checkpoint, whose files its manifest describes."""
+    if checkpoint_dir.parent.name == "checkpoints":
+        return checkpoint_dir.parent.parent / "eval" / checkpoint_dir.name
+    return checkpoint_dir.with_name(checkpoint_dir.name + "-eval")
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -95,22 +113,47 @@ def cmd_data_list(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_HELP = """Train the model a TOML recipe describes.
+
+Output goes to the run directory, run.out_dir (default runs/{run.name}; set it with --set
+run.out_dir=PATH): metrics.jsonl, tensorboard/, checkpoints/ (train.checkpoint_every, the newest
+train.keep_checkpoints kept) and eval/ (held-out loss by context position, JSON and PNG).
+
+A run directory holds one run: training into one that already holds output is an error unless you pass
+--resume (continue from its newest good checkpoint; the logs are cut back to that step) or --overwrite
+(delete its output and start over). Ctrl-C or SIGTERM saves a checkpoint after the current step; a second
+one stops at once.
+
+data.train and data.heldout are dataset names (megaseq data list) or paths to FASTA files (plain or
+gzip), e.g. --set data.train=/path/genome.fa.gz."""
+
+EVAL_HELP = """Held-out loss by context position of a checkpoint, beside a Markov baseline.
+
+Writes heldout.json and heldout_by_position.png to --out, by default RUN/eval/step_N for a checkpoint in
+RUN/checkpoints (never into the checkpoint directory itself)."""
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megaseq", description="Plugin-based training for million-token sequences.")
     p.add_argument("--version", action="version", version=f"megaseq-core {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+    p.set_defaults(func=missing_command("megaseq", sub))
 
-    t = sub.add_parser("train", help="train a recipe", description="Train the model a TOML recipe describes.")
+    t = sub.add_parser("train", help="train a recipe", description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("recipe", help="path to a TOML recipe, e.g. recipes/genome-cpu.toml")
     t.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run directory")
+    start = t.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
+    start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="evaluate a checkpoint", description="Held-out loss by context position.")
-    e.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    e = sub.add_parser("eval", help="evaluate a checkpoint", description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest good checkpoint)")
     e.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="e.g. eval.windows=128")
+    e.add_argument("--out", metavar="DIR", help="where to write heldout.json and the plot (default: RUN/eval/step_N)")
     e.add_argument("--no-baseline", action="store_true", help="skip the Markov baseline")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
     pl = sub.add_parser("plugins", help="list plugins", description="Installed plugins, their status and components.")
@@ -118,7 +161,8 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plugins)
 
     d = sub.add_parser("data", help="genome datasets", description="Obtain and inspect genome datasets.")
-    dsub = d.add_subparsers(dest="data_command", required=True)
+    dsub = d.add_subparsers(title="commands", metavar="COMMAND")
+    d.set_defaults(func=missing_command("megaseq data", dsub))
     f = dsub.add_parser("fetch", help="download and tokenise a dataset", description="Fetch a dataset into the cache.")
     f.add_argument("name", help="dataset name (see 'megaseq data list')")
     f.add_argument("--cache-dir", help="default: $MEGASEQ_CACHE or ~/.cache/megaseq")
@@ -126,6 +170,17 @@ def parser() -> argparse.ArgumentParser:
     ls = dsub.add_parser("list", help="known datasets", description="List the known datasets.")
     ls.set_defaults(func=cmd_data_list)
     return p
+
+
+def missing_command(prog: str, commands: argparse.Action):
+    """What a command that needs a subcommand does without one: a one-line error naming the choices."""
+
+    def run(args: argparse.Namespace) -> int:
+        where = prog.removeprefix("megaseq").strip()
+        raise UserError(f"{where + ': ' if where else ''}missing command; choose one of: {', '.join(commands.choices)} "
+                        f"(see {prog} --help)")
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"megaseq: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("megaseq: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Interrupted (a signal during training) says what was saved
+        print(f"megaseq: interrupted: {exc}" if str(exc) else "megaseq: interrupted", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
 
 
 if __name__ == "__main__":

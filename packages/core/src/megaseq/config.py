@@ -85,6 +85,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="steps between held-out evals during training; 0 = only at the end")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    keep_checkpoints: int = Field(2, ge=0, description="newest checkpoints kept, older ones deleted; 0 = keep all")
     memory_policies: list[str] = Field([], description="memory policy names applied in order")
     trainable: list[str] | None = Field(
         None, description="glob patterns of parameter names to train, the rest frozen (e.g. DSA warm-up: ['*.indexer.*']); None = all"

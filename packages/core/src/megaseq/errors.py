@@ -11,3 +11,7 @@ class ConfigError(UserError):
 
 class PluginError(UserError):
     """A plugin is missing, broken, incompatible or clashes with another one."""
+
+
+class TrainingDiverged(UserError):
+    """The loss or the gradient became non-finite; the checkpoints on disk are untouched."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext
@@ -39,13 +40,20 @@ def heldout_windows(recipe: Recipe) -> tuple[GenomeWindows, list[int]]:
     return windows, np.linspace(0, len(windows) - 1, n).round().astype(int).tolist()
 
 
+def _batches(indices: list[int], batch_size: int, progress: bool, desc: str) -> tqdm:
+    starts = range(0, len(indices), batch_size)
+    return tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False, file=sys.stderr)
+
+
 @torch.no_grad()
-def score_model(model: LanguageModel, recipe: Recipe, windows: GenomeWindows, indices: list[int], device: torch.device) -> dict:
+def score_model(
+    model: LanguageModel, recipe: Recipe, windows: GenomeWindows, indices: list[int], device: torch.device, progress: bool = False
+) -> dict:
     was_training = model.training
     model.eval()
     acc = PositionLoss(recipe.data.seq_len, recipe.eval.first_bucket)
     bs = recipe.eval.batch_size
-    for start in range(0, len(indices), bs):
+    for start in _batches(indices, bs, progress, "eval model"):
         batch = batch_to(windows.batch(indices[start : start + bs]), device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.train.bf16):
             hidden = model(batch.inputs, ForwardContext())
@@ -70,9 +78,11 @@ def markov_baseline(recipe: Recipe) -> MarkovBaseline:
     return model
 
 
-def score_markov(baseline: MarkovBaseline, recipe: Recipe, windows: GenomeWindows, indices: list[int]) -> dict:
+def score_markov(
+    baseline: MarkovBaseline, recipe: Recipe, windows: GenomeWindows, indices: list[int], progress: bool = False
+) -> dict:
     acc = PositionLoss(recipe.data.seq_len, recipe.eval.first_bucket)
-    for start in range(0, len(indices), recipe.eval.batch_size):
+    for start in _batches(indices, recipe.eval.batch_size, progress, f"eval markov-{baseline.order}"):
         batch = windows.batch(indices[start : start + recipe.eval.batch_size])
         acc.add(baseline.token_losses(batch.inputs, batch.targets), batch.weights)
     return acc.summary()
@@ -90,13 +100,21 @@ def flatten(results: dict[str, dict]) -> dict[str, float]:
 
 
 def evaluate_heldout(
-    model: LanguageModel, recipe: Recipe, device: torch.device, out_dir: Path | None = None, baseline: bool = True
+    model: LanguageModel,
+    recipe: Recipe,
+    device: torch.device,
+    out_dir: Path | None = None,
+    baseline: bool = True,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Score the model (and the Markov baseline) on held-out windows; write JSON + PNG to ``out_dir``."""
+    """Score the model (and the Markov baseline) on held-out windows; write JSON + PNG to ``out_dir``.
+
+    ``progress``: a progress bar per scorer on stderr."""
     windows, indices = heldout_windows(recipe)
-    results = {"model": score_model(model, recipe, windows, indices, device)}
+    results = {"model": score_model(model, recipe, windows, indices, device, progress)}
     if baseline:
-        results[f"markov-{recipe.eval.markov_order}"] = score_markov(markov_baseline(recipe), recipe, windows, indices)
+        markov = markov_baseline(recipe)
+        results[f"markov-{recipe.eval.markov_order}"] = score_markov(markov, recipe, windows, indices, progress)
     table = format_table(results)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,9 @@
-"""Metrics sinks: a JSONL file (one object per logged step) and TensorBoard scalars."""
+"""Metrics sinks: a JSONL file (one object per logged step) and TensorBoard scalars.
+
+Both append. A resumed run first cuts ``metrics.jsonl`` back to its checkpoint's step
+(``megaseq.train.rundir.truncate_metrics``) and passes ``purge_step`` = that step + 1, which TensorBoard
+records so that readers drop the older events from that step on: each step is shown once.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +22,14 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool = True, purge_step: int | None = None) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (out_dir / "metrics.jsonl").open("a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
