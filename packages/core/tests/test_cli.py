@@ -64,4 +64,27 @@ def test_train_then_eval_checkpoint(tmp_path, monkeypatch):
     proc = subprocess.run([sys.executable, "-m", "megaseq.cli", "eval", str(tmp_path / "run"), "--set", "eval.windows=2"],
                           capture_output=True, text=True, timeout=300, env={**__import__("os").environ, **env_cache})
     assert proc.returncode == 0, proc.stderr
-    assert "step 2:" in proc.stdout and (tmp_path / "run" / "checkpoints" / "step_0000002" / "eval" / "heldout.json").exists()
+    out = tmp_path / "run" / "eval" / "step_0000002"
+    assert "step 2:" in proc.stdout and f"wrote {out}/heldout.json" in proc.stdout
+    assert (out / "heldout.json").exists() and (out / "heldout_by_position.png").exists()
+    # it says where it writes before the work starts, shows progress, and leaves the checkpoint as it was
+    assert f"writing {out}" in proc.stderr and "eval model" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step_0000002").iterdir()) == [
+        "manifest.json", "meta.json", "model.safetensors", "state.pt"]
+
+
+def test_help_says_where_output_goes_and_what_data_may_be(capsys):
+    for args in (["train", "--help"], ["eval", "--help"]):
+        with pytest.raises(SystemExit):
+            main(args)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "run.out_dir (default runs/{run.name}" in text and "metrics.jsonl, tensorboard/, checkpoints/" in text
+    assert "paths to FASTA files" in text and "--resume" in text and "--overwrite" in text
+    assert "RUN/eval/step_N" in text and "never into the checkpoint directory" in text
+
+
+@pytest.mark.parametrize(("args", "choices"), [([], "train, eval, plugins, data"), (["data"], "fetch, list")])
+def test_a_missing_subcommand_is_one_line_naming_the_choices(args, choices, capsys):
+    assert main(args) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"missing command; choose one of: {choices}" in line and "data_command" not in line

@@ -54,6 +54,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if found.report():
             print(f"megaseq: warning: {found.report()}", file=sys.stderr)
         path = found.path
+    elif not (path / "meta.json").exists():
+        raise checkpoint.CheckpointError(f"{path}: not a megaseq checkpoint or run directory (no meta.json, no checkpoints/)")
     else:
         checkpoint.verify(path)
     meta = checkpoint.read_meta(path)

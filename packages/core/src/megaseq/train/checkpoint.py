@@ -169,7 +169,7 @@ def verify(path: Path) -> dict[str, Any]:
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
             raise ValueError
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MANIFEST} (an interrupted save, or made by megaseq before 0.1.0)") from None
+        raise CheckpointError(f"{path}: no {MANIFEST} (the save was interrupted, or an older megaseq wrote it)") from None
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path}: {MANIFEST} is unreadable") from None
     for name, expected in files.items():
