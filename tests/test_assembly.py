@@ -59,6 +59,8 @@ def test_hybrid_trains_logs_plugin_metrics_and_resumes(tmp_path, plugins):
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in losses)
     first = losses[0]
     assert "aux/dsa_indexer" in first, sorted(first)
+    # each quantity once: the indexer's KL is the aux loss (coef 1), not also a metric of its own
+    assert not [k for k in first if k != "aux/dsa_indexer" and first[k] == first["aux/dsa_indexer"]], first
     assert any(k.startswith("moe/") for k in first), sorted(first)
 
     a = Trainer(hybrid(tmp_path / "b", plugins), plugins, progress=False, tensorboard=False)

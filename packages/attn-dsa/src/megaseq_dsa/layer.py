@@ -156,8 +156,8 @@ class DeepSeekSparseAttention(nn.Module):
             )
             # Divided by the global token count: the context-parallel ranks' shares add up to the one-rank mean.
             tokens = b * (ctx.cp.seq_len if ctx.cp is not None else t)
+            # The trainer logs it as aux/dsa_indexer; a separate KL metric would repeat that number.
             ctx.add_loss("dsa_indexer", self.config.indexer_loss_coef * kl / tokens)
-            ctx.log("dsa_indexer_kl", kl.detach() / (b * t))
         o = torch.einsum("bthc,hcd->bthd", o, self.v_up)
         return self.out(o.reshape(b, t, -1))
 
