@@ -1,43 +1,58 @@
 # The two commands (see README.md):  make train   and   make test
-# Needs Python 3.11 with pip and venv; everything else is installed here (torch 2.13.0 CPU from pip).
+# Needs Python 3.11 with pip and venv; everything else is installed into .venv here.
+#
+# TORCH=cpu (default) installs the CPU-only torch build, TORCH=cuda the CUDA build: see tools/install_torch.py
+# (PyPI's torch for Linux is the CUDA build, so the CPU one is asked for explicitly). Switching reinstalls torch.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
+TORCH ?= cpu
+TORCH_VERSION := 2.13.0
 VENV := .venv
 ISO := .venv-isolated
 PACKAGES := packages/core packages/attn-kda packages/attn-dsa packages/moe-chunked
 PLUGINS := $(filter-out packages/core,$(PACKAGES))
 EXAMPLES := examples/megaseq-sliding-window
 RECIPE ?= recipes/genome-cpu.toml
+# make train continues the run in runs/<name> when there is one; TRAIN_FLAGS=--overwrite starts it over
+TRAIN_FLAGS ?= --resume
+
+ifeq ($(filter $(TORCH),cpu cuda),)
+$(error TORCH=$(TORCH): use TORCH=cpu (the default) or TORCH=cuda)
+endif
 
 .PHONY: setup train test test-isolated test-integration lint clean
 
-# A venv with pip new enough for dependency groups, the CPU torch wheel, and every workspace package editable.
-$(VENV)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES) $(EXAMPLES))
+# A venv with pip new enough for dependency groups, the chosen torch build (before the packages, so that
+# their torch requirement is already met), and every workspace package editable. One stamp per build.
+$(VENV)/.installed-$(TORCH): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES) $(EXAMPLES)) tools/install_torch.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q "pip>=25.1"
-	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VENV)/bin/python tools/install_torch.py $(TORCH) $(TORCH_VERSION)
 	$(VENV)/bin/python -m pip install -q --group dev $(addprefix -e ,$(PACKAGES) $(EXAMPLES))
+	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-$(TORCH)
 
 # Main job: fetch chr20 + chrX (Debian packages, no root needed), train the default recipe, print the
 # held-out loss by context position next to the Markov baseline.
 train: setup
 	$(VENV)/bin/megaseq data fetch grch37-chr20
 	$(VENV)/bin/megaseq data fetch grch37-chrX
-	$(VENV)/bin/megaseq train $(RECIPE)
+	$(VENV)/bin/megaseq train $(RECIPE) $(TRAIN_FLAGS)
 
 # Every test. Each package's tests run in an environment holding only core and that package, so a plugin
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
 test: test-isolated test-integration
 
-$(ISO)/.installed: pyproject.toml packages/core/pyproject.toml
+# The isolated environment shares the full venv's third-party packages (torch, triton, pytest, ...) through
+# hard links (tools/link_venv.py), never its megaseq packages: it costs megabytes, not a second 2.2 GB venv.
+$(ISO)/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml tools/link_venv.py
 	rm -rf $(ISO)
-	$(PYTHON) -m venv $(ISO)
-	$(ISO)/bin/python -m pip install -q "pip>=25.1"
-	$(ISO)/bin/python -m pip install -q torch==2.13.0
-	$(ISO)/bin/python -m pip install -q --group dev -e packages/core
+	$(PYTHON) -m venv --without-pip $(ISO)
+	$(VENV)/bin/python tools/link_venv.py $(VENV) $(ISO)
+	$(ISO)/bin/python -m pip install -q --no-deps -e packages/core
+	$(ISO)/bin/python -m pip check
 	touch $@
 
 test-isolated: $(ISO)/.installed
@@ -49,11 +64,11 @@ test-isolated: $(ISO)/.installed
 	done
 
 test-integration: setup
-	$(VENV)/bin/ruff check packages examples tests benchmarks
+	$(VENV)/bin/ruff check packages examples tests benchmarks tools
 	$(VENV)/bin/python -m pytest tests $(addsuffix /tests,$(EXAMPLES))
 
 lint: setup
-	$(VENV)/bin/ruff check packages examples tests benchmarks
+	$(VENV)/bin/ruff check packages examples tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) $(ISO) runs
