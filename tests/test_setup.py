@@ -115,3 +115,12 @@ def test_the_isolated_environment_has_torch_and_no_megaseq_package(tmp_path):
     assert out == "True True [] []"
     torch_init = next(iso.glob("lib/python*/site-packages/torch/__init__.py"))
     assert torch_init.stat().st_ino == next(venv.glob("lib/python*/site-packages/torch/__init__.py")).stat().st_ino
+
+
+def test_readme_says_what_the_set_up_needs_and_how_to_use_the_venv():
+    text = " ".join((REPO / "README.md").read_text().split())
+    assert "source .venv/bin/activate" in text and ".venv/bin/megaseq" in text
+    assert "apt-get download" in text and "dpkg-deb" in text
+    assert "~/.cache/megaseq" in text and "MEGASEQ_CACHE" in text and "175 MB" in text
+    assert "TORCH=cuda" in text and ".venv-isolated" in text
+    assert "nothing else" not in text
