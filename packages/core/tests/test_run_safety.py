@@ -166,15 +166,22 @@ def test_changed_hyperparameters_are_reported_and_used(run, capsys):
     assert lr5 == pytest.approx(0.001 * lr_factor(4, 2, 6, 0.1))  # tiny.toml: warmup 2, default min_lr_ratio
 
 
-def test_interrupted_save_leftovers_are_removed_and_old_checkpoints_pruned(run, capsys):
+def test_leftovers_of_an_interrupted_save_are_removed(run, capsys):
     leftover = run / "checkpoints" / ".tmp-step_0000005"
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"partial")
     capsys.readouterr()
-    assert train(run, "--resume", "--set", "train.keep_checkpoints=2", steps=8, every=1) == 0
+    assert train(run, "--resume", steps=5) == 0
     assert not leftover.exists()
     assert f"removed {leftover.name}, left by an interrupted save" in capsys.readouterr().err
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000007", "step_0000008"]
+
+
+def test_old_checkpoints_are_pruned(tmp_path):
+    run = tmp_path / "run"
+    assert train(run, "--set", "train.keep_checkpoints=2", steps=4, every=1) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000003", "step_0000004"]
+    assert train(run, "--overwrite", steps=4, every=1) == 0  # default: the newest 2 as well
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000003", "step_0000004"]
 
 
 @pytest.mark.parametrize(
@@ -191,14 +198,14 @@ def test_bad_heldout_data_fails_before_training(tmp_path, capsys, content, messa
     fasta.write_text(content)
     run = tmp_path / "run"
     assert train(run, "--set", f"data.heldout={fasta}") == 2
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists(), "it trained first"
     (line,) = error_lines(capsys.readouterr().err)
     assert "data.heldout" in line and message in line
-    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
 
 
 def test_non_finite_weights_stop_in_one_line(run, capsys):
     from megaseq.config import load_recipe
-    from megaseq.errors import TrainingDiverged
+    from megaseq.errors import UserError
     from megaseq.plugins import get_plugins
     from megaseq.train.trainer import Trainer
 
@@ -207,7 +214,7 @@ def test_non_finite_weights_stop_in_one_line(run, capsys):
     trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
     with torch.no_grad():
         trainer.model.embed.weight[0, 0] = float("nan")
-    with pytest.raises(TrainingDiverged, match=r"^step 1: loss nan, gradient norm nan: training diverged"):
+    with pytest.raises(UserError, match=r"^step 1: loss nan, gradient norm nan: training diverged"):
         trainer.train_step()
     # the same weights in a checkpoint: resuming from it is one line, exit 2, before any step
     trainer.step = 5
