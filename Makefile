@@ -25,7 +25,7 @@ endif
 # A venv with pip new enough for dependency groups, the chosen torch build (before the packages, so that
 # their torch requirement is already met), and every workspace package editable. One stamp per build.
 $(VENV)/.installed-$(TORCH): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES) $(EXAMPLES)) tools/install_torch.py
-	$(PYTHON) -m venv $(VENV)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q "pip>=25.1"
 	$(VENV)/bin/python tools/install_torch.py $(TORCH) $(TORCH_VERSION)
 	$(VENV)/bin/python -m pip install -q --group dev $(addprefix -e ,$(PACKAGES) $(EXAMPLES))
