@@ -81,16 +81,24 @@ def test_newest_verified_skips_damaged_and_says_why(tmp_path):
 def test_several_writers_share_one_manifest(tmp_path):
     """The per-rank layout a sharded checkpoint uses: every writer stages its files, one commit publishes."""
     staged = checkpoint.staging_dir(tmp_path, 5)
+    described = {}
     for rank in range(2):
         torch.save({"rank": rank}, staged / f"optimizer.rank{rank}.pt")
         (staged / "experts").mkdir(exist_ok=True)
         torch.save({"w": torch.ones(rank + 1)}, staged / "experts" / f"rank{rank}.pt")
-    path = checkpoint.commit(tmp_path, 5, {"recipe": {}})
+        if rank == 1:  # this rank hashes its own files; the committing rank hashes the rest
+            described |= checkpoint.file_entries(staged, ["optimizer.rank1.pt", "experts/rank1.pt"])
+    path = checkpoint.commit(tmp_path, 5, {"recipe": {}}, described)
     files = checkpoint.verify(path)["files"]
     assert set(files) == {"meta.json", "optimizer.rank0.pt", "optimizer.rank1.pt", "experts/rank0.pt", "experts/rank1.pt"}
     (path / "experts" / "rank1.pt").unlink()
     with pytest.raises(CheckpointError, match="experts/rank1.pt is missing"):
         checkpoint.verify(path)
+    # a rank that described a file it never wrote cannot publish a checkpoint without it
+    staged = checkpoint.staging_dir(tmp_path, 6)
+    torch.save({}, staged / "optimizer.rank0.pt")
+    with pytest.raises(CheckpointError, match="described files were never written: optimizer.rank1.pt"):
+        checkpoint.commit(tmp_path, 6, {}, {"optimizer.rank1.pt": {"bytes": 1, "sha256": "0"}})
 
 
 def test_prune_keeps_the_newest_and_leftovers_are_removed(tmp_path):

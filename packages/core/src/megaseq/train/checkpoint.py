@@ -22,9 +22,12 @@ returns the first whose files all match the manifest, with one line per newer ch
 
 Several files per rank. The manifest lists whatever files the staging directory holds, so a sharded
 checkpoint (``model.rank3.safetensors``, ``optimizer.rank3.pt``, ...) follows the same rules: every rank
-writes its files into ``staging_dir(root, step)``, and after a barrier one rank calls :func:`commit`.
+writes its files into ``staging_dir(root, step)`` (and may describe them with :func:`file_entries`, so that
+hashing runs on every rank at once), and after a barrier one rank calls :func:`commit` with the gathered
+descriptions.
 
-API: :func:`save_checkpoint` (one process), :func:`staging_dir` + :func:`commit` (several writers),
+API: :func:`save_checkpoint` (one process), :func:`staging_dir` + :func:`file_entries` + :func:`commit`
+(several writers),
 :func:`load_for_resume` (all the checks a resume needs, then the weights), :func:`verify`, :func:`newest_verified`, :func:`set_aside`, :func:`read_meta`, :func:`load_weights`,
 :func:`load_state`, :func:`load_optimizer`, :func:`recipe_changes`, :func:`prune`, :func:`remove_leftovers`,
 and the RNG helpers :func:`rng_state` / :func:`set_rng_state`.
@@ -95,19 +98,31 @@ def staging_dir(root: Path, step: int) -> Path:
     return path
 
 
-def commit(root: Path, step: int, meta: dict[str, Any]) -> Path:
+def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Manifest entries (size, SHA-256) of the files ``names`` in ``directory``.
+
+    With several writers, each can describe its own files (hashing in parallel) and pass the gathered
+    entries to :func:`commit`.
+    """
+    return {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)} for name in names}
+
+
+def commit(root: Path, step: int, meta: dict[str, Any], described: dict[str, dict[str, Any]] | None = None) -> Path:
     """Publish the staged files of ``step``: write ``meta.json``, the manifest (last), rename, point ``latest``.
 
-    An existing checkpoint of the same step is replaced. Returns the published directory.
+    Every staged file is in the manifest: those in ``described`` (from :func:`file_entries`) as given, the
+    others hashed here. An existing checkpoint of the same step is replaced. Returns the published directory.
     """
     staged = root / f"{STAGING_PREFIX}{step_name(step)}"
     meta = {"step": step, "megaseq_version": __version__, "time": time.time(), **meta}
     (staged / "meta.json").write_text(json.dumps(meta, indent=2))
-    files = {
-        str(p.relative_to(staged)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(staged.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
+    described = described or {}
+    names = sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file() and p.name != MANIFEST)
+    missing = sorted(set(described) - set(names))
+    if missing:
+        raise CheckpointError(f"{staged}: described files were never written: {', '.join(missing)}")
+    files = {**file_entries(staged, [n for n in names if n not in described]), **described}
+    files = {name: files[name] for name in names}
     manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
     _write_atomic(staged / MANIFEST, json.dumps(manifest, indent=2))
     final = root / step_name(step)
@@ -391,6 +406,7 @@ __all__ = [
     "Resumed",
     "checkpoints",
     "commit",
+    "file_entries",
     "load_for_resume",
     "load_optimizer",
     "load_state",
