@@ -21,11 +21,13 @@ import torch
 from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megaseq import backends as core_backends
 from megaseq.builtins.sdpa import rotary
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
 from megaseq.testing import build_component
 from megaseq.testing.attention import assert_close
+from megaseq_dsa.backends import BACKENDS
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.layer import memory_estimate
 from megaseq_dsa.ops import indexer_scores_reference, select_topk_reference
@@ -203,7 +205,7 @@ def test_no_loss_without_gradients_or_with_a_cache():
 def test_decode_step_selects_for_the_new_tokens_only(monkeypatch: pytest.MonkeyPatch):
     """A decoding call scores and attends only its new queries, over the cached keys: selection and attention
     see Tq = new tokens and Tk = cache + new tokens, so a step costs O(cache length), not O(length^2)."""
-    import megaseq_dsa.layer as layer_module
+    import megaseq_dsa.ops as ops_module
 
     calls: list[tuple[str, int, int]] = []
 
@@ -214,8 +216,8 @@ def test_decode_step_selects_for_the_new_tokens_only(monkeypatch: pytest.MonkeyP
 
         return wrapper
 
-    monkeypatch.setattr(layer_module, "select_topk", recorded("select", layer_module.select_topk))
-    monkeypatch.setattr(layer_module, "sparse_attention", recorded("attend", layer_module.sparse_attention))
+    monkeypatch.setattr(ops_module, "select_topk", recorded("select", ops_module.select_topk))
+    monkeypatch.setattr(ops_module, "sparse_attention", recorded("attend", ops_module.sparse_attention))
     m = build(topk=8, index_pool=4, backend="torch")
     x = inputs(15, batch=2)
     with torch.no_grad():
@@ -337,15 +339,23 @@ TRITON_SCRIPT = textwrap.dedent(
     from megaseq.testing import build_component
     from megaseq.testing.attention import assert_close
 
+    import megaseq_dsa.ops.indexer
+
     small = {"n_heads": 2, "head_dim": 8, "q_lora_rank": 8, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8,
-             "topk": 4}
+             "topk": 4, "index_pool": 2}
     dims = ModelDims(d_model=16, n_layers=2, vocab_size=8)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(1, 13, 16, generator=torch.Generator().manual_seed(1)).to(device)
     cu = torch.tensor([0, 9, 13], dtype=torch.int32, device=device)
     results = []
+    torch_select_block = megaseq_dsa.ops.indexer._select_block
+
+    def no_torch_selection(*args):
+        raise AssertionError("backend 'triton' ran the torch selection")
+
     for backend in ("triton", "torch"):
         torch.manual_seed(0)
+        megaseq_dsa.ops.indexer._select_block = no_torch_selection if backend == "triton" else torch_select_block
         m = build_component("attention", "dsa", {**small, "backend": backend}, dims).to(device)
         xr = x.clone().requires_grad_(True)
         ctx = ForwardContext(cu_seqlens=cu)
@@ -363,14 +373,29 @@ TRITON_SCRIPT = textwrap.dedent(
 
 
 def test_triton_backend_equals_torch_backend():
-    """The layer with backend='triton' equals backend='torch' in fp32: on CUDA when present, else with the
-    kernels in the Triton CPU interpreter (a subprocess, so TRITON_INTERPRET is set before triton is imported)."""
+    """The layer with backend='triton' equals backend='torch' in fp32, with key pooling, and never runs the torch
+    selection: on CUDA when present, else with the kernels in the Triton CPU interpreter (a subprocess, so
+    TRITON_INTERPRET is set before triton is imported)."""
     pytest.importorskip("triton")
     env = {**os.environ} if torch.cuda.is_available() else {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_backend_choice_is_never_a_silent_fallback(monkeypatch: pytest.MonkeyPatch):
+    assert BACKENDS.names == DSAConfig.model_fields["backend"].annotation.__args__
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(core_backends, "is_installed", lambda module: False)
+    with pytest.raises(ValueError, match=r"backend 'triton' needs triton, which is not installed \(pip install"):
+        build(backend="triton")
+    monkeypatch.setattr(core_backends, "is_installed", lambda module: True)
+    m = build(backend="triton", index_pool=4)
+    with pytest.raises(ValueError, match="backend 'triton' needs cuda tensors, got cpu; backends that run there"):
+        m(inputs(8), ForwardContext())
+    assert BACKENDS.select("auto", torch.device("cuda")).name == "triton"
+    assert BACKENDS.select("auto", torch.device("cpu")).name == "torch"
 
 
 def test_plugin_module_does_not_import_torch():

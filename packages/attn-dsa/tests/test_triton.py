@@ -122,7 +122,7 @@ def test_select_topk_keys_longer_than_queries(topk: int) -> None:
     positions = torch.cat([torch.arange(70, 100), torch.arange(180, 200)])
     q_rows, w_rows = q_idx[:, positions], weights[:, positions]
     got = select_topk_triton(
-        q_rows.to(DEVICE), k_idx.to(DEVICE), w_rows.to(DEVICE), topk, RAGGED, positions.to(DEVICE)
+        q_rows.to(DEVICE), k_idx.to(DEVICE), w_rows.to(DEVICE), topk, RAGGED, query_positions=positions.to(DEVICE)
     )
     assert_same_selection(got, select_topk_reference(q_rows, k_idx, w_rows, topk, RAGGED, 1, positions))
 
@@ -138,6 +138,27 @@ def test_select_topk_keys_longer_than_queries(topk: int) -> None:
     )
     expected = select_topk_reference(q_idx[rows], k_idx, weights[rows], topk, query_positions=positions)
     assert_same_selection(got, expected)
+
+
+@pytest.mark.parametrize("pool", [2, 4])
+def test_pooled_select_topk_matches_reference(pool: int) -> None:
+    # Documents of 83 (not a multiple of the pool: a 3-token tail), 1 (a tail only) and 116 tokens; topk 16
+    # keeps 16 // pool blocks, fewer than most rows see, so the cut, relu's exact-zero ties, the own-tail
+    # block and the -1 padding of short rows all occur. Then queries at chosen key positions (a zig-zag share
+    # and decoding steps), one of them completing its block (no tail).
+    q_idx, k_idx, weights = indexer_inputs(1, 200, heads=3, dim=20, seed=pool)
+    got = select_topk_triton(q_idx.to(DEVICE), k_idx.to(DEVICE), weights.to(DEVICE), 16, RAGGED, pool)
+    expected = select_topk_reference(q_idx, k_idx, weights, 16, RAGGED, pool)
+    assert got.shape == (1, 200, selected_slots(16, pool))
+    assert (expected == -1).any() and ((expected >= 0).sum(-1) % pool).bool().any()  # padding and tails
+    assert_same_selection(got, expected)
+
+    positions = torch.cat([torch.arange(60, 84), torch.tensor([87, 199])])
+    q_rows, w_rows = q_idx[:, positions], weights[:, positions]
+    got = select_topk_triton(
+        q_rows.to(DEVICE), k_idx.to(DEVICE), w_rows.to(DEVICE), 16, RAGGED, pool, positions.to(DEVICE)
+    )
+    assert_same_selection(got, select_topk_reference(q_rows, k_idx, w_rows, 16, RAGGED, pool, positions))
 
 
 def test_select_topk_rejects_bad_inputs() -> None:

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
 
+from megaseq import backends as core_backends
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.records import ModelDims
 from megaseq.testing.attention import assert_close
-from megaseq_kda import backends
+from megaseq_kda.backends import BACKENDS
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.layer import causal_conv, memory_estimate
 from megaseq_kda.ops import chunk_kda, naive_recurrent_kda
@@ -81,22 +82,23 @@ def test_causal_conv_restarts_at_documents() -> None:
     assert_close(causal_conv(x, weight, zeros, position_in_doc), separate, 1e-6, "packed convolution")
 
 
-def test_auto_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert backends.resolve("auto", torch.device("cpu")) == "chunk"
+def test_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert BACKENDS.names == KDAConfig.model_fields["backend"].annotation.__args__
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert BACKENDS.select("auto", torch.device("cpu")).name == "chunk"
     cuda = torch.device("cuda")
     for installed, expected in [({"triton", "fla"}, "triton"), ({"fla"}, "fla"), (set(), "chunk")]:
-        monkeypatch.setattr(backends, "is_installed", lambda module, installed=installed: module in installed)
-        assert backends.resolve("auto", cuda) == expected
-    assert backends.resolve("naive", cuda) == "naive"
-    assert backends.kda_op("chunk", torch.device("cpu")) is chunk_kda
-    assert backends.kda_op("naive", torch.device("cpu")) is naive_recurrent_kda
+        monkeypatch.setattr(core_backends, "is_installed", lambda module, installed=installed: module in installed)
+        assert BACKENDS.select("auto", cuda).name == expected
+    assert BACKENDS.load("chunk", torch.device("cpu")) is chunk_kda
+    assert BACKENDS.load("naive", cuda) is naive_recurrent_kda
 
 
 @pytest.mark.parametrize(("backend", "package"), [("triton", "triton"), ("fla", "fla-core")])
 def test_missing_backend_package_is_a_one_line_error(
     monkeypatch: pytest.MonkeyPatch, backend: str, package: str
 ) -> None:
-    monkeypatch.setattr(backends, "is_installed", lambda module: False)
+    monkeypatch.setattr(core_backends, "is_installed", lambda module: False)
     with pytest.raises(ValueError, match=f"backend '{backend}' needs .*{package}") as err:
         build_layer({**SMALL, "backend": backend}, D_MODEL)
     assert "\n" not in str(err.value)
@@ -104,10 +106,10 @@ def test_missing_backend_package_is_a_one_line_error(
 
 @pytest.mark.parametrize("backend", ["triton", "fla"])
 def test_gpu_backend_on_cpu_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
-    monkeypatch.setattr(backends, "is_installed", lambda module: True)
+    monkeypatch.setattr(core_backends, "is_installed", lambda module: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     layer = build_layer({**SMALL, "backend": backend}, D_MODEL)
-    with pytest.raises(ValueError, match=f"backend '{backend}' needs CUDA"):
+    with pytest.raises(ValueError, match=f"backend '{backend}' needs cuda tensors, got cpu"):
         layer(inputs(1, 5, D_MODEL), ForwardContext())
 
 

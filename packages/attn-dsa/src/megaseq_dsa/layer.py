@@ -33,7 +33,6 @@ positions inside a document to that document's keys up to the run's end (causal 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +43,12 @@ from torch.utils.checkpoint import checkpoint
 from megaseq.builtins.sdpa import rotary
 from megaseq.contracts import ForwardContext
 from megaseq.records import MemoryEstimate, ModelDims
+from megaseq_dsa.backends import BACKENDS, DSAOps
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl
-from megaseq_dsa.ops import select_topk, selected_slots, sparse_attention
+from megaseq_dsa.ops import selected_slots
 from megaseq_dsa.ops.indexer import SCORE_BLOCK_BYTES, document_starts
 from megaseq_dsa.parallel import gather_sequence
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -68,11 +66,7 @@ class DSACache:
 class DeepSeekSparseAttention(nn.Module):
     def __init__(self, d_model: int, config: DSAConfig, n_layers: int) -> None:
         super().__init__()
-        if config.backend == "triton" and not HAS_TRITON:
-            raise ValueError(
-                "attention.dsa: backend 'triton' needs triton, which is not installed "
-                "(pip install 'megaseq-attn-dsa[triton]')"
-            )
+        BACKENDS.check(config.backend)
         self.config = config
         heads, head_dim, latent = config.n_heads, config.head_dim, config.kv_lora_rank
         self.rope_dim = config.rope_dim if config.rope else 0
@@ -135,8 +129,9 @@ class DeepSeekSparseAttention(nn.Module):
             query_pos = torch.arange(t, device=x.device)
 
         if self.config.mode == "sparse":
-            indices = self._select(q_idx, k_idx, idx_weights, query_pos, cu_seqlens)
-            o = self._sparse(q, key, indices)
+            ops = BACKENDS.load(self.config.backend, x.device)
+            indices = self._select(ops, q_idx, k_idx, idx_weights, query_pos, cu_seqlens)
+            o = self._sparse(ops, q, key, indices)
         else:
             indices = None
             o = self._dense(q, key, query_pos, cu_seqlens)
@@ -171,30 +166,26 @@ class DeepSeekSparseAttention(nn.Module):
         length = ctx.cp.seq_len if ctx.cp is not None else t
         return pos - document_starts(ctx.cu_seqlens, length, device)[pos]
 
-    def _use_triton(self, x: Tensor) -> bool:
-        return self.config.backend == "triton" or (self.config.backend == "auto" and x.is_cuda and HAS_TRITON)
-
     @torch.no_grad()
     def _select(
-        self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, query_pos: Tensor, cu_seqlens: Tensor | None
+        self,
+        ops: DSAOps,
+        q_idx: Tensor,
+        k_idx: Tensor,
+        weights: Tensor,
+        query_pos: Tensor,
+        cu_seqlens: Tensor | None,
     ) -> Tensor:
         """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice)."""
-        topk, pool = self.config.topk, self.config.index_pool
-        if self._use_triton(q_idx) and pool == 1:
-            from megaseq_dsa.ops.triton import select_topk_triton
+        config = self.config
+        return ops.select_topk(
+            q_idx, k_idx, weights, config.topk, cu_seqlens, config.index_pool, query_pos, config.query_chunk
+        )
 
-            return select_topk_triton(q_idx, k_idx, weights, topk, cu_seqlens, query_pos)
-        block = {"query_block": self.config.query_chunk} if self.config.query_chunk else {}
-        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_pos, **block)
-
-    def _sparse(self, q: Tensor, key: Tensor, indices: Tensor) -> Tensor:
+    def _sparse(self, ops: DSAOps, q: Tensor, key: Tensor, indices: Tensor) -> Tensor:
         """Softmax over each query's selected keys: latent outputs [B, Tq, H, kv_lora_rank]."""
         value = key[..., : self.config.kv_lora_rank]
-        if self._use_triton(q):
-            from megaseq_dsa.ops.triton import sparse_attention_triton
-
-            return sparse_attention_triton(q, key, value, indices, self.scale)
-        return sparse_attention(q, key, value, indices, self.scale, self.config.query_chunk)
+        return ops.sparse_attention(q, key, value, indices, self.scale, self.config.query_chunk)
 
     def _dense(self, q: Tensor, key: Tensor, query_pos: Tensor, cu_seqlens: Tensor | None) -> Tensor:
         """Dense causal attention of each query over its document's keys up to its position: latent outputs

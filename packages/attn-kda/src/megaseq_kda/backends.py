@@ -4,85 +4,61 @@
 - ``naive``: the token-loop oracle (tests only: a Python loop over tokens).
 - ``triton``: this package's Triton kernels (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests).
 - ``fla``: fla-core's ``chunk_kda`` (CUDA only).
-- ``auto``: triton on CUDA when triton is installed, else fla on CUDA when fla-core is installed, else chunk.
+- ``auto``: the first of triton, fla, chunk that is installed and runs on the tensors' device (logged).
 
-Availability of an explicitly requested backend is checked when the layer is built (a missing package); the
-device is checked at each call, because a module can move between devices after it is built.
+The rule is core's (``megaseq.backends``): a requested backend whose package is missing fails when the layer
+is built, one that cannot run on the tensors' device fails at the call; nothing falls back silently.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from megaseq_kda.ops import chunk_kda, naive_recurrent_kda
+from megaseq.backends import Backend, Backends
 
 KDAOp = Callable[..., tuple[Tensor, Tensor | None]]
 
-# backend -> (importable module it needs, what to install)
-_REQUIREMENTS = {
-    "triton": ("triton", "pip install 'megaseq-attn-kda[triton]'"),
-    "fla": ("fla", "pip install fla-core"),
-}
+
+def _chunk() -> KDAOp:
+    from megaseq_kda.ops import chunk_kda
+
+    return chunk_kda
 
 
-def is_installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+def _naive() -> KDAOp:
+    from megaseq_kda.ops import naive_recurrent_kda
+
+    return naive_recurrent_kda
 
 
-def check_available(backend: str) -> None:
-    """Raise a one-line ValueError if ``backend`` needs a package that is not installed."""
-    if backend in _REQUIREMENTS:
-        module, install = _REQUIREMENTS[backend]
-        if not is_installed(module):
-            raise ValueError(
-                f"attention.kda: backend {backend!r} needs {module}, which is not installed ({install})"
-            )
+def _triton() -> KDAOp:
+    from megaseq_kda.ops.triton import chunk_kda_triton
+
+    return chunk_kda_triton
 
 
-def resolve(backend: str, device: torch.device) -> str:
-    """The concrete backend for tensors on ``device``."""
-    if backend != "auto":
-        return backend
-    if device.type == "cuda":
-        for candidate in ("triton", "fla"):
-            if is_installed(_REQUIREMENTS[candidate][0]):
-                return candidate
-    return "chunk"
+def _fla() -> KDAOp:
+    return fla_chunk_kda
 
 
-def kda_op(backend: str, device: torch.device) -> KDAOp:
-    """The KDA function of ``backend`` (after ``resolve``) for tensors on ``device``."""
-    name = resolve(backend, device)
-    if name == "chunk":
-        return chunk_kda
-    if name == "naive":
-        return naive_recurrent_kda
-    check_available(name)
-    if name == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"attention.kda: backend 'triton' needs CUDA tensors (got {device.type}); on CPU use backend "
-                "'chunk' (or set TRITON_INTERPRET=1 before importing triton, for tests)"
-            )
-        from megaseq_kda.ops.triton import chunk_kda_triton
-
-        return chunk_kda_triton
-    if name == "fla":
-        if device.type != "cuda":
-            raise ValueError(
-                f"attention.kda: backend 'fla' needs CUDA tensors (got {device.type}); use 'chunk'"
-            )
-        return _fla_chunk_kda
-    raise ValueError(f"attention.kda: unknown backend {backend!r}; allowed: auto, chunk, naive, triton, fla")
+BACKENDS = Backends(
+    "attention.kda",
+    [
+        Backend("chunk", load=_chunk),
+        Backend("naive", load=_naive),
+        Backend("triton", load=_triton, requires=("triton",), install="pip install 'megaseq-attn-kda[triton]'",
+                devices=("cuda",), interpretable=True),
+        Backend("fla", load=_fla, requires=("fla",), install="pip install fla-core", devices=("cuda",)),
+    ],
+    auto=("triton", "fla", "chunk"),
+)
 
 
-def _fla_chunk_kda(
+def fla_chunk_kda(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -93,21 +69,13 @@ def _fla_chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    """fla-core's ``chunk_kda`` in this package's calling convention."""
+    from fla.ops.kda import chunk_kda
 
     extra: dict[str, Any] = {}
     if cu_seqlens is not None:
         # fla wants the offsets on the device (int64) and reads a CPU copy to plan its chunks
         extra = {"cu_seqlens": cu_seqlens.to(q.device, torch.long), "cu_seqlens_cpu": cu_seqlens.cpu().long()}
-    o, final_state = fla_chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        **extra,
+    return chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state, **extra
     )
-    return o, final_state

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
 from megaseq.records import MemoryEstimate, ModelDims
-from megaseq_kda import backends
+from megaseq_kda.backends import BACKENDS
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.ops import naive_recurrent_kda
 from megaseq_kda.parallel import context_parallel_kda, conv_histories
@@ -72,7 +72,7 @@ def position_in_document(positions: Tensor, cu_seqlens: Tensor) -> Tensor:
 class KimiDeltaAttention(nn.Module):
     def __init__(self, d_model: int, config: KDAConfig, n_layers: int) -> None:
         super().__init__()
-        backends.check_available(config.backend)
+        BACKENDS.check(config.backend)
         self.backend = config.backend
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         self.gate, self.gate_lower_bound = config.gate, config.gate_lower_bound
@@ -137,7 +137,7 @@ class KimiDeltaAttention(nn.Module):
                 f"attention.kda: context parallel input has {x.shape[1]} tokens, expected this rank's two "
                 f"segments of {ctx.cp.segment_len} (seq_len {ctx.cp.seq_len} over {ctx.cp.world_size} ranks)"
             )
-        op = backends.kda_op(self.backend, x.device)
+        op = BACKENDS.load(self.backend, x.device)
         projected = self.qkv_proj(x)
         q, k, v = (
             F.silu(self._convolve(projected, ctx, cache))

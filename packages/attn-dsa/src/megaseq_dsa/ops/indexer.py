@@ -38,6 +38,7 @@ dense causal attention. The work is O(Tq x visible keys): a decoding step costs 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -180,38 +181,15 @@ def select_topk(
     SCORE_BLOCK_BYTES); key_block: keys per scoring tile.
     """
     positions = check_index_inputs(q_idx, k_idx, weights, cu_seqlens, query_positions)
-    if topk < 1 or pool < 1 or topk < pool:
-        raise ValueError(f"need topk >= pool >= 1, got topk={topk}, pool={pool}")
+    check_topk_and_pool(topk, pool)
     if query_block < 1 or key_block < 1:
         raise ValueError(f"query_block and key_block must be >= 1, got {query_block}, {key_block}")
     batch, n_queries, _, _ = q_idx.shape
-    n_keys = k_idx.shape[1]
     device = q_idx.device
     dtype = compute_dtype(q_idx.dtype)
-    key_positions = torch.arange(n_keys, device=device)
-    doc_start = document_starts(cu_seqlens, n_keys, device)
-
-    # Candidate keys are complete blocks of `pool` tokens aligned to the document start (pool=1: every token).
-    doc_end = doc_start.new_full((n_keys,), n_keys)
-    if cu_seqlens is not None:
-        bounds = cu_seqlens.to(device=device, dtype=torch.long)
-        doc_end = bounds[torch.searchsorted(bounds[1:], key_positions, right=True) + 1]
-    is_block_first = ((key_positions - doc_start) % pool == 0) & (key_positions + pool <= doc_end)
-    block_first = key_positions[is_block_first]
-    block_last = block_first + pool - 1
-    if pool == 1:
-        keys = k_idx  # a one-token mean is the key itself: skip a T x D copy
-    else:
-        members = block_first[:, None] + torch.arange(pool, device=device)
-        keys = k_idx[:, members].to(dtype).mean(dim=2)
-    # The query at position t sees the contiguous block range [first_key, last_key] (empty when last < first).
-    query_doc_start = doc_start[positions]
-    first_key = torch.searchsorted(block_first, query_doc_start)
-    last_key = torch.searchsorted(block_last, positions, right=True) - 1
-    # Tail: the tokens of t's own block up to t, unless t completes that block.
-    tail_start = query_doc_start + (positions - query_doc_start) // pool * pool
-    tail_len = positions - tail_start + 1
-    tail_len = tail_len.masked_fill(tail_len == pool, 0)
+    cand = pooled_candidates(k_idx, positions, cu_seqlens, pool, dtype)
+    keys, block_first, first_key, last_key = cand.keys, cand.block_first, cand.first, cand.last
+    tail_start, tail_len = cand.tail_start, cand.tail_len
 
     blocks_kept = topk // pool
     slots = selected_slots(topk, pool)
@@ -239,8 +217,60 @@ def select_topk(
             work,
         )
         tails = tail_start[:, q0:q1], tail_len[:, q0:q1]
-        out[:, q0:q1] = _expand_rows(selected, block_first, pool, *tails, slots)
+        out[:, q0:q1] = expand_rows(selected, block_first, pool, *tails, slots)
     return out
+
+
+def check_topk_and_pool(topk: int, pool: int) -> None:
+    if topk < 1 or pool < 1 or topk < pool:
+        raise ValueError(f"need topk >= pool >= 1, got topk={topk}, pool={pool}")
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What a selection chooses among: complete blocks of ``pool`` keys aligned to their document's start
+    (pool=1: every key), and what each query sees of them.
+
+    ``keys [B, n_blocks, D]``: each block's mean index key (the index keys themselves for pool=1);
+    ``block_first [n_blocks]``: each block's first key position, ascending; the query at position t sees the
+    blocks ``first[b, q] ..= last[b, q]`` (none when last < first): those of its document whose tokens are all
+    <= t. ``tail_start``/``tail_len [B, Tq]``: its own incomplete block up to t (length 0 when t completes
+    its block), always selected.
+    """
+
+    keys: torch.Tensor
+    block_first: torch.Tensor
+    first: torch.Tensor
+    last: torch.Tensor
+    tail_start: torch.Tensor
+    tail_len: torch.Tensor
+
+
+def pooled_candidates(
+    k_idx: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None, pool: int, dtype: torch.dtype
+) -> Candidates:
+    """The candidate blocks of queries at key positions ``positions [B, Tq]`` (means in ``dtype``)."""
+    n_keys, device = k_idx.shape[1], k_idx.device
+    key_positions = torch.arange(n_keys, device=device)
+    doc_start = document_starts(cu_seqlens, n_keys, device)
+    doc_end = doc_start.new_full((n_keys,), n_keys)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.to(device=device, dtype=torch.long)
+        doc_end = bounds[torch.searchsorted(bounds[1:], key_positions, right=True) + 1]
+    is_block_first = ((key_positions - doc_start) % pool == 0) & (key_positions + pool <= doc_end)
+    block_first = key_positions[is_block_first]
+    block_last = block_first + pool - 1
+    if pool == 1:
+        keys = k_idx  # a one-token mean is the key itself: skip a T x D copy
+    else:
+        members = block_first[:, None] + torch.arange(pool, device=device)
+        keys = k_idx[:, members].to(dtype).mean(dim=2)
+    query_doc_start = doc_start[positions]
+    first = torch.searchsorted(block_first, query_doc_start)
+    last = torch.searchsorted(block_last, positions, right=True) - 1
+    tail_start = query_doc_start + (positions - query_doc_start) // pool * pool
+    tail_len = positions - tail_start + 1
+    return Candidates(keys, block_first, first, last, tail_start, tail_len.masked_fill(tail_len == pool, 0))
 
 
 # One query block's scores over all the keys it can see take at most about this many bytes.
@@ -330,7 +360,7 @@ def _flat_positions_at_least(values: torch.Tensor, bound: torch.Tensor) -> torch
     return (values >= bound).view(-1).nonzero()[:, 0]
 
 
-def _expand_rows(
+def expand_rows(
     block_ids: torch.Tensor,
     block_first: torch.Tensor,
     pool: int,

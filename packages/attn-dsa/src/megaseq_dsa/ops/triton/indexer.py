@@ -1,29 +1,40 @@
 """Lightning-indexer scoring fused with a running top-k, in Triton.
 
-One program owns a block of BLOCK_Q query rows of one sequence; each row sits at a key position (its
-`query_positions` entry: keys may outnumber queries, as in decoding and context parallelism). It walks the
-key blocks those rows can see (from the earliest of their document starts up to the latest position), scores
-a [BLOCK_Q, BLOCK_K] tile as ``sum_j w[t, j] * relu(q[t, j] . k[s])`` with a single ``tl.dot`` over all index
-heads at once ([BLOCK_Q * heads, D] x [D, BLOCK_K]), and merges the tile into a per-row top-k list kept on
-chip, so the [Tq, Tk] score matrix never exists.
+The candidates are those of ``megaseq_dsa.ops.indexer.pooled_candidates``: complete blocks of ``pool`` keys
+aligned to their document's start, scored by their mean index key (pool=1: every key, scored by itself).
+Each query row sees a contiguous range of candidates [first, last] (its document's blocks whose tokens are
+all <= its position). One program owns a block of BLOCK_Q query rows of one sequence; it walks the
+candidate blocks those rows can see, scores a [BLOCK_Q, BLOCK_K] tile as ``sum_j w[t, j] * relu(q[t, j] .
+k[c])`` with a single ``tl.dot`` over all index heads at once ([BLOCK_Q * heads, D] x [D, BLOCK_K]), and
+merges the tile into a per-row top-(topk // pool) list kept on chip, so the [Tq, Tk] score matrix never
+exists. The chosen candidates are expanded to their tokens, and the query's own incomplete tail block is
+added, by the torch path's ``expand_rows``: the output convention and the tie rule are ``select_topk``'s.
 
 Each candidate is packed into one int64 sort key: the score's bits mapped to an order-preserving signed
-int32 in the high word, the key position in the low word. Sorting keys sorts by score, ties go to the
-earlier position, and the position travels with its score through the sort. Merging uses the bitonic
-top-k step: the running list (sorted descending) and the new tile (sorted ascending, left-padded with the
-empty key) are combined by an elementwise max, which keeps the best K of both and is bitonic, so one
+int32 in the high word, the candidate index in the low word. Sorting keys sorts by score, ties go to the
+earlier candidate (the earlier key), and the index travels with its score through the sort. Merging uses
+the bitonic top-k step: the running list (sorted descending) and the new tile (sorted ascending, left-padded
+with the empty key) are combined by an elementwise max, which keeps the best of both and is bitonic, so one
 bitonic merge re-sorts it. A tile whose best key cannot beat any row's current list minimum is skipped.
 
-Only pool=1 is implemented here; pooled key selection (pool > 1) is served by the torch path.
-The running list holds max(next_pow2(topk), BLOCK_K) int64 keys per row, so at topk=2048 it is
-BLOCK_Q x 2048 x 8 bytes per program: that is why BLOCK_Q is kept small. GPU speed is unmeasured.
+The running list holds max(next_pow2(topk // pool), BLOCK_K) int64 keys per row (512 at GLM's topk 2048 and
+pool 4), BLOCK_Q x that x 8 bytes per program: that is why BLOCK_Q is kept small. Pooled keys are averaged
+in fp32 and scored in the index queries' dtype (bf16 inputs: the mean is rounded to bf16 first; the torch
+path scores it in fp32). GPU speed is unmeasured.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from megaseq_dsa.ops.indexer import check_index_inputs, document_starts, selected_slots
+from megaseq_dsa.ops.indexer import (
+    check_index_inputs,
+    check_topk_and_pool,
+    compute_dtype,
+    expand_rows,
+    pooled_candidates,
+    selected_slots,
+)
 from megaseq_dsa.ops.triton._launch import check_runnable
 
 # Smaller than every packed (score, position) key, so empty slots sort last. Kernels may only read constexpr
@@ -108,8 +119,8 @@ def _indexer_topk_kernel(
     q_ptr,
     k_ptr,
     w_ptr,
-    pos_ptr,
-    doc_start_ptr,
+    first_ptr,
+    last_ptr,
     out_ptr,
     TQ,
     TK,
@@ -139,13 +150,13 @@ def _indexer_topk_kernel(
     q = tl.reshape(q, [BLOCK_Q * HEADS_P, D_P])
     w_mask = row_ok[:, None] & (heads < HEADS)[None, :]
     w = tl.load(w_ptr + tokens[:, None] * HEADS + heads[None, :], mask=w_mask, other=0.0).to(tl.float32)
-    # Position and document start of each row; padding rows get values that widen no key range.
-    position = tl.load(pos_ptr + tokens, mask=row_ok, other=-1)
-    doc_start = tl.load(doc_start_ptr + tokens, mask=row_ok, other=TK)
+    # The candidate range each row sees; padding rows get an empty range that widens no other.
+    first = tl.load(first_ptr + tokens, mask=row_ok, other=TK)
+    last = tl.load(last_ptr + tokens, mask=row_ok, other=-1)
 
     best = tl.full([BLOCK_Q, K_LIST], _EMPTY_KEY, tl.int64)
-    first_key = (tl.min(doc_start) // BLOCK_K) * BLOCK_K
-    end_key = tl.max(position) + 1
+    first_key = (tl.min(first) // BLOCK_K) * BLOCK_K
+    end_key = tl.max(last) + 1
     for key_start in range(first_key, end_key, BLOCK_K):
         cols = key_start + tl.arange(0, BLOCK_K)
         k_mask = (dims < D)[:, None] & (cols < TK)[None, :]
@@ -153,15 +164,15 @@ def _indexer_topk_kernel(
         per_head = tl.maximum(tl.dot(q, k_t, input_precision="ieee"), 0.0)
         per_head = tl.reshape(per_head, [BLOCK_Q, HEADS_P, BLOCK_K])
         score = tl.sum(per_head * w[:, :, None], axis=1)
-        visible = (cols[None, :] <= position[:, None]) & (cols[None, :] >= doc_start[:, None])
+        visible = (cols[None, :] <= last[:, None]) & (cols[None, :] >= first[:, None])
         tile = tl.where(visible, _pack_score_and_position(score, cols[None, :]), _EMPTY_KEY)
         # Skip the sorts when no row's list minimum can be beaten (the common case once the lists are full).
         can_improve = tl.max(tile, axis=1) > tl.min(best, axis=1)
         if tl.sum(can_improve.to(tl.int32)) > 0:
             best = _merge_into_topk(best, tile, BLOCK_Q, BLOCK_K, LOG_BLOCK_K, K_LIST, LOG_K_LIST)
 
-    # Rows are written in ascending position order (the select_topk convention), then -1 padding: sort the
-    # kept positions with empty slots and slots past TOPK mapped to TK, which sorts after every position.
+    # Rows are written in ascending candidate order, then -1 padding: sort the kept candidates with empty
+    # slots and slots past TOPK mapped to TK, which sorts after every candidate.
     slots = tl.arange(0, K_LIST)
     kept = (best != _EMPTY_KEY) & (slots < TOPK)[None, :]
     positions = tl.where(kept, 0x7FFFFFFF - (best & 0xFFFFFFFF), TK)
@@ -177,55 +188,53 @@ def select_topk_triton(
     weights: torch.Tensor,
     topk: int,
     cu_seqlens: torch.Tensor | None = None,
+    pool: int = 1,
     query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Top-``topk`` key positions per query by the lightning-indexer score (pool=1 only).
+    """``megaseq_dsa.ops.select_topk`` on Triton kernels: same arguments (no block sizes), same output.
 
-    q_idx [B, Tq, Hi, D], k_idx [B, Tk, D] (Tk >= Tq), weights [B, Tq, Hi]; query_positions int [Tq] or
-    [B, Tq]: each query's key position (default arange(Tq), needs Tk == Tq); cu_seqlens (int, [docs + 1] on
-    the key axis, needs B == 1) restricts each query to its own document. Returns int32
-    [B, Tq, selected_slots(topk)]: the selected positions in ascending order, then -1 padding (the
-    `select_topk` convention); a query with <= topk visible keys gets all of them. Equal scores at the cut
-    are broken towards the earlier position, as in `select_topk`.
+    q_idx [B, Tq, Hi, D], k_idx [B, Tk, D] (Tk >= Tq), weights [B, Tq, Hi]; cu_seqlens (int, [docs + 1] on
+    the key axis, needs B == 1) restricts each query to its own document; pool: keys scored in blocks of this
+    many (plus the query's own tail block); query_positions int [Tq] or [B, Tq]: each query's key position
+    (default arange(Tq), needs Tk == Tq). Returns int32 [B, Tq, selected_slots(topk, pool)]: the selected
+    positions in ascending order, then -1 padding; a query with <= topk visible keys gets all of them; equal
+    scores go to the earlier key.
     """
     positions = check_index_inputs(q_idx, k_idx, weights, cu_seqlens, query_positions)
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
+    check_topk_and_pool(topk, pool)
     if q_idx.dtype != k_idx.dtype:
         raise ValueError(f"q_idx and k_idx must share one dtype, got {q_idx.dtype} and {k_idx.dtype}")
     check_runnable(q_idx)
     batch, n_queries, heads, dim = q_idx.shape
-    n_keys = k_idx.shape[1]
-    out_width = selected_slots(topk)
-    out = torch.full((batch, n_queries, out_width), -1, dtype=torch.int32, device=q_idx.device)
-    if n_queries == 0:
-        return out
-    doc_start = document_starts(cu_seqlens, n_keys, q_idx.device)[positions].to(torch.int32)
-    heads_p = triton.next_power_of_2(heads)
-    # BLOCK_Q * heads_p rows feed tl.dot: 64 (or heads_p when larger), above the dot's minimum of 16.
-    block_q = max(1, 64 // heads_p)
-    k_list = max(BLOCK_K, triton.next_power_of_2(topk))
-    grid = (triton.cdiv(n_queries, block_q), batch)
-    _indexer_topk_kernel[grid](
-        q_idx.contiguous(),
-        k_idx.contiguous(),
-        weights.contiguous(),
-        positions.to(torch.int32),
-        doc_start,
-        out,
-        n_queries,
-        n_keys,
-        heads,
-        dim,
-        topk,
-        out_width,
-        BLOCK_Q=block_q,
-        BLOCK_K=BLOCK_K,
-        HEADS_P=heads_p,
-        D_P=max(16, triton.next_power_of_2(dim)),
-        LOG_BLOCK_K=BLOCK_K.bit_length() - 1,
-        K_LIST=k_list,
-        LOG_K_LIST=k_list.bit_length() - 1,
-        num_warps=NUM_WARPS,
-    )
-    return out
+    cand = pooled_candidates(k_idx, positions, cu_seqlens, pool, compute_dtype(q_idx.dtype))
+    n_candidates, kept = cand.keys.shape[1], topk // pool
+    chosen = torch.full((batch, n_queries, kept), -1, dtype=torch.int32, device=q_idx.device)
+    if n_queries and n_candidates:
+        heads_p = triton.next_power_of_2(heads)
+        # BLOCK_Q * heads_p rows feed tl.dot: 64 (or heads_p when larger), above the dot's minimum of 16.
+        block_q = max(1, 64 // heads_p)
+        k_list = max(BLOCK_K, triton.next_power_of_2(kept))
+        grid = (triton.cdiv(n_queries, block_q), batch)
+        _indexer_topk_kernel[grid](
+            q_idx.contiguous(),
+            cand.keys.to(q_idx.dtype).contiguous(),
+            weights.contiguous(),
+            cand.first.to(torch.int32),
+            cand.last.to(torch.int32),
+            chosen,
+            n_queries,
+            n_candidates,
+            heads,
+            dim,
+            kept,
+            kept,
+            BLOCK_Q=block_q,
+            BLOCK_K=BLOCK_K,
+            HEADS_P=heads_p,
+            D_P=max(16, triton.next_power_of_2(dim)),
+            LOG_BLOCK_K=BLOCK_K.bit_length() - 1,
+            K_LIST=k_list,
+            LOG_K_LIST=k_list.bit_length() - 1,
+            num_warps=NUM_WARPS,
+        )
+    return expand_rows(chosen, cand.block_first, pool, cand.tail_start, cand.tail_len, selected_slots(topk, pool))

@@ -1,0 +1,62 @@
+"""Which implementation runs DSA's two operations, top-k selection and sparse attention.
+
+- ``torch``: ``megaseq_dsa.ops.select_topk`` and ``sparse_attention`` (anywhere; numpy's selection on CPU).
+- ``triton``: ``megaseq_dsa.ops.triton`` (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests); the
+  same arguments and results, pooled selection included.
+- ``auto``: triton where it is installed and runs on the tensors' device, else torch (logged).
+
+The rule is core's (``megaseq.backends``): a requested backend whose package is missing fails when the layer
+is built, one that cannot run on the tensors' device fails at the call; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from megaseq.backends import Backend, Backends
+
+
+@dataclass(frozen=True)
+class DSAOps:
+    """``select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk)`` ->
+    int32 indices; ``sparse_attention(q, key, value, indices, scale, query_chunk)`` -> outputs.
+    ``query_chunk``: the layer's memory knob (``None``: by memory); a backend may ignore it."""
+
+    select_topk: Callable[..., Tensor]
+    sparse_attention: Callable[..., Tensor]
+
+
+def _torch() -> DSAOps:
+    from megaseq_dsa.ops import select_topk, sparse_attention
+
+    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk):
+        block = {"query_block": query_chunk} if query_chunk else {}
+        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, **block)
+
+    return DSAOps(select, sparse_attention)
+
+
+def _triton() -> DSAOps:
+    from megaseq_dsa.ops.triton import select_topk_triton, sparse_attention_triton
+
+    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk):
+        return select_topk_triton(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions)
+
+    def attend(q, key, value, indices, scale, query_chunk):
+        return sparse_attention_triton(q, key, value, indices, scale)
+
+    return DSAOps(select, attend)
+
+
+BACKENDS = Backends(
+    "attention.dsa",
+    [
+        Backend("torch", load=_torch),
+        Backend("triton", load=_triton, requires=("triton",), install="pip install 'megaseq-attn-dsa[triton]'",
+                devices=("cuda",), interpretable=True),
+    ],
+    auto=("triton", "torch"),
+)
