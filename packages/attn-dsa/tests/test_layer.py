@@ -231,6 +231,26 @@ def test_decode_step_selects_for_the_new_tokens_only(monkeypatch: pytest.MonkeyP
     assert_close(torch.cat(steps, dim=1), full, 1e-5, "prefill + steps vs full forward")
 
 
+def test_decoding_writes_the_cache_in_place():
+    """Decoding 300 tokens one at a time after a 5-token prefill moves the cache's storage only when it grows
+    (256 -> 512 tokens: once), instead of copying the whole cache at every step; results equal the full
+    forward."""
+    m = build(topk=8, index_pool=4, backend="torch")
+    x = inputs(305, batch=2)
+    with torch.no_grad():
+        full, _ = run(m, x)
+        cache = m.init_cache(2, device=x.device, dtype=x.dtype)
+        steps = [m(x[:, :5], ForwardContext(), cache)]
+        moves, storage = 0, cache.key.data_ptr()
+        for t in range(5, 305):
+            steps.append(m(x[:, t : t + 1], ForwardContext(), cache))
+            moves += cache.key.data_ptr() != storage
+            storage = cache.key.data_ptr()
+    assert cache.length == 305 and cache.key.shape == (2, 305, 8) and cache.k_idx.shape == (2, 305, 8)
+    assert moves == cache.reallocations == 1
+    assert_close(torch.cat(steps, dim=1), full, 1e-5, "prefill + steps vs full forward")
+
+
 def test_dense_warmup_decode_step_attends_with_the_new_tokens_only(monkeypatch: pytest.MonkeyPatch):
     calls: list[tuple[int, int]] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention

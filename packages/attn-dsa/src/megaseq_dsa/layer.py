@@ -50,17 +50,49 @@ from megaseq_dsa.ops import selected_slots
 from megaseq_dsa.ops.indexer import SCORE_BLOCK_BYTES, document_starts
 from megaseq_dsa.parallel import gather_sequence
 
+# Tokens a fresh decoding cache has room for before it first grows.
+INITIAL_CACHE_TOKENS = 256
+
 
 @dataclass
 class DSACache:
-    """Decoding state of one layer: per cached token its key (latent, plus the rotary part) and index key."""
+    """Decoding state of one layer: per cached token its key (latent, plus the rotary part) and index key.
 
-    key: Tensor  # [B, L, kv_lora_rank (+ rope_dim)]; the value is key[..., :kv_lora_rank]
-    k_idx: Tensor  # [B, L, index_dim]
+    Both live in preallocated buffers that each call writes in place; a buffer that is full is replaced by
+    one twice as long (or as long as needed), so decoding L tokens one at a time makes O(log L)
+    reallocations (``reallocations`` counts them) instead of copying the whole cache at every step.
+    """
+
+    key_buffer: Tensor  # [B, capacity, kv_lora_rank (+ rope_dim)]; the value is key[..., :kv_lora_rank]
+    k_idx_buffer: Tensor  # [B, capacity, index_dim]
+    length: int = 0
+    reallocations: int = 0
 
     @property
-    def length(self) -> int:
-        return self.key.shape[1]
+    def key(self) -> Tensor:
+        return self.key_buffer[:, : self.length]
+
+    @property
+    def k_idx(self) -> Tensor:
+        return self.k_idx_buffer[:, : self.length]
+
+    def append(self, key: Tensor, k_idx: Tensor) -> None:
+        """Write the new tokens' ``key [B, t, *]`` and ``k_idx [B, t, index_dim]`` after the cached ones."""
+        end = self.length + key.shape[1]
+        if end > self.key_buffer.shape[1]:
+            capacity = max(end, 2 * self.key_buffer.shape[1])
+            self.key_buffer = _regrown(self.key_buffer, capacity, self.length)
+            self.k_idx_buffer = _regrown(self.k_idx_buffer, capacity, self.length)
+            self.reallocations += 1
+        self.key_buffer[:, self.length : end] = key
+        self.k_idx_buffer[:, self.length : end] = k_idx
+        self.length = end
+
+
+def _regrown(buffer: Tensor, capacity: int, used: int) -> Tensor:
+    grown = buffer.new_empty(buffer.shape[0], capacity, *buffer.shape[2:])
+    grown[:, :used] = buffer[:, :used]
+    return grown
 
 
 class DeepSeekSparseAttention(nn.Module):
@@ -95,8 +127,10 @@ class DeepSeekSparseAttention(nn.Module):
     def init_cache(self, batch_size: int, *, device: torch.device, dtype: torch.dtype) -> DSACache:
         key_width = self.config.kv_lora_rank + self.rope_dim
         return DSACache(
-            key=torch.zeros(batch_size, 0, key_width, device=device, dtype=dtype),
-            k_idx=torch.zeros(batch_size, 0, self.config.index_dim, device=device, dtype=dtype),
+            key_buffer=torch.empty(batch_size, INITIAL_CACHE_TOKENS, key_width, device=device, dtype=dtype),
+            k_idx_buffer=torch.empty(
+                batch_size, INITIAL_CACHE_TOKENS, self.config.index_dim, device=device, dtype=dtype
+            ),
         )
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: DSACache | None = None) -> Tensor:
@@ -120,8 +154,8 @@ class DeepSeekSparseAttention(nn.Module):
         cu_seqlens = ctx.cu_seqlens
         if cache is not None:
             query_pos = torch.arange(cache.length, cache.length + t, device=x.device)
-            cache.key = key = torch.cat([cache.key, key], dim=1)
-            cache.k_idx = k_idx = torch.cat([cache.k_idx, k_idx], dim=1)
+            cache.append(key, k_idx)
+            key, k_idx = cache.key, cache.k_idx
         elif ctx.cp is not None:
             query_pos = ctx.cp.positions(x.device)
             key, k_idx = gather_sequence(key, ctx.cp), gather_sequence(k_idx, ctx.cp)
