@@ -71,7 +71,9 @@ def make_layout(cu_seqlens: torch.Tensor, heads: int, k_dim: int, v_dim: int, de
 
 
 def chunk_cumsum(x: torch.Tensor, lay: Layout, reverse: bool) -> torch.Tensor:
-    out = torch.empty_like(x, dtype=torch.float32)
+    """Prefix sums of the gates per chunk in float64 (exponents are their differences), or suffix sums of
+    a gradient in fp32 (``reverse``)."""
+    out = torch.empty_like(x, dtype=torch.float32 if reverse else torch.float64)
     grid = (lay.num_chunks, triton.cdiv(lay.k_dim, lay.block_k), lay.heads)
     chunk_cumsum_kernel[grid](x, out, lay.bounds, lay.heads, lay.k_dim, CHUNK, lay.block_k, reverse)
     return out
@@ -81,7 +83,7 @@ def chunk_cumsum(x: torch.Tensor, lay: Layout, reverse: bool) -> torch.Tensor:
 class Intermediates:
     """fp32 tensors shared by the forward and the recomputation in the backward."""
 
-    gcum: torch.Tensor  # [T, H, K] gate cumsum restarting at each chunk
+    gcum: torch.Tensor  # [T, H, K] float64 gate cumsum restarting at each chunk
     b: torch.Tensor  # [T, H, BT] strictly causal k-k scores (without beta)
     aqk: torch.Tensor  # [T, H, BT] causal q-k scores times scale
     tm: torch.Tensor  # [T, H, BT] (I + Diag(beta) B)^-1
@@ -152,7 +154,7 @@ def backward_grads(
         heads, k_dim, v_dim, CHUNK, lay.block_k_full, lay.block_v, dht is not None, h0 is not None,
     )
 
-    dq_state, dk_state, dg_state = (torch.empty_like(mid.gcum) for _ in range(3))
+    dq_state, dk_state, dg_state = (torch.empty_like(mid.w) for _ in range(3))
     dw = torch.empty_like(mid.w)
     daqk = torch.empty_like(mid.aqk)
     grid = (lay.num_chunks, triton.cdiv(k_dim, lay.block_k), heads)
@@ -162,7 +164,7 @@ def backward_grads(
         heads, k_dim, v_dim, CHUNK, lay.block_k, lay.block_v,
     )
 
-    dk_wy, dg_wy = torch.empty_like(mid.gcum), torch.empty_like(mid.gcum)
+    dk_wy, dg_wy = torch.empty_like(mid.w), torch.empty_like(mid.w)
     dv = torch.empty(v.shape, **f32)
     dbeta = torch.empty(beta.shape, **f32)
     db = torch.empty_like(mid.b)
@@ -171,7 +173,7 @@ def backward_grads(
         heads, k_dim, v_dim, CHUNK, lay.block_k, lay.block_v,
     )
 
-    dq_pair, dk_pair, dg_pair = (torch.empty_like(mid.gcum) for _ in range(3))
+    dq_pair, dk_pair, dg_pair = (torch.empty_like(mid.w) for _ in range(3))
     grid = (lay.num_chunks, (CHUNK // SUB_CHUNK) * triton.cdiv(k_dim, lay.block_k), heads)
     pair_grads_kernel[grid](
         q, k, mid.gcum, daqk, db, dq_pair, dk_pair, dg_pair, lay.bounds,
@@ -201,7 +203,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         # Only the inputs are kept: the backward recomputes the per-chunk intermediates.
         ctx.save_for_backward(q, k, v, g, beta, h0)
         ctx.scale, ctx.lay = scale, lay
-        return o.to(v.dtype), final_state
+        return o.to(q.dtype), final_state
 
     @staticmethod
     def backward(ctx, do, dht):
@@ -229,7 +231,7 @@ def chunk_kda_triton(
 
     q, k: [B, T, H, K] (L2-normalised), v: [B, T, H, V], g: [B, T, H, K] log-decay <= 0, beta: [B, T, H].
     initial_state: [N, H, K, V] with N = B, or the number of documents when cu_seqlens is given (then
-    B must be 1 and the state restarts at every document boundary). Returns o [B, T, H, V] in v's dtype
+    B must be 1 and the state restarts at every document boundary). Returns o [B, T, H, V] in q's dtype
     and, if output_final_state, the fp32 final states [N, H, K, V] (else None).
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)

@@ -21,7 +21,7 @@ pair_grads_kernel (per chunk, sub-chunk and K-block): through the pairwise score
 import triton
 import triton.language as tl
 
-from .tiles import decay, load_row, load_tile, load_vec, state_offsets, store_tile
+from .tiles import decay, load_gate_row, load_gates, load_tile, load_vec, state_offsets, store_tile
 
 
 @triton.jit
@@ -45,8 +45,8 @@ def state_bwd_kernel(q_ptr, k_ptr, gcum_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, d_
         rows = t0 + tl.arange(0, BT)
         row_ok = rows < t1
         tl.store(d_states_ptr + state_offsets(c, i_h, ks, vs, H, K, V), d_state, mask=state_mask)
-        g = load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
-        g_last = load_row(gcum_ptr, t1 - 1, ks, k_ok, i_h, H, K)
+        g = load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
+        g_last = load_gate_row(gcum_ptr, t1 - 1, ks, k_ok, i_h, H, K)
         k_to_end = load_tile(k_ptr, rows, row_ok, ks, k_ok, i_h, H, K) * decay(g_last[None, :] - g)
         aqk = load_tile(aqk_ptr, rows, row_ok, cs, cs < BT, i_h, H, BT)
         do = load_tile(do_ptr, rows, row_ok, vs, v_ok, i_h, H, V)
@@ -92,8 +92,8 @@ def chunk_grads_kernel(q_ptr, k_ptr, gcum_ptr, states_ptr, d_states_ptr, u_new_p
         state_dstate += tl.sum(state * d_state, axis=1)
     q = load_tile(q_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
     k = load_tile(k_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
-    g = load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
-    g_last = load_row(gcum_ptr, t1 - 1, ks, k_ok, i_h, H, K)
+    g = load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
+    g_last = load_gate_row(gcum_ptr, t1 - 1, ks, k_ok, i_h, H, K)
     dq = dq_decayed * decay(g) * scale
     dk = dk_to_end * decay(g_last[None, :] - g)
     dg_last = tl.sum(k * dk, axis=0) + state_dstate * decay(g_last)
@@ -132,13 +132,13 @@ def wy_bwd_kernel(k_ptr, v_ptr, gcum_ptr, beta_ptr, b_ptr, tm_ptr, dw_ptr, du_pt
         ks = i_k * BK + tl.arange(0, BK)
         k_ok = ks < K
         k_gated = load_tile(k_ptr, rows, row_ok, ks, k_ok, i_h, H, K) * decay(
-            load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K))
+            load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K))
         dw = load_tile(dw_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
         d_tm += tl.dot(dw, tl.trans(beta[:, None] * k_gated), input_precision="ieee")
         dk_beta = tl.dot(tl.trans(tm), dw, input_precision="ieee")
         dbeta += tl.sum(dk_beta * k_gated, axis=1)
         dk_gated = dk_beta * beta[:, None]
-        store_tile(dk_ptr, dk_gated * decay(load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)),
+        store_tile(dk_ptr, dk_gated * decay(load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)),
                    rows, row_ok, ks, k_ok, i_h, H, K)
         store_tile(dgcum_ptr, dk_gated * k_gated, rows, row_ok, ks, k_ok, i_h, H, K)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -177,15 +177,15 @@ def pair_grads_kernel(q_ptr, k_ptr, gcum_ptr, daqk_ptr, db_ptr, dq_ptr, dk_ptr, 
         k_ok = ks < K
         q_i = load_tile(q_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
         k_i = load_tile(k_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
-        g_i = load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
-        g_ref = load_row(gcum_ptr, r0, ks, k_ok, i_h, H, K)
+        g_i = load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
+        g_ref = load_gate_row(gcum_ptr, r0, ks, k_ok, i_h, H, K)
         # Row side (this sub-chunk as i) from earlier sub-chunks j, rebased on row r0.
         dq = tl.zeros([BC, BK], dtype=tl.float32)
         dk_row = tl.zeros([BC, BK], dtype=tl.float32)
         for i_j in range(0, i_i):
             cols = t0 + i_j * BC + sub
             k_j = load_tile(k_ptr, cols, cols < t1, ks, k_ok, i_h, H, K) * decay(
-                g_ref[None, :] - load_tile(gcum_ptr, cols, cols < t1, ks, k_ok, i_h, H, K))
+                g_ref[None, :] - load_gates(gcum_ptr, cols, cols < t1, ks, k_ok, i_h, H, K))
             daqk = load_tile(daqk_ptr, rows, row_ok, i_j * BC + sub, sub < BC, i_h, H, BT)
             db = load_tile(db_ptr, rows, row_ok, i_j * BC + sub, sub < BC, i_h, H, BT)
             dq += tl.dot(daqk, k_j, input_precision="ieee")
@@ -207,8 +207,8 @@ def pair_grads_kernel(q_ptr, k_ptr, gcum_ptr, daqk_ptr, db_ptr, dq_ptr, dk_ptr, 
             r_l = t0 + i_l * BC
             rows_l = r_l + sub
             ok_l = rows_l < t1
-            g_ref_l = load_row(gcum_ptr, r_l, ks, k_ok, i_h, H, K)
-            decay_l = decay(load_tile(gcum_ptr, rows_l, ok_l, ks, k_ok, i_h, H, K) - g_ref_l[None, :])
+            g_ref_l = load_gate_row(gcum_ptr, r_l, ks, k_ok, i_h, H, K)
+            decay_l = decay(load_gates(gcum_ptr, rows_l, ok_l, ks, k_ok, i_h, H, K) - g_ref_l[None, :])
             q_l = load_tile(q_ptr, rows_l, ok_l, ks, k_ok, i_h, H, K) * decay_l
             k_l = load_tile(k_ptr, rows_l, ok_l, ks, k_ok, i_h, H, K) * decay_l
             daqk_l = load_tile(daqk_ptr, rows_l, ok_l, i_i * BC + sub, sub < BC, i_h, H, BT)

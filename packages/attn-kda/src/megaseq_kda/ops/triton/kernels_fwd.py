@@ -10,10 +10,16 @@ Per head, with G the gate cumsum restarting at each chunk and S the state enteri
     S_next    = exp(G_last) * S + (exp(G_last - G) * K)^T U_new        (state_fwd_kernel)
     O         = scale * (exp(G) * Q) S + Aqk U_new                     (output_fwd_kernel)
 
-exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) over a whole chunk (exp(-G) overflows for strong
-decay). Between two different 16-token sub-chunks it is split at the first row r of the later one,
-exp(G_i - G_r) * exp(G_r - G_j), both exponents <= 0, so the block is one tl.dot; inside a sub-chunk it
-is formed pairwise as a [16, 16, BK] tensor with the non-causal exponents set to -inf before exp.
+Numerics (the scheme of the PyTorch op ``megaseq_kda.ops.chunk``): only exponents <= 0 are exponentiated,
+and no exponent is a difference of two rounded cumulative sums. G is summed and stored in float64
+(chunk_cumsum_kernel): with g down to -5, |G| reaches ~320 in a chunk, where an fp32 difference G_i - G_j
+would carry ~3e-5 of absolute error into exp(G_i - G_j) however small the difference. Every exponent is
+formed in float64 and rounded to fp32 once, just before exp (``tiles.decay``); all products and
+accumulations are fp32. exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) over a whole chunk
+(exp(-G) overflows for strong decay): between two different 16-token sub-chunks it is split at the first
+row r of the later one, exp(G_i - G_r) * exp(G_r - G_j), both exponents <= 0, so the block is one tl.dot;
+inside a sub-chunk it is formed pairwise as a [16, 16, BK] tensor with the non-causal exponents set to
+-inf before exp.
 
 Chunks are described by a ``[NT, 2]`` table of (first token, end token) over the packed sequence, so
 ragged documents need no padding; the chunk's row in that table is also its slot in the per-chunk
@@ -23,18 +29,19 @@ state tensor.
 import triton
 import triton.language as tl
 
-from .tiles import decay, load_row, load_tile, load_vec, state_offsets, store_tile
+from .tiles import decay, load_gate_row, load_gates, load_tile, load_vec, state_offsets, store_tile
 
 
 @triton.jit
 def chunk_cumsum_kernel(x_ptr, out_ptr, bounds_ptr, H: tl.constexpr, K: tl.constexpr,
                         BT: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
-    """Cumulative sum over each chunk's tokens (REVERSE: suffix sums, the adjoint of the prefix sum)."""
+    """Cumulative sum over each chunk's tokens in the output's dtype (float64 for the gates; REVERSE: suffix
+    sums in fp32, the adjoint of the prefix sum, for their gradient)."""
     i_t, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, t1 = tl.load(bounds_ptr + 2 * i_t), tl.load(bounds_ptr + 2 * i_t + 1)
     rows = t0 + tl.arange(0, BT)
     ks = i_k * BK + tl.arange(0, BK)
-    x = load_tile(x_ptr, rows, rows < t1, ks, ks < K, i_h, H, K)
+    x = load_tile(x_ptr, rows, rows < t1, ks, ks < K, i_h, H, K).to(out_ptr.dtype.element_ty)
     out = tl.cumsum(x, axis=0)
     if REVERSE:
         out = tl.sum(x, axis=0)[None, :] - out + x
@@ -61,11 +68,11 @@ def kk_scores_kernel(q_ptr, k_ptr, gcum_ptr, b_ptr, aqk_ptr, bounds_ptr, scale,
             for i_k in range(0, tl.cdiv(K, BK)):
                 ks = i_k * BK + tl.arange(0, BK)
                 k_ok = ks < K
-                g_ref = load_row(gcum_ptr, r0, ks, k_ok, i_h, H, K)
-                row_decay = decay(load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K) - g_ref[None, :])
+                g_ref = load_gate_row(gcum_ptr, r0, ks, k_ok, i_h, H, K)
+                row_decay = decay(load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K) - g_ref[None, :])
                 q_i = load_tile(q_ptr, rows, row_ok, ks, k_ok, i_h, H, K) * row_decay
                 k_i = load_tile(k_ptr, rows, row_ok, ks, k_ok, i_h, H, K) * row_decay
-                g_j = load_tile(gcum_ptr, cols, cols < t1, ks, k_ok, i_h, H, K)
+                g_j = load_gates(gcum_ptr, cols, cols < t1, ks, k_ok, i_h, H, K)
                 k_j = load_tile(k_ptr, cols, cols < t1, ks, k_ok, i_h, H, K) * decay(g_ref[None, :] - g_j)
                 acc_qk += tl.dot(q_i, tl.trans(k_j), input_precision="ieee")
                 acc_kk += tl.dot(k_i, tl.trans(k_j), input_precision="ieee")
@@ -78,7 +85,7 @@ def kk_scores_kernel(q_ptr, k_ptr, gcum_ptr, b_ptr, aqk_ptr, bounds_ptr, scale,
         for i_k in range(0, tl.cdiv(K, BK)):
             ks = i_k * BK + tl.arange(0, BK)
             k_ok = ks < K
-            g_i = load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
+            g_i = load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
             q_i = load_tile(q_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
             k_i = load_tile(k_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
             pair_decay = decay(tl.where(causal[:, :, None], g_i[:, None, :] - g_i[None, :, :], float("-inf")))
@@ -119,7 +126,7 @@ def wy_fwd_kernel(k_ptr, v_ptr, gcum_ptr, beta_ptr, b_ptr, tm_ptr, w_ptr, u_ptr,
         ks = i_k * BK + tl.arange(0, BK)
         k_ok = ks < K
         k = load_tile(k_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
-        gate = decay(load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K))
+        gate = decay(load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K))
         w = tl.dot(tm, beta[:, None] * gate * k, input_precision="ieee")
         store_tile(w_ptr, w, rows, row_ok, ks, k_ok, i_h, H, K)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -153,8 +160,8 @@ def state_fwd_kernel(k_ptr, gcum_ptr, w_ptr, u_ptr, h0_ptr, states_ptr, u_new_pt
         w = load_tile(w_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
         u_new = load_tile(u_ptr, rows, row_ok, vs, v_ok, i_h, H, V) - tl.dot(w, state, input_precision="ieee")
         store_tile(u_new_ptr, u_new, rows, row_ok, vs, v_ok, i_h, H, V)
-        g = load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
-        g_last = load_row(gcum_ptr, t1 - 1, ks, k_ok, i_h, H, K)
+        g = load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)
+        g_last = load_gate_row(gcum_ptr, t1 - 1, ks, k_ok, i_h, H, K)
         k_to_end = load_tile(k_ptr, rows, row_ok, ks, k_ok, i_h, H, K) * decay(g_last[None, :] - g)
         state = state * decay(g_last)[:, None] + tl.dot(tl.trans(k_to_end), u_new, input_precision="ieee")
     if STORE_HT:
@@ -179,7 +186,7 @@ def output_fwd_kernel(q_ptr, gcum_ptr, aqk_ptr, states_ptr, u_new_ptr, o_ptr, bo
         ks = i_k * BK + tl.arange(0, BK)
         k_ok = ks < K
         q_decayed = load_tile(q_ptr, rows, row_ok, ks, k_ok, i_h, H, K) * decay(
-            load_tile(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)) * scale
+            load_gates(gcum_ptr, rows, row_ok, ks, k_ok, i_h, H, K)) * scale
         state = tl.load(states_ptr + state_offsets(i_t, i_h, ks, vs, H, K, V),
                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         o += tl.dot(q_decayed, state, input_precision="ieee")
