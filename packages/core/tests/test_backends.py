@@ -70,6 +70,7 @@ def test_interpretable_backend_runs_on_cpu_under_the_triton_interpreter(monkeypa
     assert chooser.load("kernels", CPU) == "kernel op"
     with pytest.raises(BackendError):
         chooser.load("vendor", CPU)
+    assert chooser.select("auto", CPU).name == "torch"  # the interpreter is for tests: auto never picks it
 
 
 @pytest.mark.parametrize(

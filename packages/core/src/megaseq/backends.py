@@ -9,7 +9,7 @@ third-party library's kernels), chosen by a ``backend`` key in its config that a
   the module's ``__init__``); a device the backend cannot run on fails at the call (:meth:`Backends.select`:
   a module can be moved between devices after it is built).
 - ``"auto"`` takes the first backend of the component's preference order that is installed and runs on the
-  tensors' device, and logs that choice (logger ``megaseq.backends``, level INFO, once per component, device
+  tensors' device (never an interpreted one: the Triton interpreter is for tests), and logs that choice (logger ``megaseq.backends``, level INFO, once per component, device
   type and choice) together with why each backend before it was passed over.
 
 Deciding reads only ``importlib.util.find_spec``: nothing is imported until a backend is loaded, so building
@@ -92,10 +92,11 @@ class Backend:
     def missing(self) -> list[str]:
         return [module for module in self.requires if not is_installed(module)]
 
-    def runs_on(self, device: torch.device) -> bool:
+    def runs_on(self, device: torch.device, *, interpreted: bool = True) -> bool:
+        """Whether it runs on tensors on ``device`` (``interpreted``: counting the Triton interpreter)."""
         if self.devices is None or device.type in self.devices:
             return True
-        return self.interpretable and device.type == "cpu" and triton_interpreter_on()
+        return interpreted and self.interpretable and device.type == "cpu" and triton_interpreter_on()
 
 
 class Backends:
@@ -151,7 +152,7 @@ class Backends:
             missing = backend.missing()
             if missing:
                 passed_over.append(f"{name}: {', '.join(missing)} not installed")
-            elif not backend.runs_on(device):
+            elif not backend.runs_on(device, interpreted=False):
                 passed_over.append(f"{name}: does not run on {device.type}")
             else:
                 self._log_choice(device, name, passed_over)
