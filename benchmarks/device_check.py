@@ -1,0 +1,852 @@
+"""One prepared check of megaseq on a GPU: correctness of every GPU path, speed tables, a few training steps.
+
+    python benchmarks/device_check.py --out device_check.json              # CUDA machine: <= 8 min on one H200
+    python benchmarks/device_check.py --rehearse --out /tmp/rehearsal.json  # CPU rehearsal (CI): tiny shapes
+
+Writes one JSON file (every row with its numbers, tolerances, versions) and prints one table. Every check is
+a row; a check that raises is an ``error`` row and the rest still run. Each part has a time budget: a
+check predicted (from the ones before it) not to fit in what is left is a ``skipped`` row, and a watchdog
+writes what was measured and exits if the whole run passes its deadline.
+
+Parts:
+1. setup: what is importable (and where from), versions, the GPU.
+2. correctness on CUDA in fp32 and bf16, at awkward shapes with packed documents (1-token documents,
+   lengths that are not chunk multiples), forward outputs and every gradient against float64 oracles on
+   the CPU: KDA Triton (``chunk_kda_triton``) and fla (``kda`` backend ``fla``) against the token-loop
+   oracle; the DSA Triton top-k (pool 1 and 4, queries at chosen key positions) against the torch reference
+   (equal rows, and any difference only between keys whose float64 scores tie within the tolerance); DSA
+   Triton sparse attention against the dense masked softmax; the ``sdpa`` layer (flash-attn where it
+   imports, else torch's flash SDPA kernel for bf16) against itself in float64 on the CPU.
+   Error = max |x - oracle| / max(1, max |oracle|) over the output and every gradient (``TOLERANCE``).
+3. KDA speed: megaseq's Triton ``chunk_kda_triton`` against fla's ``chunk_kda`` at T = 8k, 32k, 128k (B=1,
+   H=16, D=128) and fla's published shape (B=4, H=32, D=128, T=32k); forward and forward+backward time,
+   peak device memory above the inputs; bf16 q/k/v, fp32 gates and beta (as the layer calls it).
+4. DSA speed at T = 32k and 128k, GLM-5.3-Flash shapes (index heads 32 x 128, top-k 2048, pool 4; 16 query
+   heads over a 512-wide latent key/value): Triton selection (no backward: a discrete choice) plus sparse
+   attention forward+backward, against dense causal attention (flash-attn, else torch's flash SDPA) at
+   16 heads x 128, forward+backward.
+5. Training: a few steps of the default hybrid recipe (recipes/genome-cpu.toml: KDA/DSA/MoE) at 64k tokens
+   on CUDA with the backends ``auto`` picks (the choices are logged into the row): tokens/s, peak memory.
+
+What it needs: Python >= 3.11, torch (a CUDA build), triton, numpy, pydantic >= 2.6, pluggy, packaging, and
+megaseq's packages (core, attn-kda, attn-dsa, moe-chunked), installed (``pip install -e packages/core
+packages/attn-kda packages/attn-dsa packages/moe-chunked``) or else imported from this repository's
+``packages/*/src`` with their plugins registered here. Optional: fla-core (import ``fla``) and flash-attn
+(``flash_attn``); without them their rows say ``missing``. ``--wheels DIR`` first installs, with pip and no
+index, every wheel in DIR whose distribution is not installed (e.g. pydantic, fla-core carried to a machine
+without network).
+
+``--rehearse`` runs every part's code on the CPU (Triton kernels in the Triton interpreter, fp32 only:
+the interpreter's bf16 tl.dot is wrong) at tiny shapes, so the script cannot rot between GPU runs;
+checks that need CUDA (bf16 kernels, fla, flash kernels, device memory) are ``skipped: no CUDA`` rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.metadata as md
+import importlib.util
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = {  # import name -> (distribution, source folder, plugin module or None)
+    "megaseq": ("megaseq-core", "packages/core/src", None),
+    "megaseq_kda": ("megaseq-attn-kda", "packages/attn-kda/src", "megaseq_kda.plugin"),
+    "megaseq_dsa": ("megaseq-attn-dsa", "packages/attn-dsa/src", "megaseq_dsa.plugin"),
+    "megaseq_moe": ("megaseq-moe-chunked", "packages/moe-chunked/src", "megaseq_moe.plugin"),
+}
+REQUIRED = ["torch", "triton", "numpy", "pydantic", "pluggy", "packaging"]
+OPTIONAL = {"fla": "fla-core", "flash_attn": "flash-attn"}
+
+# max |x - oracle| / max(1, max |oracle|) over the output and every gradient. fp32: the kernels accumulate in
+# fp32 (ieee dots). bf16: inputs, outputs and input gradients are bf16 (2^-8 relative rounding); fla and
+# flash kernels also multiply in bf16 on tensor cores.
+TOLERANCE = {
+    ("megaseq", "fp32"): 1e-5,
+    ("megaseq", "bf16"): 2e-2,
+    ("fla", "fp32"): 2e-3,
+    ("fla", "bf16"): 3e-2,
+    ("sdpa", "fp32"): 1e-4,
+    ("sdpa", "bf16"): 3e-2,
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    kda: tuple[int, int, int, int, list[int]]  # T, H, K, V, cu_seqlens
+    topk: tuple[int, int, int, int, list[int]]  # T, index heads, index dim, topk, cu_seqlens
+    sparse: tuple[int, int, int, int, int]  # T, heads, key width, value width, topk
+    sdpa: tuple[int, int, int, list[int]]  # T, d_model, heads, cu_seqlens
+    kda_speed: list[tuple[int, int, int, int]]  # B, T, H, D
+    dsa_speed: list[int]  # T
+    dsa_shape: tuple[int, int, int, int, int, int, int]  # index heads, index dim, topk, pool, heads, D, dense D
+    train_seq_len: int
+    train_steps: int
+    budgets: dict[str, float]
+    deadline: float
+
+
+FULL = Sizes(
+    kda=(700, 3, 128, 128, [0, 1, 130, 131, 450, 700]),
+    topk=(600, 8, 64, 64, [0, 1, 203, 204, 600]),
+    sparse=(600, 16, 512, 512, 128),
+    sdpa=(1000, 256, 4, [0, 300, 301, 1000]),
+    kda_speed=[(1, 8192, 16, 128), (1, 32768, 16, 128), (1, 131072, 16, 128), (4, 32768, 32, 128)],
+    dsa_speed=[32768, 131072],
+    dsa_shape=(32, 128, 2048, 4, 16, 512, 128),
+    train_seq_len=65536,
+    train_steps=3,
+    budgets={"setup": 40, "correctness": 140, "kda_speed": 90, "dsa_speed": 90, "train": 110},
+    deadline=480,
+)
+REHEARSAL = Sizes(
+    kda=(70, 1, 16, 16, [0, 1, 40, 70]),
+    topk=(72, 2, 16, 8, [0, 1, 30, 31, 72]),
+    sparse=(40, 2, 32, 16, 8),
+    sdpa=(40, 16, 2, [0, 9, 10, 40]),
+    kda_speed=[(1, 40, 1, 16)],
+    dsa_speed=[32],
+    dsa_shape=(2, 16, 16, 4, 2, 32, 16),
+    train_seq_len=512,
+    train_steps=1,
+    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40},
+    deadline=150,
+)
+
+
+class Skip(Exception):
+    """A check that cannot run here (no CUDA, a missing package); its message is the row's note."""
+
+
+@dataclass
+class Env:
+    rehearse: bool
+    sizes: Sizes
+    device: Any = None  # torch.device
+    found: dict[str, str] = field(default_factory=dict)  # module -> version / origin ("missing" if absent)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def has(self, module: str) -> bool:
+        return self.found.get(module, "missing") != "missing"
+
+    def dtypes(self) -> list[str]:
+        return ["fp32", "bf16"] if self.cuda else ["fp32"]
+
+
+class Report:
+    """Rows, parts with time budgets, the JSON file and the printed table."""
+
+    def __init__(self, out: Path, env: Env) -> None:
+        self.out, self.env = out, env
+        self.rows: list[dict[str, Any]] = []
+        self.meta: dict[str, Any] = {"argv": sys.argv, "rehearse": env.rehearse, "tolerance": {
+            f"{impl} {dtype}": tol for (impl, dtype), tol in TOLERANCE.items()}}
+        self.started = time.perf_counter()
+        self._part: tuple[str, float, float] = ("", 0.0, 0.0)  # name, start, budget
+        self._lock = threading.Lock()
+
+    # -- budgets ---------------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def part_left(self) -> float:
+        _, start, budget = self._part
+        return min(budget - (time.perf_counter() - start), self.env.sizes.deadline - self.elapsed())
+
+    def part(self, name: str, fn: Callable[[Env, Report], None]) -> None:
+        self._part = (name, time.perf_counter(), self.env.sizes.budgets[name])
+        try:
+            fn(self.env, self)
+        except Exception as exc:  # a part that breaks outside its checks is one error row
+            self.add(name, "(part)", "", "error", note=_last_line(exc), traceback=traceback.format_exc()[-4000:])
+
+    # -- rows ------------------------------------------------------------------------------------------
+    def add(self, part: str, check: str, dtype: str, status: str, measured: str = "", note: str = "", **data: Any):
+        row = {"part": part, "check": check, "dtype": dtype, "status": status, "measured": measured,
+               "note": note, **data}
+        with self._lock:
+            self.rows.append(row)
+        print(f"  [{self.elapsed():6.1f}s] {part:<11} {check:<44} {dtype:<5} {status:<8} {measured} {note}",
+              flush=True)
+
+    def check(self, check: str, dtype: str, fn: Callable[[], tuple[str, str, dict]], predicted_s: float = 0.0,
+              note: str = "") -> dict | None:
+        """Run one check: ``fn() -> (status, measured, data)``; Skip -> a skipped row, other errors -> error row.
+        Not started when ``predicted_s`` exceeds what is left of the part's budget."""
+        part = self._part[0]
+        left = self.part_left()
+        if predicted_s > left:
+            self.add(part, check, dtype, "skipped", note=f"budget: predicted {predicted_s:.0f}s, {left:.0f}s left")
+            return None
+        started = time.perf_counter()
+        try:
+            status, measured, data = fn()
+        except Skip as why:
+            self.add(part, check, dtype, "skipped", note=str(why))
+            return None
+        except Exception as exc:
+            self.add(part, check, dtype, "error", note=_last_line(exc), traceback=traceback.format_exc()[-4000:])
+            return None
+        finally:
+            _release_device_memory()
+        data = {**data, "seconds": round(time.perf_counter() - started, 3)}
+        self.add(part, check, dtype, status, measured, note, **data)
+        return data
+
+    # -- output ----------------------------------------------------------------------------------------
+    def write(self, aborted: str = "") -> None:
+        with self._lock:
+            document = {**self.meta, "environment": self.env.found, "elapsed_s": round(self.elapsed(), 1),
+                        "aborted": aborted, "rows": list(self.rows)}
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(document, indent=1, default=str))
+
+    def table(self) -> str:
+        lines = [f"megaseq device check ({'CPU rehearsal' if self.env.rehearse else self.meta.get('gpu', '')}), "
+                 f"{self.elapsed():.0f}s; error = max|x - oracle| / max(1, max|oracle|); tolerances: "
+                 + ", ".join(f"{k} {v:g}" for k, v in self.meta["tolerance"].items())]
+        header = f"{'part':<11} {'check':<44} {'dtype':<5} {'status':<8} {'measured':<52} note"
+        lines += [header, "-" * len(header)]
+        for r in self.rows:
+            lines.append(f"{r['part']:<11} {r['check']:<44} {r['dtype']:<5} {r['status']:<8} {r['measured']:<52} "
+                         f"{r['note']}")
+        counts = {s: sum(r["status"] == s for r in self.rows) for s in ("pass", "FAIL", "error", "skipped", "missing")}
+        lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+        return "\n".join(lines)
+
+
+def _last_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[-1][:300] if text else type(exc).__name__
+
+
+def _release_device_memory() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ==== 1. setup =================================================================================================
+
+
+def part_setup(env: Env, report: Report, wheels: Path | None = None) -> None:
+    if wheels is not None:
+        report.check("install wheels from " + str(wheels), "", lambda: _install_wheels(wheels))
+    for module in REQUIRED + list(SOURCES) + list(OPTIONAL):
+        env.found[module] = _origin(module)
+    missing_sources = [m for m in SOURCES if not env.has(m)]
+    if missing_sources:
+        # Not installed: import them from this checkout (their plugins are then registered by part_train).
+        for module in missing_sources:
+            sys.path.insert(0, str(REPO / SOURCES[module][1]))
+        importlib.invalidate_caches()
+        for module in missing_sources:
+            found = _origin(module)
+            env.found[module] = "missing" if found == "missing" else f"{found} (from source, not installed)"
+    import torch
+
+    env.device = torch.device("cuda" if torch.cuda.is_available() and not env.rehearse else "cpu")
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": str(env.device)}
+    if env.cuda:
+        props = torch.cuda.get_device_properties(env.device)
+        info |= {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
+                 "gpu_memory_gib": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count}
+        report.meta["gpu"] = props.name
+    report.meta["platform"] = info
+    for module, origin in env.found.items():
+        status = "pass" if origin != "missing" else ("missing" if module in OPTIONAL else "FAIL")
+        need = "optional: " + OPTIONAL[module] if module in OPTIONAL else "required"
+        report.add("setup", f"import {module}", "", status, origin, need)
+    report.add("setup", "device", "", "pass" if env.cuda or env.rehearse else "FAIL", str(env.device),
+               ", ".join(f"{k} {v}" for k, v in info.items()))
+
+
+def _origin(module: str) -> str:
+    if importlib.util.find_spec(module) is None:
+        return "missing"
+    dist = {**{m: d for m, (d, _, _) in SOURCES.items()}, **OPTIONAL}.get(module, module)
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        try:
+            return getattr(importlib.import_module(module), "__version__", "importable")
+        except Exception as exc:  # an import that fails is as good as missing, with its reason
+            return f"missing ({_last_line(exc)})"
+
+
+def _install_wheels(folder: Path) -> tuple[str, str, dict]:
+    wanted = []
+    for wheel in sorted(folder.glob("*.whl")):
+        dist = wheel.name.split("-")[0].replace("_", "-")
+        try:
+            md.version(dist)
+        except md.PackageNotFoundError:
+            wanted.append(wheel)
+    if not wanted:
+        return "pass", "nothing to install", {}
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                           *map(str, wanted)], capture_output=True, text=True, timeout=120)
+    importlib.invalidate_caches()
+    names = " ".join(w.name.split("-")[0] for w in wanted)
+    if done.returncode:
+        return "FAIL", names, {"stderr": done.stderr[-2000:]}
+    return "pass", names, {}
+
+
+# ==== 2. correctness ===========================================================================================
+
+
+def relative_error(actual, expected) -> float:
+    return ((actual.double().cpu() - expected.double()).abs().max() / expected.abs().max().clamp_min(1)).item()
+
+
+def compare(results: dict, oracle: dict, tol: float) -> tuple[str, str, dict]:
+    errors = {name: relative_error(results[name], oracle[name]) for name in oracle}
+    worst = max(errors, key=errors.get)
+    status = "pass" if all(e <= tol for e in errors.values()) else "FAIL"
+    return status, f"max error {errors[worst]:.2e} ({worst}), tol {tol:g}", {"errors": errors, "tolerance": tol}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def part_correctness(env: Env, report: Report) -> None:
+    if not env.cuda:
+        for dtype in ("fp32", "bf16"):
+            for check in ("kda fla fwd+bwd", "sdpa layer flash kernels fwd+bwd"):
+                report.add("correctness", check, dtype, "skipped", note="no CUDA")
+        report.add("correctness", "kda/dsa triton kernels", "bf16", "skipped",
+                   note="no CUDA (the Triton interpreter's bf16 tl.dot is wrong)")
+    kda_oracles: dict[str, Any] = {}
+    for dtype in env.dtypes():
+        report.check("kda triton fwd+bwd (chunk_kda_triton)", dtype,
+                     lambda dtype=dtype: check_kda(env, "triton", dtype, kda_oracles))
+    if env.cuda:
+        for dtype in env.dtypes():
+            report.check("kda fla fwd+bwd (backend fla)", dtype,
+                         lambda dtype=dtype: check_kda(env, "fla", dtype, kda_oracles))
+    for dtype in env.dtypes():
+        for pool in (1, 4):
+            report.check(f"dsa triton top-k pool {pool}", dtype, lambda d=dtype, p=pool: check_topk(env, d, p))
+            report.check(f"dsa triton top-k pool {pool}, query positions", dtype,
+                         lambda d=dtype, p=pool: check_topk(env, d, p, positions=True))
+    for dtype in env.dtypes():
+        report.check("dsa triton sparse attention fwd+bwd", dtype, lambda d=dtype: check_sparse(env, d))
+    for dtype in env.dtypes():
+        for packed in (False, True):
+            report.check(f"sdpa layer fwd+bwd{', packed' if packed else ''}", dtype,
+                         lambda d=dtype, p=packed: check_sdpa(env, d, p))
+
+
+def kda_inputs(env: Env, seed: int = 0) -> dict:
+    """float64 inputs in the layer's ranges; gates strong early and weak late in each chunk (exponent
+    differences near 0 between large cumulative sums), and a random part."""
+    import torch
+    import torch.nn.functional as F
+
+    length, heads, k_dim, v_dim, cu = env.sizes.kda
+    gen = torch.Generator().manual_seed(seed)
+    f64 = dict(dtype=torch.float64, generator=gen)
+    in_chunk = torch.arange(length, dtype=torch.float64)[None, :, None, None] % 64
+    uniform = torch.rand(1, length, heads, k_dim, **f64)
+    g = torch.where(in_chunk < 40, -5 * uniform, -1e-3 * uniform)
+    return {
+        "q": F.normalize(torch.randn(1, length, heads, k_dim, **f64), dim=-1),
+        "k": F.normalize(torch.randn(1, length, heads, k_dim, **f64), dim=-1),
+        "v": torch.randn(1, length, heads, v_dim, **f64),
+        "g": g,
+        "beta": torch.rand(1, length, heads, **f64),
+        "h0": torch.randn(len(cu) - 1, heads, k_dim, v_dim, **f64),
+        "cu": torch.tensor(cu, dtype=torch.int32),
+        "d_o": torch.randn(1, length, heads, v_dim, **f64),
+        "d_final": torch.randn(len(cu) - 1, heads, k_dim, v_dim, **f64),
+    }
+
+
+def run_kda(op, x: dict, device, dtype) -> dict:
+    """Forward and backward of a KDA op; q, k, v in ``dtype``, gates, beta and states fp32 (as the layer)."""
+    import torch
+
+    act = {"q": dtype, "k": dtype, "v": dtype}
+    leaves = {n: x[n].to(device, act.get(n, torch.float32 if dtype != torch.float64 else dtype)).requires_grad_()
+              for n in ("q", "k", "v", "g", "beta", "h0")}
+    o, final = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves["h0"],
+                  output_final_state=True, cu_seqlens=x["cu"].to(device))
+    ((o * x["d_o"].to(device, o.dtype)).sum() + (final * x["d_final"].to(device, final.dtype)).sum()).backward()
+    results = {"o": o.detach(), "final_state": final.detach()}
+    results |= {f"d{n}": leaf.grad for n, leaf in leaves.items()}
+    return {n: t.cpu() for n, t in results.items()}
+
+
+def check_kda(env: Env, backend: str, dtype: str, oracles: dict) -> tuple[str, str, dict]:
+    import torch
+
+    from megaseq_kda.backends import BACKENDS
+    from megaseq_kda.ops import naive_recurrent_kda
+
+    if backend == "fla" and not env.has("fla"):
+        raise Skip("fla-core not installed")
+    op = BACKENDS.load(backend, env.device)
+    x = kda_inputs(env)
+    if dtype not in oracles:
+        # The oracle sees exactly the inputs the kernel sees (rounded to the dtype), in float64.
+        rounded = dict(x)
+        for n in ("q", "k", "v"):
+            rounded[n] = x[n].to(torch_dtype(dtype)).double()
+        for n in ("g", "beta", "h0"):
+            rounded[n] = x[n].float().double()
+        oracles[dtype] = run_kda(naive_recurrent_kda, rounded, "cpu", torch.float64)
+    results = run_kda(op, x, env.device, torch_dtype(dtype))
+    status, measured, data = compare(results, oracles[dtype], TOLERANCE["megaseq" if backend == "triton" else "fla",
+                                                                       dtype])
+    if results["o"].dtype != torch_dtype(dtype):
+        status, measured = "FAIL", measured + f"; o is {results['o'].dtype}, not q's dtype"
+    return status, measured, data
+
+
+def topk_inputs(env: Env, seed: int = 1) -> tuple:
+    import torch
+
+    length, heads, dim, _, cu = env.sizes.topk
+    gen = torch.Generator().manual_seed(seed)
+    q_idx = torch.randn(1, length, heads, dim, generator=gen)
+    k_idx = torch.randn(1, length, dim, generator=gen)
+    weights = torch.randn(1, length, heads, generator=gen)
+    return q_idx, k_idx, weights, torch.tensor(cu, dtype=torch.int32)
+
+
+def check_topk(env: Env, dtype: str, pool: int, positions: bool = False) -> tuple[str, str, dict]:
+    """Rows equal to the torch reference's, or different only between keys whose float64 (pooled) scores
+    tie with the row's cut within the tolerance (accumulation order differs between the two)."""
+    import torch
+
+    from megaseq_dsa.ops import select_topk_reference
+    from megaseq_dsa.ops.indexer import pooled_candidates
+    from megaseq_dsa.ops.triton import select_topk_triton
+
+    length, _, _, topk, _ = env.sizes.topk
+    q_idx, k_idx, weights, cu = topk_inputs(env)
+    query_pos = torch.arange(length)
+    if positions:  # a zig-zag share over all the keys: the second quarter and the last quarter
+        query_pos = torch.cat([torch.arange(length // 4, length // 2), torch.arange(3 * length // 4, length)])
+    q_rows, w_rows = q_idx[:, query_pos], weights[:, query_pos]
+    dt = torch_dtype(dtype)
+    q_dev, k_dev, w_dev = (x.to(env.device, dt) for x in (q_rows, k_idx, w_rows))
+    got = select_topk_triton(q_dev, k_dev, w_dev, topk, cu.to(env.device), pool, query_pos.to(env.device)).cpu()
+    rounded = [x.cpu().float() for x in (q_dev, k_dev, w_dev)]
+    expected = select_topk_reference(*rounded, topk, cu, pool, query_pos)
+    # float64 score of every key: its block's score; tail keys +inf (always chosen); invisible keys -inf
+    q64, k64, w64 = (x.double() for x in rounded)
+    cand = pooled_candidates(k64, query_pos[None], cu, pool, torch.float64)
+    block = torch.einsum("thn,th->tn", torch.einsum("thd,nd->thn", q64[0], cand.keys[0]).relu(), w64[0])
+    n_blocks = block.shape[1]
+    seen = (torch.arange(n_blocks) >= cand.first[0, :, None]) & (torch.arange(n_blocks) <= cand.last[0, :, None])
+    block = block.masked_fill(~seen, float("-inf"))
+    token = torch.full((len(query_pos), length), float("-inf"), dtype=torch.float64)
+    for j in range(pool):
+        token[:, cand.block_first + j] = block
+    for row, (start, count) in enumerate(zip(cand.tail_start[0].tolist(), cand.tail_len[0].tolist(), strict=True)):
+        token[row, start : start + count] = float("inf")
+    tol = TOLERANCE["megaseq", dtype]
+    equal_rows = int((got == expected).all(-1).sum())
+    worst = 0.0
+    for row in (got != expected).any(-1)[0].nonzero()[:, 0].tolist():
+        chosen = {int(i) for i in got[0, row] if i >= 0}
+        reference = {int(i) for i in expected[0, row] if i >= 0}
+        cut = min(float(token[row, i]) for i in reference)
+        scale = max(1.0, float(token[row][token[row].isfinite()].abs().max()))
+        for i in chosen ^ reference:
+            gap = abs(float(token[row, i]) - cut) / scale  # inf for invisible or tail keys: a real error
+            worst = max(worst, gap)
+    rows = got.shape[1]
+    status = "pass" if worst <= tol and got.shape == expected.shape else "FAIL"
+    measured = f"{equal_rows}/{rows} rows equal; largest tie gap {worst:.1e}, tol {tol:g}"
+    return status, measured, {"equal_rows": equal_rows, "rows": rows, "tie_gap": worst, "tolerance": tol}
+
+
+def check_sparse(env: Env, dtype: str) -> tuple[str, str, dict]:
+    import torch
+
+    from megaseq_dsa.ops import select_topk_reference, sparse_attention_reference
+    from megaseq_dsa.ops.triton import sparse_attention_triton
+
+    length, heads, dim, dim_v, topk = env.sizes.sparse
+    gen = torch.Generator().manual_seed(2)
+    q_idx, k_idx, weights = (torch.randn(*s, generator=gen) for s in ((1, length, 2, 8), (1, length, 8),
+                                                                         (1, length, 2)))
+    cu = torch.tensor([0, length // 3, length // 3 + 1, length], dtype=torch.int32)
+    indices = select_topk_reference(q_idx, k_idx, weights, topk, cu, 4)
+    holes = torch.rand(indices.shape, generator=gen) < 0.1
+    indices = indices.masked_fill(holes, -1)  # -1 in the middle of rows, not only at the end
+    q = torch.randn(1, length, heads, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, length, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, length, dim_v, generator=gen, dtype=torch.float64)
+    d_o = torch.randn(1, length, heads, dim_v, generator=gen, dtype=torch.float64)
+    dt, scale = torch_dtype(dtype), dim**-0.5
+    leaves = [x.to(env.device, dt).requires_grad_() for x in (q, k, v)]
+    out = sparse_attention_triton(*leaves, indices.to(env.device), scale)
+    out.backward(d_o.to(env.device, dt))
+    oracle_leaves = [x.detach().double().cpu().requires_grad_() for x in leaves]
+    expected = sparse_attention_reference(*oracle_leaves, indices, scale)
+    expected.backward(d_o)
+    names = ("dq", "dk", "dv")
+    results = {"o": out.detach().cpu(), **{n: x.grad.cpu() for n, x in zip(names, leaves, strict=True)}}
+    oracle = {"o": expected.detach(), **{n: x.grad for n, x in zip(names, oracle_leaves, strict=True)}}
+    return compare(results, oracle, TOLERANCE["megaseq", dtype])
+
+
+def check_sdpa(env: Env, dtype: str, packed: bool) -> tuple[str, str, dict]:
+    """The built-in sdpa layer on the device against itself in float64 on the CPU (same rounded weights)."""
+    import copy
+
+    import torch
+
+    from megaseq.builtins.config import SDPAConfig
+    from megaseq.builtins.sdpa import HAS_FLASH_ATTN, SDPAttention
+    from megaseq.contracts import ForwardContext
+
+    length, d_model, heads, cu = env.sizes.sdpa
+    torch.manual_seed(3)
+    dt = torch_dtype(dtype)
+    layer = SDPAttention(d_model, SDPAConfig(n_heads=heads, rope=True), n_layers=2).to(env.device, dt)
+    reference = copy.deepcopy(layer).cpu().double()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, length, d_model, generator=gen, dtype=torch.float64)
+    d_out = torch.randn(1, length, d_model, generator=gen, dtype=torch.float64)
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32) if packed else None
+    if env.cuda and dt != torch.float32:
+        path = "flash-attn" if HAS_FLASH_ATTN else "torch flash SDPA kernel"
+    else:
+        path = f"torch SDPA ({env.device.type})"
+    flash_only = contextlib.nullcontext()
+    if env.cuda and dt != torch.float32 and not HAS_FLASH_ATTN:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        flash_only = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    results = {}
+    for module, device, dtype_ in ((layer, env.device, dt), (reference, torch.device("cpu"), torch.float64)):
+        xr = x.to(device, dtype_).requires_grad_()
+        ctx = ForwardContext(cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device))
+        with flash_only if module is layer else contextlib.nullcontext():
+            out = module(xr, ctx)
+            out.backward(d_out.to(device, dtype_))
+        results[device.type if module is layer else "reference"] = {
+            "out": out.detach().cpu(), "dx": xr.grad.cpu(), **{f"d{n}": p.grad.cpu() for n, p in module.named_parameters()}}
+    status, measured, data = compare(results[env.device.type], results["reference"], TOLERANCE["sdpa", dtype])
+    return status, measured + f" [{path}]", {**data, "path": path}
+
+
+# ==== 3./4. speed ==============================================================================================
+
+
+def timed(fn: Callable[[], Any], device, budget_s: float) -> dict[str, float]:
+    """Median seconds of fn() after one warm-up (compilation), repeated up to 5 times within budget_s; peak
+    device memory above what was allocated before (GiB; None on the CPU). On the CPU (the rehearsal, in the
+    Triton interpreter: nothing to compile) one timed call and no warm-up."""
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    first, base, reps = None, 0, 5
+    if device.type == "cuda":
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        first = time.perf_counter() - start
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        reps = 1
+    times = []
+    while len(times) < reps and (not times or sum(times) + times[-1] < budget_s):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
+    return {"seconds": sorted(times)[len(times) // 2], "first_call_s": first, "peak_gib": peak, "reps": len(times)}
+
+
+def describe_speed(fwd: dict, both: dict) -> str:
+    peak = "n/a (cpu)" if both["peak_gib"] is None else f"{both['peak_gib']:.2f} GiB"
+    return f"fwd {1e3 * fwd['seconds']:.1f} ms, fwd+bwd {1e3 * both['seconds']:.1f} ms, peak {peak}"
+
+
+class Predictor:
+    """Predicts a check's time from the last measured one, scaled by a work ratio."""
+
+    def __init__(self, first_guess_s: float) -> None:
+        self.last: tuple[float, float] | None = None  # (work, seconds)
+        self.first_guess = first_guess_s
+
+    def predict(self, work: float) -> float:
+        if self.last is None:
+            return self.first_guess
+        return self.last[1] * work / self.last[0]
+
+    def record(self, work: float, data: dict | None) -> None:
+        if data is not None:
+            self.last = (work, data["seconds"])
+
+
+def part_kda_speed(env: Env, report: Report) -> None:
+    impls = {"megaseq triton": "triton", "fla chunk_kda": "fla"}
+    predictors = {name: Predictor(0.0) for name in impls}  # the first (smallest) size always runs
+    for batch, length, heads, dim in env.sizes.kda_speed:
+        work = batch * length * heads
+        for name, backend in impls.items():
+            check = f"kda {name} B{batch} T{length} H{heads} D{dim}"
+            data = report.check(check, "bf16" if env.cuda else "fp32",
+                                lambda b=backend, s=(batch, length, heads, dim): kda_speed(env, report, b, *s),
+                                predictors[name].predict(work))
+            predictors[name].record(work, data)
+
+
+def kda_speed(env: Env, report: Report, backend: str, batch: int, length: int, heads: int, dim: int):
+    import torch
+    import torch.nn.functional as F
+
+    from megaseq_kda.backends import BACKENDS
+
+    if backend == "fla" and not (env.cuda and env.has("fla")):
+        raise Skip("no CUDA" if not env.cuda else "fla-core not installed")
+    op = BACKENDS.load(backend, env.device)
+    dtype = torch.bfloat16 if env.cuda else torch.float32
+    gen = torch.Generator(device=env.device).manual_seed(0)
+    shape = (batch, length, heads, dim)
+    q, k = (F.normalize(torch.randn(*shape, generator=gen, device=env.device), dim=-1).to(dtype) for _ in range(2))
+    v, d_o = (torch.randn(*shape, generator=gen, device=env.device).to(dtype) for _ in range(2))
+    g = -5 * torch.rand(*shape, generator=gen, device=env.device)
+    beta = torch.rand(*shape[:3], generator=gen, device=env.device)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+    def forward() -> None:
+        with torch.no_grad():
+            op(*leaves)
+
+    def forward_backward() -> None:
+        o, _ = op(*leaves)
+        o.backward(d_o)
+        for x in leaves:
+            x.grad = None
+
+    left = max(1.0, report.part_left() / 4)
+    fwd, both = timed(forward, env.device, left), timed(forward_backward, env.device, left)
+    return "pass", describe_speed(fwd, both), {"forward": fwd, "forward_backward": both}
+
+
+def part_dsa_speed(env: Env, report: Report) -> None:
+    _, _, topk, pool, heads, _, dense_dim = env.sizes.dsa_shape
+    dtype = "bf16" if env.cuda else "fp32"
+    dense_name = "flash-attn" if env.cuda and env.has("flash_attn") else (
+        "torch flash SDPA" if env.cuda else "torch SDPA (cpu)")
+    sparse_predictor, dense_predictor = Predictor(0.0), Predictor(0.0)  # the first size always runs
+    for length in env.sizes.dsa_speed:
+        data = report.check(f"dsa triton select+sparse T{length} top-k {topk} pool {pool}", dtype,
+                            lambda n=length: dsa_sparse_speed(env, report, n), sparse_predictor.predict(length**2))
+        sparse_predictor.record(length**2, data)
+        data = report.check(f"dense causal {dense_name} T{length} H{heads} D{dense_dim}", dtype,
+                            lambda n=length: dense_speed(env, report, n), dense_predictor.predict(length**2))
+        dense_predictor.record(length**2, data)
+
+
+def dsa_sparse_speed(env: Env, report: Report, length: int) -> tuple[str, str, dict]:
+    import torch
+
+    from megaseq_dsa.backends import BACKENDS
+
+    index_heads, index_dim, topk, pool, heads, dim, _ = env.sizes.dsa_shape
+    ops = BACKENDS.load("triton", env.device)
+    dtype = torch.bfloat16 if env.cuda else torch.float32
+    gen = torch.Generator(device=env.device).manual_seed(0)
+    q_idx, k_idx, weights, q, key, d_o = (
+        torch.randn(*shape, generator=gen, device=env.device).to(dtype)
+        for shape in ((1, length, index_heads, index_dim), (1, length, index_dim), (1, length, index_heads),
+                      (1, length, heads, dim), (1, length, dim), (1, length, heads, dim))
+    )
+    q.requires_grad_(), key.requires_grad_()
+    left = max(1.0, report.part_left() / 4)
+    holder = {}
+
+    def select() -> None:
+        holder["indices"] = ops.select_topk(q_idx, k_idx, weights, topk, None, pool, None, None)
+
+    def attend() -> None:
+        o = ops.sparse_attention(q, key, key, holder["indices"], dim**-0.5, None)  # MLA: value = latent key
+        o.backward(d_o)
+        q.grad = key.grad = None
+
+    select_t = timed(select, env.device, left)
+    attend_t = timed(attend, env.device, left)
+    total = select_t["seconds"] + attend_t["seconds"]
+    peaks = [t["peak_gib"] for t in (select_t, attend_t)]
+    peak = "n/a (cpu)" if peaks[0] is None else f"{max(peaks):.2f} GiB"
+    measured = (f"select {1e3 * select_t['seconds']:.1f} ms + attention fwd+bwd {1e3 * attend_t['seconds']:.1f} ms"
+                f" = {1e3 * total:.1f} ms, peak {peak}")
+    return "pass", measured, {"select": select_t, "attention_forward_backward": attend_t, "total_s": total}
+
+
+def dense_speed(env: Env, report: Report, length: int) -> tuple[str, str, dict]:
+    import torch
+    import torch.nn.functional as F
+
+    _, _, _, _, heads, _, dense_dim = env.sizes.dsa_shape
+    dtype = torch.bfloat16 if env.cuda else torch.float32
+    gen = torch.Generator(device=env.device).manual_seed(0)
+    q, k, v, d_o = (torch.randn(1, length, heads, dense_dim, generator=gen, device=env.device).to(dtype)
+                    for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_()
+    if env.cuda and env.has("flash_attn"):
+        from flash_attn import flash_attn_func
+
+        def attend() -> None:
+            flash_attn_func(q, k, v, causal=True).backward(d_o)
+    else:
+        context = contextlib.nullcontext()
+        if env.cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            context = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+        def attend() -> None:
+            with context:
+                o = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+            o.transpose(1, 2).backward(d_o)
+
+    both = timed(attend, env.device, max(1.0, report.part_left() / 4))
+    peak = "n/a (cpu)" if both["peak_gib"] is None else f"{both['peak_gib']:.2f} GiB"
+    return "pass", f"fwd+bwd {1e3 * both['seconds']:.1f} ms, peak {peak}", {"forward_backward": both}
+
+
+# ==== 5. training ==============================================================================================
+
+
+def part_train(env: Env, report: Report) -> None:
+    report.check(f"hybrid recipe (genome-cpu) T{env.sizes.train_seq_len}", "fp32", lambda: train_steps(env),
+                 note="recipe as shipped, data excerpt-chr20")
+
+
+def train_steps(env: Env) -> tuple[str, str, dict]:
+    import torch
+
+    from megaseq.config import load_recipe
+    from megaseq.plugins import get_plugins
+    from megaseq.train.trainer import Trainer
+
+    plugins = get_plugins()
+    for module, (dist, _, plugin_module) in SOURCES.items():
+        if plugin_module and dist not in {info.dist for info in plugins}:  # not installed: registered from source
+            plugins.register(importlib.import_module(plugin_module), name=module, dist=dist, version="source")
+    choices: list[str] = []
+
+    class Choices(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            choices.append(record.getMessage())
+
+    handler = Choices(level=logging.INFO)
+    backend_log = logging.getLogger("megaseq.backends")
+    backend_log.addHandler(handler)
+    backend_log.setLevel(logging.INFO)
+    steps = env.sizes.train_steps
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            overrides = [f"data.seq_len={env.sizes.train_seq_len}", "data.train='excerpt-chr20'",
+                         "data.heldout='excerpt-chrX'", f"run.device='{env.device.type}'", f"run.out_dir='{out}'",
+                         f"train.steps={steps + 1}", "train.batch_size=1", "train.grad_accum=1"]
+            trainer = Trainer(load_recipe(REPO / "recipes" / "genome-cpu.toml", plugins, overrides), plugins,
+                              progress=False, tensorboard=False)
+            first = time.perf_counter()
+            trainer.train_step()  # warm-up: kernel compilation, first allocations
+            first = time.perf_counter() - first
+            if env.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            losses = [trainer.train_step()["loss"] for _ in range(steps)]
+            if env.cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+    finally:
+        backend_log.removeHandler(handler)
+    tokens_per_s = steps * env.sizes.train_seq_len / elapsed
+    peak = torch.cuda.max_memory_allocated() / 2**30 if env.cuda else None
+    peak_text = "n/a (cpu)" if peak is None else f"{peak:.2f} GiB"
+    finite = all(math.isfinite(x) for x in losses)
+    measured = f"{tokens_per_s:,.0f} tokens/s, peak {peak_text}, loss {losses[-1]:.3f}"
+    return ("pass" if finite else "FAIL"), measured, {
+        "tokens_per_s": tokens_per_s, "peak_gib": peak, "losses": losses, "first_step_s": first,
+        "backend_choices": choices}
+
+
+# ==== main =====================================================================================================
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
+    parser.add_argument("--rehearse", action="store_true", help="CPU rehearsal: tiny shapes, Triton interpreter")
+    parser.add_argument("--wheels", type=Path, help="install the not-installed wheels of this folder first")
+    parser.add_argument("--parts", nargs="+", choices=list(FULL.budgets), help="run only these parts")
+    args = parser.parse_args()
+    if args.rehearse:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--rehearse needs TRITON_INTERPRET=1 before triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+    env = Env(rehearse=args.rehearse, sizes=REHEARSAL if args.rehearse else FULL)
+    report = Report(args.out, env)
+
+    def deadline_passed() -> None:
+        report.add("(all)", "deadline", "", "error", note=f"whole run passed {env.sizes.deadline:.0f}s: stopped")
+        report.write(aborted="deadline")
+        print(report.table(), flush=True)
+        os._exit(3)
+
+    watchdog = threading.Timer(env.sizes.deadline + 15, deadline_passed)
+    watchdog.daemon = True
+    watchdog.start()
+    parts: dict[str, Callable[[Env, Report], None]] = {
+        "setup": lambda e, r: part_setup(e, r, args.wheels),
+        "correctness": part_correctness,
+        "kda_speed": part_kda_speed,
+        "dsa_speed": part_dsa_speed,
+        "train": part_train,
+    }
+    for name, fn in parts.items():
+        if name == "setup" or args.parts is None or name in args.parts:
+            report.part(name, fn)
+            report.write()
+    watchdog.cancel()
+    report.write()
+    print(report.table())
+    return 0 if all(r["status"] in ("pass", "skipped", "missing") for r in report.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
