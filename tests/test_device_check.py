@@ -19,6 +19,7 @@ SCRIPT = REPO / "benchmarks" / "device_check.py"
 def load_script():
     spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
