@@ -32,9 +32,16 @@ What it needs: Python >= 3.11, torch (a CUDA build), triton, numpy, pydantic >= 
 megaseq's packages (core, attn-kda, attn-dsa, moe-chunked), installed (``pip install -e packages/core
 packages/attn-kda packages/attn-dsa packages/moe-chunked``) or else imported from this repository's
 ``packages/*/src`` with their plugins registered here. Optional: fla-core (import ``fla``) and flash-attn
-(``flash_attn``); without them their rows say ``missing``. ``--wheels DIR`` first installs, with pip and no
-index, every wheel in DIR whose distribution is not installed (e.g. pydantic, fla-core carried to a machine
-without network).
+(``flash_attn``); without them their rows say ``missing`` (flash-attn publishes no wheels: building it
+takes longer than the whole check, so torch's flash SDPA kernel stands in). On a machine without network,
+carry the missing wheels and put them on the path before Python starts (pydantic needs a recent
+typing-extensions, which torch imports first), e.g. from the repository root:
+
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .whl fla-core==0.6.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+        annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0      # where there is network
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    python benchmarks/device_check.py --out device_check.json                          # on the GPU machine
 
 ``--rehearse`` runs every part's code on the CPU (Triton kernels in the Triton interpreter, fp32 only:
 the interpreter's bf16 tl.dot is wrong) at tiny shapes, so the script cannot rot between GPU runs;
@@ -53,7 +60,6 @@ import logging
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -248,9 +254,7 @@ def _release_device_memory() -> None:
 # ==== 1. setup =================================================================================================
 
 
-def part_setup(env: Env, report: Report, wheels: Path | None = None) -> None:
-    if wheels is not None:
-        report.check("install wheels from " + str(wheels), "", lambda: _install_wheels(wheels))
+def part_setup(env: Env, report: Report) -> None:
     for module in REQUIRED + list(SOURCES) + list(OPTIONAL):
         env.found[module] = _origin(module)
     missing_sources = [m for m in SOURCES if not env.has(m)]
@@ -292,25 +296,6 @@ def _origin(module: str) -> str:
             return getattr(importlib.import_module(module), "__version__", "importable")
         except Exception as exc:  # an import that fails is as good as missing, with its reason
             return f"missing ({_last_line(exc)})"
-
-
-def _install_wheels(folder: Path) -> tuple[str, str, dict]:
-    wanted = []
-    for wheel in sorted(folder.glob("*.whl")):
-        dist = wheel.name.split("-")[0].replace("_", "-")
-        try:
-            md.version(dist)
-        except md.PackageNotFoundError:
-            wanted.append(wheel)
-    if not wanted:
-        return "pass", "nothing to install", {}
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                           *map(str, wanted)], capture_output=True, text=True, timeout=120)
-    importlib.invalidate_caches()
-    names = " ".join(w.name.split("-")[0] for w in wanted)
-    if done.returncode:
-        return "FAIL", names, {"stderr": done.stderr[-2000:]}
-    return "pass", names, {}
 
 
 # ==== 2. correctness ===========================================================================================
@@ -812,7 +797,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
     parser.add_argument("--rehearse", action="store_true", help="CPU rehearsal: tiny shapes, Triton interpreter")
-    parser.add_argument("--wheels", type=Path, help="install the not-installed wheels of this folder first")
     parser.add_argument("--parts", nargs="+", choices=list(FULL.budgets), help="run only these parts")
     args = parser.parse_args()
     if args.rehearse:
@@ -832,7 +816,7 @@ def main() -> int:
     watchdog.daemon = True
     watchdog.start()
     parts: dict[str, Callable[[Env, Report], None]] = {
-        "setup": lambda e, r: part_setup(e, r, args.wheels),
+        "setup": part_setup,
         "correctness": part_correctness,
         "kda_speed": part_kda_speed,
         "dsa_speed": part_dsa_speed,
