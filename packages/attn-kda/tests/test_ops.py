@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaseq_kda.ops import chunk_kda, kda_transition, naive_recurrent_kda
+import megaseq_kda.ops.chunk
+import megaseq_kda.ops.transition
+from megaseq_kda.ops import chunk_kda, kda_affine_map, kda_transition, naive_recurrent_kda
 from megaseq_kda.ops.chunk import _ChunkLayout, _ChunkRecurrence, _SubchunkDiagonalGrams
 
 FP32_TOL = 1e-5
@@ -162,7 +164,8 @@ def test_subchunk_diagonal_grams_backward_gradcheck() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 16, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
     g = (-3 * torch.rand(1, 16, 3, generator=gen, dtype=torch.float64)).requires_grad_()
-    assert torch.autograd.gradcheck(_SubchunkDiagonalGrams.apply, (q, k, g))
+    assert torch.autograd.gradcheck(_SubchunkDiagonalGrams.apply, (k, g, q))
+    assert torch.autograd.gradcheck(_SubchunkDiagonalGrams.apply, (k, g))  # k-k blocks only
 
 
 def test_chunk_recurrence_backward_gradcheck() -> None:
@@ -206,6 +209,36 @@ def test_transition_matches_token_product_and_its_grads() -> None:
     (M_ref * cotangent.double()).sum().backward()
     for name, x, ref in zip(("dk", "dg", "dbeta"), leaves, oracle_leaves, strict=True):
         assert_close(x.grad, ref.grad, name)
+
+
+def test_affine_map_equals_oracle_without_q(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(M, S) with final(S0) = M S0 + S against the oracle, gradients included, over 5 chunks (an odd count
+    pads the tree) with mixed gates; the pass never forms q.k scores."""
+    gated_grams = megaseq_kda.ops.chunk._gated_grams
+
+    def grams_without_q(q, *args):
+        assert q is None, "the transition pass formed q.k scores"
+        return gated_grams(q, *args)
+
+    monkeypatch.setattr(megaseq_kda.ops.chunk, "_gated_grams", grams_without_q)
+    monkeypatch.setattr(megaseq_kda.ops.transition, "_gated_grams", grams_without_q)
+    inputs = make_inputs(B=2, T=300, H=2, K=8, V=6, gate="mixed")
+    leaves = [inputs[name].clone().requires_grad_() for name in ("k", "v", "g", "beta")]
+    oracle_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    M, S = kda_affine_map(*leaves)
+    k, v, g, beta = oracle_leaves
+    _, S_ref = naive_recurrent_kda(torch.zeros_like(k), k, v, g, beta, output_final_state=True)
+    M_ref = oracle_transition(k, g, beta)
+    assert M.dtype == S.dtype == torch.float32
+    assert_close(M, M_ref, "M")
+    assert_close(S, S_ref, "S")
+    gen = torch.Generator().manual_seed(3)
+    d_M, d_S = torch.randn(M.shape, generator=gen), torch.randn(S.shape, generator=gen)
+    ((M * d_M).sum() + (S * d_S).sum()).backward()
+    ((M_ref * d_M.double()).sum() + (S_ref * d_S.double()).sum()).backward()
+    for name, x, ref in zip(("dk", "dv", "dg", "dbeta"), leaves, oracle_leaves, strict=True):
+        assert_close(x.grad, ref.grad, name)
+    assert kda_transition(*(inputs[n] for n in ("k", "g", "beta"))).shape == (2, 2, 8, 8)
 
 
 def test_transition_per_document() -> None:

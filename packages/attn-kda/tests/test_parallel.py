@@ -9,9 +9,13 @@ Tolerance: max abs error <= 1e-5 x max(1, max |reference|) (the suite's ``check_
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from megaseq.testing.attention import check_context_parallel
-from megaseq_kda.parallel import segment_documents
+from megaseq.contracts import ContextParallel
+from megaseq.testing.attention import assert_close, check_context_parallel
+from megaseq_kda.ops import chunk_kda
+from megaseq_kda.parallel import context_parallel_kda, segment_documents
 
 D_MODEL = 16
 BOUNDED = {"n_heads": 2, "head_dim": 8}
@@ -46,3 +50,27 @@ def test_segment_documents() -> None:
     offsets, continues = segment_documents(cu, 8, 16)  # an empty document and one starting at 8, one at 12
     assert offsets.tolist() == [0, 4, 8] and not continues
     assert segment_documents(None, 4, 8) == (None, True)
+
+
+def test_one_backend_pass_per_segment() -> None:
+    """The backend runs once per local segment (the states crossing segments come from the q-free transition
+    pass), and the result equals one pass over the whole sequence: one gloo rank, two segments, documents
+    starting inside the first one."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(1, 150, 2, 8, generator=gen), dim=-1) for _ in range(2))
+    v, g, beta = torch.randn(1, 150, 2, 8, generator=gen), -5 * torch.rand(1, 150, 2, 8), torch.rand(1, 150, 2)
+    cu = torch.tensor([0, 40, 41, 150])
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return chunk_kda(*args, **kwargs)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cp = ContextParallel(group=dist.group.WORLD, rank=0, world_size=1, seq_len=150)
+        o = context_parallel_kda(counted, q, k, v, g, beta, cp, cu)
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == 2
+    assert_close(o, chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0], 1e-5, "context parallel output")

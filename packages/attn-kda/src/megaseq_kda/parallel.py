@@ -6,15 +6,16 @@ The sequence is cut into 2W segments; rank r holds segments r and 2W-1-r. Two th
    all-gathers the tails of its two segments; a segment's history is the tail of everything before it (which
    spans several segments when segments are shorter than the kernel).
 2. The recurrent state. Each state column evolves independently and affinely in the incoming state, so a
-   segment's end state is ``M S_in + S_loc``. One run of the op over the segment with values ``[v | 0]``
-   from the initial state ``[0 | I]`` yields ``[S_loc | M]`` at once. Every rank all-gathers
-   ``[S_loc | M]`` of its two segments, folds all 2W of them in global order to get each segment's incoming
-   state, then runs the op again on its segments from those states for the outputs.
+   segment's end state is ``M S_in + S_loc``. A transition-only pass (``ops.kda_affine_map``: no q, no
+   outputs, PyTorch whatever the backend) gives ``(M, S_loc)`` of each local segment; every rank
+   all-gathers ``[S_loc | M]`` of its two segments, folds all 2W of them in global order to get each
+   segment's incoming state (2W small K x K products), then runs the backend once on its segments from
+   those states for the outputs. CP costs one backend pass plus the transition pass and the fold.
 
-Packed documents: inside a segment the op restarts at every document boundary (offsets restricted to the
-segment). Only the segment's first piece may continue a document from earlier segments; it starts from
-``S_in`` (and ``I`` in the transition run) only then, so a segment that contains a document start has a zero
-transition from its last document start on, and the fold resets there by construction.
+Packed documents: inside a segment the backend restarts at every document boundary (offsets restricted to
+the segment). Only the segment's first piece may continue a document from earlier segments; it starts from
+``S_in`` only then. The map that leaves a segment is its last piece's: ``M`` from that piece's start, which
+is zero unless the last piece is the first and continues, so the fold resets at a document start.
 
 The all-gather is ``torch.distributed.nn.functional.all_gather``: autograd-aware, and its backward uses only
 collectives gloo has (all-to-all through scatter), so gradients reach every segment's owner on CPU too.
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from megaseq.contracts import ContextParallel
 from megaseq_kda.backends import KDAOp
+from megaseq_kda.ops import kda_affine_map
 
 
 def gather_segments(local: Tensor, cp: ContextParallel) -> list[Tensor]:
@@ -73,39 +75,28 @@ def context_parallel_kda(
     cu_seqlens: Tensor | None,
 ) -> Tensor:
     """KDA over this rank's zig-zag share ``[B, 2n, H, D]`` -> o ``[B, 2n, H, V]`` (global cu_seqlens)."""
-    n, (batch, _, heads, k_dim), v_dim = cp.segment_len, q.shape, v.shape[-1]
+    n, v_dim = cp.segment_len, v.shape[-1]
     pieces = [tuple(x[:, i * n : (i + 1) * n] for x in (q, k, v, g, beta)) for i in range(2)]
     documents = [segment_documents(cu_seqlens, *cp.segments()[i]) for i in range(2)]
+
+    ends = []  # [B, H, K, V + K] = [S_loc | M] per local segment
+    for (_, k_i, v_i, g_i, beta_i), (offsets, continues) in zip(pieces, documents, strict=True):
+        last = 0 if offsets is None else int(offsets[-2])  # the last document piece's start
+        M, S_loc = kda_affine_map(k_i[:, last:], v_i[:, last:], g_i[:, last:], beta_i[:, last:])
+        if last > 0 or not continues:
+            M = torch.zeros_like(M)  # the last piece starts a document: nothing from before reaches its end
+        ends.append(torch.cat([S_loc, M], -1))
+
+    all_ends = gather_segments(torch.stack(ends), cp)
+    incoming = [torch.zeros_like(all_ends[0][..., :v_dim])]
+    for end in all_ends[: segment_index(cp, 1)]:
+        incoming.append(end[..., v_dim:] @ incoming[-1] + end[..., :v_dim])
 
     def first_piece_state(initial: Tensor, offsets: Tensor | None) -> Tensor:
         """A state per document piece: ``initial`` for the first, zeros for the others."""
         if offsets is None:
             return initial
         return torch.cat([initial, initial.new_zeros(len(offsets) - 2, *initial.shape[1:])])
-
-    ends = []  # [B, H, K, V + K] = [S_loc | M] per local segment
-    eye = torch.eye(k_dim, device=q.device, dtype=torch.float32).expand(batch, heads, k_dim, k_dim)
-    for (q_i, k_i, v_i, g_i, beta_i), (offsets, continues) in zip(pieces, documents, strict=True):
-        start = torch.cat(
-            [eye.new_zeros(batch, heads, k_dim, v_dim), eye if continues else torch.zeros_like(eye)], -1
-        )
-        values = torch.cat([v_i, v_i.new_zeros(*v_i.shape[:-1], k_dim)], -1)
-        _, final = op(
-            q_i,
-            k_i,
-            values,
-            g_i,
-            beta_i,
-            initial_state=first_piece_state(start, offsets),
-            output_final_state=True,
-            cu_seqlens=offsets,
-        )
-        ends.append(final[-batch:].float())  # the last piece's state (with packing B == 1)
-
-    all_ends = gather_segments(torch.stack(ends), cp)
-    incoming = [torch.zeros_like(all_ends[0][..., :v_dim])]
-    for end in all_ends[: segment_index(cp, 1)]:
-        incoming.append(end[..., v_dim:] @ incoming[-1] + end[..., :v_dim])
 
     outputs = []
     for i, ((q_i, k_i, v_i, g_i, beta_i), (offsets, continues)) in enumerate(

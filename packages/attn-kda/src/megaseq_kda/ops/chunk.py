@@ -26,8 +26,8 @@ Documents (``cu_seqlens``) are laid out in chunk slots, each document starting a
 padded with k = v = g = beta = 0 (such tokens leave the state untouched), so a single pass over the chunks
 handles ragged documents; the state is replaced by the document's initial state at each document start.
 
-Context parallel: the final state is affine in the initial one, final(S0) = M S0 + final(0). M is that
-linear map, so it is the final state of a run with v = 0 from S0 = I (``kda_transition``).
+Context parallel: the final state is affine in the initial one, final(S0) = M S0 + final(0); ``transition.py``
+computes (M, final(0)) without outputs from the same intra-chunk pieces (``q=None``: no q.k scores).
 """
 
 import itertools
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megaseq_kda.ops.inputs import check_cu_seqlens, check_kda_inputs, compute_dtype
+from megaseq_kda.ops.inputs import check_kda_inputs, compute_dtype
 
 CHUNK = 64
 SUBCHUNK = 16
@@ -66,25 +66,6 @@ def chunk_kda(
     Qg, Kg, W, U, A_qk, chunk_decay = _intra_chunk(q * scale, k, v, g, beta.squeeze(-1))
     o, final_state = _ChunkRecurrence.apply(Qg, Kg, W, U, A_qk, chunk_decay, initial_state.to(dtype), layout)
     return layout.from_chunks(o, T).to(out_dtype), final_state if output_final_state else None
-
-
-def kda_transition(
-    k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The linear part M of the state update, final(S0) = M @ S0 + final(0): ``[N, H, K, K]`` in fp32.
-
-    M = prod_t (I - beta_t k_t k_t^T) Diag(exp(g_t)), later tokens on the left, one per sequence/document.
-    """
-    if k.dim() != 4:
-        raise ValueError(f"k must be [B, T, H, K], got shape {tuple(k.shape)}")
-    B, T, H, K = k.shape
-    n_seqs = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
-    identity = torch.eye(K, dtype=compute_dtype(k), device=k.device).expand(n_seqs, H, K, K)
-    zeros = torch.zeros_like(k)
-    _, transition = chunk_kda(
-        zeros, k, zeros, g, beta, initial_state=identity, output_final_state=True, cu_seqlens=cu_seqlens
-    )
-    return transition
 
 
 @dataclass(frozen=True)
@@ -173,29 +154,28 @@ def _exp(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gated_grams(
-    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, G: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per chunk, A_qk[s, j] = sum_d q_s k_j exp(G_s - G_j) for j <= s, and A_kk the same with k_s for j < s.
+    q: torch.Tensor | None, k: torch.Tensor, g: torch.Tensor, G: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per chunk, A_qk[s, j] = sum_d q_s k_j exp(G_s - G_j) for j <= s, and A_kk the same with k_s for j < s
+    (``q=None``: A_kk only, as the transition pass needs).
 
     Zero above the diagonal. Blocks below the diagonal are matmuls rebased on the first row r of their
     row sub-chunk; the diagonal 16 x 16 blocks come from ``_SubchunkDiagonalGrams``.
     """
-    diag_qk, diag_kk = _SubchunkDiagonalGrams.apply(q, k, g)
+    diag_kk, *diag_qk = _SubchunkDiagonalGrams.apply(k, g, *([] if q is None else [q]))
     G_sub = _split_subchunks(G)
-    row_decay = _exp(G_sub - G_sub[..., :1, :], q.dtype)  # exp(G_s - G_r), r = first row of s's sub-chunk
-    q_rows, k_rows = (_split_subchunks(x) * row_decay for x in (q, k))
-    rows_qk, rows_kk = [], []
+    row_decay = _exp(G_sub - G_sub[..., :1, :], k.dtype)  # exp(G_s - G_r), r = first row of s's sub-chunk
+    pairs = [(k, diag_kk)] + ([] if q is None else [(q, diag_qk[0])])
+    rows = [[] for _ in pairs]
     for i in range(CHUNK // SUBCHUNK):
         first = i * SUBCHUNK
         cols = (k[..., :first, :] * _exp(G_sub[..., i, :1, :] - G[..., :first, :], k.dtype)).transpose(-1, -2)
         right_zeros = (0, CHUNK - first - SUBCHUNK)
-        rows_qk.append(
-            F.pad(torch.cat([q_rows[..., i, :, :] @ cols, diag_qk[..., i, :, :]], -1), right_zeros)
-        )
-        rows_kk.append(
-            F.pad(torch.cat([k_rows[..., i, :, :] @ cols, diag_kk[..., i, :, :]], -1), right_zeros)
-        )
-    return torch.cat(rows_qk, -2), torch.cat(rows_kk, -2)
+        for out, (x, diag) in zip(rows, pairs, strict=True):
+            x_rows = _split_subchunks(x)[..., i, :, :] * row_decay[..., i, :, :]
+            out.append(F.pad(torch.cat([x_rows @ cols, diag[..., i, :, :]], -1), right_zeros))
+    A_kk, *A_qk = (torch.cat(r, -2) for r in rows)
+    return (A_qk[0] if A_qk else None), A_kk
 
 
 class _SubchunkDiagonalGrams(torch.autograd.Function):
@@ -205,49 +185,47 @@ class _SubchunkDiagonalGrams(torch.autograd.Function):
     window sum g_{j+1} + ... + g_s, accumulated one gate per step, so it is <= 0 by construction and
     accurate in fp32 (no difference of two large cumulative sums). Backward recomputes the exponentials
     instead of storing them (that would cost 16 x K per token).
-    Inputs ``[..., L, K]`` (q, k and the raw gates g; L a multiple of 16, sub-chunk aligned); outputs the
-    (q, k) and (k, k) blocks ``[..., L // 16, 16, 16]``.
+    Inputs ``[..., L, K]`` (k, the raw gates g, and optionally q; L a multiple of 16, sub-chunk aligned);
+    outputs the strictly lower (k, k) blocks and, with q, the (q, k) blocks ``[..., L // 16, 16, 16]``.
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        qk, g = _split_subchunks(torch.stack([q, k])), _split_subchunks(g)
-        ctx.save_for_backward(qk, g)
-        diags = qk.new_zeros(*qk.shape[:-1], SUBCHUNK)  # [2, ..., 16, 16]: (q, k) and (k, k)
+    def forward(ctx, k: torch.Tensor, g: torch.Tensor, *q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # rows[0] pairs k with k (strictly lower), rows[1] (if any) q with k (main diagonal included)
+        rows, g = _split_subchunks(torch.stack([k, *q])), _split_subchunks(g)
+        ctx.save_for_backward(rows, g)
+        diags = rows.new_zeros(*rows.shape[:-1], SUBCHUNK)
         window = torch.zeros_like(g)
         for d in range(SUBCHUNK):
             window = window[..., : SUBCHUNK - d, :] + g[..., d:, :] if d else window
-            k_decayed = qk[1, ..., : SUBCHUNK - d, :] * window.exp()
-            # The (k, k) block is strictly lower triangular: its main diagonal (d = 0) stays zero.
-            pairs = slice(None) if d else slice(0, 1)
-            diags[pairs].diagonal(-d, -2, -1).copy_((qk[pairs, ..., d:, :] * k_decayed).sum(-1))
-        return diags[0], diags[1]
+            k_decayed = rows[0, ..., : SUBCHUNK - d, :] * window.exp()
+            pairs = slice(None) if d else slice(1, None)
+            diags[pairs].diagonal(-d, -2, -1).copy_((rows[pairs, ..., d:, :] * k_decayed).sum(-1))
+        return tuple(diags)
 
     @staticmethod
-    def backward(
-        ctx, d_qk: torch.Tensor, d_kk: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qk, g = ctx.saved_tensors
-        d_diags = torch.stack([d_qk, d_kk])
-        d_qk_in, dG = torch.zeros_like(qk), torch.zeros_like(g)
+    def backward(ctx, *d_diags: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows, g = ctx.saved_tensors
+        d_diags = torch.stack(d_diags)
+        d_rows, dG = torch.zeros_like(rows), torch.zeros_like(g)
         window = torch.zeros_like(g)
         for d in range(SUBCHUNK):
-            rows, cols = slice(d, None), slice(None, SUBCHUNK - d)
-            window = window[..., cols, :] + g[..., rows, :] if d else window
+            tail, head = slice(d, None), slice(None, SUBCHUNK - d)
+            window = window[..., head, :] + g[..., tail, :] if d else window
             decay = window.exp()
-            k_decayed = qk[1, ..., cols, :] * decay
-            pairs = slice(None) if d else slice(0, 1)
+            k_decayed = rows[0, ..., head, :] * decay
+            pairs = slice(None) if d else slice(1, None)
             grads = d_diags[pairs].diagonal(-d, -2, -1)[..., None]
-            d_qk_in[pairs, ..., rows, :] += grads * k_decayed
-            d_k_decayed = (grads * qk[pairs, ..., rows, :]).sum(0)
-            d_qk_in[1, ..., cols, :] += d_k_decayed * decay
+            d_rows[pairs, ..., tail, :] += grads * k_decayed
+            d_k_decayed = (grads * rows[pairs, ..., tail, :]).sum(0)
+            d_rows[0, ..., head, :] += d_k_decayed * decay
             if d:
                 # d(term)/dG_s = term, d(term)/dG_j = -term; turned into d/dg by the reverse cumsum below.
                 d_exponent = d_k_decayed * k_decayed
-                dG[..., rows, :] += d_exponent
-                dG[..., cols, :] -= d_exponent
+                dG[..., tail, :] += d_exponent
+                dG[..., head, :] -= d_exponent
         dg = dG.flip(-2).cumsum(-2).flip(-2)  # G_t = sum_{u <= t} g_u inside the sub-chunk
-        return d_qk_in[0].flatten(-3, -2), d_qk_in[1].flatten(-3, -2), dg.flatten(-3, -2)
+        return d_rows[0].flatten(-3, -2), dg.flatten(-3, -2), *(d.flatten(-3, -2) for d in d_rows[1:])
 
 
 def _split_subchunks(x: torch.Tensor) -> torch.Tensor:
