@@ -747,8 +747,9 @@ def train_steps(env: Env) -> tuple[str, str, dict]:
     from megaseq.train.trainer import Trainer
 
     plugins = get_plugins()
+    active = {info.dist for info in plugins if info.status == "active"}
     for module, (dist, _, plugin_module) in SOURCES.items():
-        if plugin_module and dist not in {info.dist for info in plugins}:  # not installed: registered from source
+        if plugin_module and dist not in active:  # not installed: registered from this checkout
             plugins.register(importlib.import_module(plugin_module), name=module, dist=dist, version="source")
     choices: list[str] = []
 

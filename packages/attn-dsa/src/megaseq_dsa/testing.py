@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-import megaseq_dsa.layer
+import megaseq_dsa.ops
 from megaseq.records import ModelDims
 from megaseq.testing import build_component
 from megaseq.testing.attention import cp_rank_step
@@ -22,19 +22,20 @@ def build_layer(config: dict[str, Any], d_model: int, seed: int = 0) -> nn.Modul
 
 @contextmanager
 def recorded_selections() -> Iterator[list[tuple[int, int]]]:
-    """Records (queries, keys) of every torch ``select_topk`` call the layer makes inside the block."""
+    """Records (queries, keys) of every torch ``select_topk`` call the layer makes inside the block (the
+    ``torch`` backend looks it up in ``megaseq_dsa.ops`` at each call)."""
     calls: list[tuple[int, int]] = []
-    select = megaseq_dsa.layer.select_topk
+    select = megaseq_dsa.ops.select_topk
 
     def recording(q_idx: Tensor, k_idx: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         calls.append((q_idx.shape[1], k_idx.shape[1]))
         return select(q_idx, k_idx, *args, **kwargs)
 
-    megaseq_dsa.layer.select_topk = recording
+    megaseq_dsa.ops.select_topk = recording
     try:
         yield calls
     finally:
-        megaseq_dsa.layer.select_topk = select
+        megaseq_dsa.ops.select_topk = select
 
 
 def context_parallel_cases(
