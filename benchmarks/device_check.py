@@ -293,7 +293,8 @@ def _origin(module: str) -> str:
         return md.version(dist)
     except md.PackageNotFoundError:
         try:
-            return getattr(importlib.import_module(module), "__version__", "importable")
+            about = f"{module}.__about__" if module in SOURCES else module
+            return getattr(importlib.import_module(about), "__version__", "importable")
         except Exception as exc:  # an import that fails is as good as missing, with its reason
             return f"missing ({_last_line(exc)})"
 
