@@ -5,6 +5,10 @@ output). The backward saves only the inputs and recomputes those intermediates (
 per-token state), then runs kernels_bwd: a reverse sequential pass for the state gradients, then three
 chunk-parallel kernels whose partial gradients are summed here, and a reverse in-chunk cumsum turning
 the gradient of the cumulative gate into the gradient of g.
+
+The cumulative gates are float64 ([T, H, K], 8 bytes per entry, alive during one forward or one backward):
+every exponent is a difference of them, exact before it is rounded to fp32 (see kernels_fwd). The output
+is in q's dtype, the final state fp32, the gradients in their inputs' dtypes.
 """
 
 import itertools
