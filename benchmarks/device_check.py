@@ -80,13 +80,14 @@ SOURCES = {  # import name -> (distribution, source folder, plugin module or Non
 REQUIRED = ["torch", "triton", "numpy", "pydantic", "pluggy", "packaging"]
 OPTIONAL = {"fla": "fla-core", "flash_attn": "flash-attn"}
 
-# max |x - oracle| / max(1, max |oracle|) over the output and every gradient. fp32: the kernels accumulate in
-# fp32 (ieee dots). bf16: inputs, outputs and input gradients are bf16 (2^-8 relative rounding); fla and
-# flash kernels also multiply in bf16 on tensor cores.
+# max |x - oracle| / max(1, max |oracle|) over the output and every gradient. fp32: megaseq's kernels multiply
+# and accumulate in fp32 (ieee dots); fla's multiply fp32 in TF32 on tensor cores (10-bit mantissa). bf16:
+# inputs, outputs and input gradients are bf16 (2^-8 relative rounding); fla and flash kernels also multiply
+# in bf16 on tensor cores.
 TOLERANCE = {
     ("megaseq", "fp32"): 1e-5,
     ("megaseq", "bf16"): 2e-2,
-    ("fla", "fp32"): 2e-3,
+    ("fla", "fp32"): 5e-3,
     ("fla", "bf16"): 3e-2,
     ("sdpa", "fp32"): 1e-4,
     ("sdpa", "bf16"): 3e-2,
