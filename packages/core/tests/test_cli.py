@@ -48,7 +48,8 @@ def test_plugins_listing():
     assert proc.returncode == 0, proc.stderr
     infos = {i["dist"]: i for i in json.loads(proc.stdout)}
     core = infos["megaseq-core"]
-    assert core["status"] == "active" and core["components"] == {"attention": ["sdpa"], "ffn": ["swiglu"]}
+    assert core["status"] == "active"
+    assert core["components"] == {"attention": ["sdpa"], "ffn": ["swiglu"], "inference_engine": ["cached"]}
     text = run("plugins").stdout
     assert "megaseq-core" in text and "attention: sdpa" in text
 

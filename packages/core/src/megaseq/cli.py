@@ -7,6 +7,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from megaseq.__about__ import __version__
 from megaseq.errors import UserError
@@ -135,7 +136,28 @@ Writes heldout.json and heldout_by_position.png to --out, by default RUN/eval/st
 RUN/checkpoints (never into the checkpoint directory itself)."""
 
 
-def parser() -> argparse.ArgumentParser:
+CORE_COMMANDS = ("train", "eval", "plugins", "data")
+
+
+def plugin_commands() -> dict[str, Any]:
+    """``{name: Provided}`` of the commands installed plugins add (hook ``megaseq_command``). A plugin command
+    named like a core command is never dispatched: warned about here, core's own command runs."""
+    from megaseq.plugins import get_plugins
+
+    commands = dict(get_plugins().registry["command"])
+    for name in CORE_COMMANDS:
+        if name in commands:
+            warnings.warn(f"command {name!r} from {commands.pop(name).plugin.label} is ignored: core's own {name!r} runs", stacklevel=2)
+    return commands
+
+
+def run_plugin_command(provided: Any, argv: list[str]) -> int:
+    main_fn = provided.load()
+    status = main_fn(argv)
+    return 0 if status is None else int(status)
+
+
+def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megaseq", description="Plugin-based training for million-token sequences.")
     p.add_argument("--version", action="version", version=f"megaseq-core {__version__}")
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
@@ -171,6 +193,10 @@ def parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_data_fetch)
     ls = dsub.add_parser("list", help="known datasets", description="List the known datasets.")
     ls.set_defaults(func=cmd_data_list)
+
+    for name, provided in sorted((commands or {}).items()):
+        # listed for --help; ``main`` dispatches ``megaseq NAME ARGS...`` to the plugin before argparse runs
+        sub.add_parser(name, help=f"{provided.spec.summary} [{provided.plugin.label}]", add_help=False)
     return p
 
 
@@ -186,9 +212,15 @@ def missing_command(prog: str, commands: argparse.Action):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     _one_line_warnings()
     try:
+        commands: dict[str, Any] = {}
+        if not argv or argv[0] not in CORE_COMMANDS:  # a plugin's command, --help, or a mistake
+            commands = plugin_commands()
+            if argv and argv[0] in commands:
+                return run_plugin_command(commands[argv[0]], argv[1:])
+        args = parser(commands).parse_args(argv)
         return args.func(args)
     except UserError as exc:
         print(f"megaseq: error: {exc}", file=sys.stderr)

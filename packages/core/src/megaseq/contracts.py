@@ -198,18 +198,44 @@ class MemoryPolicy(Protocol):
 
 @runtime_checkable
 class RLAlgorithm(Protocol):
-    """A policy-gradient objective over groups of sampled completions.
+    """A policy-gradient objective over groups of sampled completions (GRPO, RLOO, DAPO, ...).
 
-    ``advantages(rewards [G, n]) -> [G, n]`` (n completions per prompt); ``loss`` receives per-token
-    log-probabilities under the current and the behaviour policy, per-sequence advantages broadcast to
-    tokens, and the token mask, and returns the scalar loss and metrics.
+    Built by its record's target as ``build(config)``. An RL step draws ``G`` prompts, ``n`` completions each
+    (``n >= min_group_size``, else the RL loop refuses to start), and calls, in this order:
+
+    1. ``shape_rewards(rewards [G, n], lengths [G, n], max_new_tokens) -> [G, n]``: reward shaping that
+       depends on completion length (e.g. DAPO's overlong penalty); identity when the algorithm has none.
+       Rewards are finite (the loop rejects NaN/inf before).
+    2. ``filter(rewards [G, n], truncated [G, n] bool) -> (groups [G] bool, completions [G, n] bool)``:
+       which groups to train on (False = drop and resample, e.g. DAPO's dynamic sampling drops groups whose
+       rewards are all equal) and which completions of a kept group contribute tokens (False = masked out,
+       e.g. overlong filtering of truncated completions). Keep-all when the algorithm filters nothing.
+    3. ``advantages(rewards [G, n]) -> [G, n]``: finite, per completion; computed within each group, so a
+       group's advantages do not depend on the other groups.
+    4. ``loss(logprobs, old_logprobs, advantages, mask, entropy=None) -> (loss, metrics)``: all ``[B, T]``
+       (``advantages`` already broadcast to tokens; ``mask`` bool, True for tokens that count; ``entropy``
+       the policy's per-token entropy if the caller has it). ``logprobs`` carry the gradient. The loss is a
+       finite scalar whatever the ratios (masked tokens may hold anything, even inf or NaN, and must not
+       reach the loss or its gradient); ``metrics`` are floats (clip fractions, approximate KL, entropy).
+    5. ``batch_weight(mask [B, T]) -> float``: the weight of a micro-batch in its full batch's loss:
+       ``loss(full batch) == sum_m batch_weight(mask_m) * loss(micro-batch m) / sum_m batch_weight(mask_m)``
+       for any split of the batch's rows (the token count for a token mean, the row count for a mean over
+       sequences), so a step may be split into micro-batches without changing it.
     """
+
+    min_group_size: int
+
+    def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_new_tokens: int) -> Tensor: ...
+
+    def filter(self, rewards: Tensor, truncated: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def advantages(self, rewards: Tensor) -> Tensor: ...
 
     def loss(
-        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor | None = None
     ) -> tuple[Tensor, dict[str, float]]: ...
+
+    def batch_weight(self, mask: Tensor) -> float: ...
 
 
 def iter_modules(model: torch.nn.Module, cls: type) -> Iterator[tuple[str, Any]]:

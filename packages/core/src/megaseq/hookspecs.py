@@ -14,7 +14,15 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from megaseq.records import AttentionSpec, FFNSpec, MemoryPolicySpec, MoESpec, RLAlgorithmSpec
+    from megaseq.records import (
+        AttentionSpec,
+        CommandSpec,
+        FFNSpec,
+        InferenceEngineSpec,
+        MemoryPolicySpec,
+        MoESpec,
+        RLAlgorithmSpec,
+    )
     from megaseq.train.state import StepInfo
 
 PROJECT = "megaseq"
@@ -45,6 +53,32 @@ def megaseq_memory_policy() -> list[MemoryPolicySpec]:
 @hookspec
 def megaseq_rl_algorithm() -> list[RLAlgorithmSpec]:
     """RL algorithms this plugin provides."""
+
+
+@hookspec
+def megaseq_inference_engine() -> list[InferenceEngineSpec]:
+    """Inference engines this plugin provides (see ``megaseq.inference.InferenceEngine``).
+
+    Called once per plugin when the registry is first read (``megaseq plugins``, a recipe naming an
+    engine). Return a list of :class:`megaseq.records.InferenceEngineSpec`; each record's ``target``
+    (imported only when the engine is used) is ``build(config, recipe, plugins) -> InferenceEngine``.
+    An exception marks this plugin broken; the other plugins' engines stay available. Core provides
+    ``cached`` (decoding with the components' own caches).
+    """
+
+
+@hookspec
+def megaseq_command() -> list[CommandSpec]:
+    """Subcommands of the ``megaseq`` command line this plugin provides (e.g. ``megaseq rl``).
+
+    Called once per plugin when the command line starts. Return a list of
+    :class:`megaseq.records.CommandSpec`; ``megaseq NAME ARGS...`` imports the record's ``target``,
+    ``main(argv: list[str]) -> int``, and calls it with ``ARGS``; its return value is the exit status.
+    A :class:`megaseq.errors.UserError` it raises is printed as one line with exit status 2, like core's
+    own commands. A name that is one of core's commands (``train``, ``eval``, ``plugins``, ``data``) is
+    never dispatched to the plugin: core warns and keeps its own. Two plugins with one name are an error
+    naming both. An exception in this hook marks the plugin broken.
+    """
 
 
 @hookspec

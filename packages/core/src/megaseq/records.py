@@ -131,6 +131,25 @@ class RLAlgorithmSpec(Component):
     kind: ClassVar[str] = "rl_algorithm"
 
 
+@dataclass(frozen=True)
+class InferenceEngineSpec(Component):
+    """An inference engine (generate with log-probabilities, score, take new weights): see
+    ``megaseq.inference.InferenceEngine``. ``target`` resolves to ``build(config, recipe, plugins)``: the
+    engine for the model ``recipe`` describes, its components built through ``plugins``."""
+
+    kind: ClassVar[str] = "inference_engine"
+
+
+@dataclass(frozen=True)
+class CommandSpec(Component):
+    """A subcommand of the ``megaseq`` command line. ``target`` resolves to ``main(argv: list[str]) -> int``,
+    called with the arguments after the command's name; ``summary`` is its line in ``megaseq --help``.
+    Its module is imported only when the command runs. ``config`` is unused."""
+
+    kind: ClassVar[str] = "command"
+
+
 SPEC_TYPES: dict[str, type[Component]] = {
-    cls.kind: cls for cls in (AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec)
+    cls.kind: cls
+    for cls in (AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec, InferenceEngineSpec, CommandSpec)
 }

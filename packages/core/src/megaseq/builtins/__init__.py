@@ -1,11 +1,12 @@
-"""Core's built-in components, registered like any plugin: ``sdpa`` attention and the ``swiglu`` FFN."""
+"""Core's built-in components, registered like any plugin: ``sdpa`` attention, the ``swiglu`` FFN and the
+``cached`` inference engine."""
 
 from __future__ import annotations
 
 from megaseq.hookspecs import hookimpl
-from megaseq.records import AttentionSpec, FFNSpec
+from megaseq.records import AttentionSpec, FFNSpec, InferenceEngineSpec
 
-from .config import SDPAConfig, SwiGLUConfig
+from .config import CachedEngineConfig, SDPAConfig, SwiGLUConfig
 
 
 @hookimpl
@@ -30,5 +31,17 @@ def megaseq_ffn() -> list[FFNSpec]:
             config=SwiGLUConfig,
             summary="dense SwiGLU feed-forward",
             memory="megaseq.builtins.swiglu:memory_estimate",
+        )
+    ]
+
+
+@hookimpl
+def megaseq_inference_engine() -> list[InferenceEngineSpec]:
+    return [
+        InferenceEngineSpec(
+            name="cached",
+            target="megaseq.inference.cached:build",
+            config=CachedEngineConfig,
+            summary="decodes with the components' own caches (KDA state, DSA/sdpa key caches); CPU and CUDA, fp32/bf16",
         )
     ]

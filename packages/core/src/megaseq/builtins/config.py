@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from megaseq.records import ComponentConfig
@@ -16,3 +18,10 @@ class SDPAConfig(ComponentConfig):
 
 class SwiGLUConfig(ComponentConfig):
     hidden: int | None = Field(None, ge=1, description="default: 8/3 * d_model rounded up to a multiple of 64")
+
+
+class CachedEngineConfig(ComponentConfig):
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="weights, activations and caches (logits in fp32)")
+    max_model_len: int = Field(1_048_576, ge=2, description="longest prompt + max_new_tokens accepted")
+    loss_chunk: int = Field(4096, ge=1, description="tokens per chunk of the LM head when scoring")
