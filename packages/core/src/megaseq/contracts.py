@@ -216,7 +216,8 @@ class RLAlgorithm(Protocol):
        (``advantages`` already broadcast to tokens; ``mask`` bool, True for tokens that count; ``entropy``
        the policy's per-token entropy if the caller has it). ``logprobs`` carry the gradient. The loss is a
        finite scalar whatever the ratios (masked tokens may hold anything, even inf or NaN, and must not
-       reach the loss or its gradient); ``metrics`` are floats (clip fractions, approximate KL, entropy).
+       reach the loss or its gradient); ``metrics`` are floats (clip fractions, approximate KL), with
+       ``metrics["entropy"]`` the mean of ``entropy`` over the unmasked tokens when it is given.
     5. ``batch_weight(mask [B, T]) -> float``: the weight of a micro-batch in its full batch's loss:
        ``loss(full batch) == sum_m batch_weight(mask_m) * loss(micro-batch m) / sum_m batch_weight(mask_m)``
        for any split of the batch's rows (the token count for a token mean, the row count for a mean over

@@ -1,0 +1,180 @@
+"""The RL-algorithm conformance suite run on a small PPO-clip/GRPO defined here, and failing wrong ones.
+
+Each wrong algorithm breaks exactly one promise and is shown to be caught by the check named beside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from megaseq.testing.rl import RLAlgorithmConformance
+
+
+class GroupNormPPO:
+    """GRPO advantages (Bessel std, +1e-6), PPO clip 0.2, token mean; written independently of megaseq-rl."""
+
+    min_group_size = 1
+    eps = 0.2
+
+    def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_new_tokens: int) -> Tensor:
+        return rewards
+
+    def filter(self, rewards: Tensor, truncated: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.ones(rewards.shape[0], dtype=torch.bool), torch.ones_like(truncated)
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        if rewards.shape[1] == 1:
+            return torch.zeros_like(rewards)
+        centred = rewards - rewards.mean(-1, keepdim=True)
+        return centred / (rewards.std(-1, keepdim=True) + 1e-6)
+
+    def ratio(self, logprobs: Tensor, old: Tensor) -> Tensor:
+        return torch.exp((logprobs - old).clamp(-20, 20))
+
+    def token_loss(self, logprobs: Tensor, old: Tensor, adv: Tensor) -> Tensor:
+        rho = self.ratio(logprobs, old)
+        return -torch.minimum(rho * adv, rho.clamp(1 - self.eps, 1 + self.eps) * adv)
+
+    def loss(self, logprobs, old_logprobs, advantages, mask, entropy=None):
+        zero = torch.zeros((), dtype=logprobs.dtype)
+        lp, old, adv = (torch.where(mask, t, zero) for t in (logprobs, old_logprobs, advantages))
+        per_token = torch.where(mask, self.token_loss(lp, old, adv), zero)
+        loss = per_token.sum() / mask.sum().clamp_min(1)
+        metrics = {} if entropy is None else {"entropy": float(entropy[mask].mean())}
+        return loss, metrics
+
+    def batch_weight(self, mask: Tensor) -> float:
+        return float(mask.sum())
+
+
+class TestReferenceConformance(RLAlgorithmConformance):
+    name = "group-norm-ppo"
+    scale_invariant = True
+
+    def build(self):
+        return GroupNormPPO()
+
+
+# --- wrong algorithms, each with the check that must catch it --------------------------------------------
+class BatchNormalised(GroupNormPPO):
+    def advantages(self, rewards):  # normalises over the whole batch, not per group
+        return (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+
+
+class NoEpsilon(GroupNormPPO):
+    def advantages(self, rewards):  # 0 / 0 on a group of equal rewards
+        return (rewards - rewards.mean(-1, keepdim=True)) / rewards.std(-1, keepdim=True)
+
+
+class NotCentred(GroupNormPPO):
+    def advantages(self, rewards):  # divides by the std but forgets the mean
+        return rewards / (rewards.std(-1, keepdim=True) + 1e-6)
+
+
+class NotScaled(GroupNormPPO):
+    def advantages(self, rewards):  # "GRPO" without the division: RLOO-like, not scale invariant
+        return rewards - rewards.mean(-1, keepdim=True)
+
+
+class Reversed(GroupNormPPO):
+    def advantages(self, rewards):  # sign flipped: rewards the worst completion
+        return -super().advantages(rewards)
+
+
+class NoSingletonRule(GroupNormPPO):
+    def advantages(self, rewards):  # std of one sample is NaN
+        return (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-6)
+
+
+class MaskAfter(GroupNormPPO):
+    def loss(self, logprobs, old_logprobs, advantages, mask, entropy=None):  # NaN * 0 = NaN
+        per_token = self.token_loss(logprobs, old_logprobs, advantages) * mask
+        return per_token.sum() / mask.sum(), {}
+
+
+class MeanOverAll(GroupNormPPO):
+    def loss(self, logprobs, old_logprobs, advantages, mask, entropy=None):  # padding counts in the mean
+        zero = torch.zeros((), dtype=logprobs.dtype)
+        lp, old, adv = (torch.where(mask, t, zero) for t in (logprobs, old_logprobs, advantages))
+        return self.token_loss(lp, old, adv).mean(), {}
+
+    def batch_weight(self, mask):
+        return float(mask.numel())
+
+
+class Unclamped(GroupNormPPO):
+    def ratio(self, logprobs, old):  # exp(1000) = inf
+        return torch.exp(logprobs - old)
+
+
+class SignFlipped(GroupNormPPO):
+    def token_loss(self, logprobs, old, adv):
+        return -super().token_loss(logprobs, old, adv)
+
+
+class Unclipped(GroupNormPPO):
+    def token_loss(self, logprobs, old, adv):
+        return -self.ratio(logprobs, old) * adv
+
+
+class UnitWeights(GroupNormPPO):
+    def batch_weight(self, mask):  # averages micro-batch means: wrong when rows hold different token counts
+        return 1.0
+
+
+class EntropyOverAll(GroupNormPPO):
+    def loss(self, logprobs, old_logprobs, advantages, mask, entropy=None):
+        loss, _ = super().loss(logprobs, old_logprobs, advantages, mask)
+        return loss, {} if entropy is None else {"entropy": float(entropy.mean())}
+
+
+class DropsEverything(GroupNormPPO):
+    def filter(self, rewards, truncated):
+        return torch.zeros(rewards.shape[0], dtype=torch.bool), torch.zeros_like(truncated)
+
+
+class ShapesAcrossGroups(GroupNormPPO):
+    def shape_rewards(self, rewards, lengths, max_new_tokens):  # a penalty relative to the batch's longest
+        return rewards - (lengths == lengths.max()).to(rewards.dtype)
+
+
+class ScalarAdvantage(GroupNormPPO):
+    def advantages(self, rewards):  # one number per group instead of one per completion
+        return super().advantages(rewards).mean(-1, keepdim=True)
+
+
+@pytest.mark.filterwarnings("ignore:std.*degrees of freedom")
+@pytest.mark.parametrize(
+    ("wrong", "check"),
+    [
+        (BatchNormalised, "test_advantages_per_group"),
+        (NoEpsilon, "test_equal_rewards_give_zero_advantage"),
+        (NotCentred, "test_advantages_shift_invariant"),
+        (NotScaled, "test_advantages_scale_invariant"),
+        (Reversed, "test_advantages_order_with_rewards"),
+        (NoSingletonRule, "test_smallest_group"),
+        (MaskAfter, "test_mask_respected"),
+        (MeanOverAll, "test_mask_respected"),
+        (Unclamped, "test_finite_on_extreme_ratios"),
+        (SignFlipped, "test_on_policy_gradient_is_policy_gradient"),
+        (Unclipped, "test_clipped_tokens_get_no_gradient"),
+        (UnitWeights, "test_micro_batches_recombine"),
+        (EntropyOverAll, "test_entropy_metric"),
+        (DropsEverything, "test_filter"),
+        (ShapesAcrossGroups, "test_shape_rewards"),
+        (ScalarAdvantage, "test_advantages_shape_and_finite"),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else v,
+)
+def test_suite_catches_wrong_algorithm(wrong: type, check: str) -> None:
+    class Suite(RLAlgorithmConformance):
+        name = wrong.__name__
+        scale_invariant = True
+
+        def build(self):
+            return wrong()
+
+    with pytest.raises(AssertionError):
+        getattr(Suite(), check)()
