@@ -1,0 +1,45 @@
+"""Config schemas of the RL algorithms and of the vLLM engine (torch-free, so listing plugins stays cheap)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from megaseq.records import ComponentConfig
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean"]
+
+
+class PolicyLossConfig(ComponentConfig):
+    """Keys shared by every algorithm here: the PPO clip range, the dual clip and the loss aggregation."""
+
+    eps_low: float = Field(0.2, ge=0, lt=1, description="ratio clipped below at 1 - eps_low")
+    eps_high: float = Field(0.2, ge=0, description="ratio clipped above at 1 + eps_high")
+    dual_clip: float | None = Field(None, gt=1, description="for A < 0 cap the per-token loss at -dual_clip * A; None = off")
+    loss_agg: LossAgg = Field("token-mean", description="token-mean or seq-mean-token-mean")
+
+
+class GRPOConfig(PolicyLossConfig):
+    pass
+
+
+class RLOOConfig(PolicyLossConfig):
+    pass
+
+
+class DAPOConfig(PolicyLossConfig):
+    eps_high: float = Field(0.28, ge=0, description="clip-higher: ratio clipped above at 1 + eps_high")
+    dual_clip: float | None = Field(3.0, gt=1, description="for A < 0 cap the per-token loss at -dual_clip * A")
+    dynamic_sampling: bool = Field(True, description="drop (and resample) groups whose rewards are all equal")
+    overlong_filter: bool = Field(True, description="truncated completions (no stop token) contribute no tokens")
+    overlong_buffer: int = Field(0, ge=0, description="soft overlong penalty over the last N tokens of max_new_tokens; 0 = off")
+    overlong_penalty: float = Field(1.0, ge=0, description="penalty at max_new_tokens (linear ramp over the buffer)")
+
+
+class VLLMEngineConfig(ComponentConfig):
+    dtype: Literal["fp32", "bf16"] = "bf16"
+    max_model_len: int = Field(1_048_576, ge=2)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    enforce_eager: bool = Field(True, description="no CUDA graphs (the model's decode path is Python)")
