@@ -1,0 +1,84 @@
+"""``megaseq rl`` and ``megaseq logprob-gap``: commands this plugin adds to the ``megaseq`` command line
+(hook ``megaseq_command``). Mistakes raise ``megaseq.errors.UserError``; core prints one line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megaseq.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line through core's handler instead of usage + message
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def rl_main(argv: list[str]) -> int:
+    p = _Parser(prog="megaseq rl", description="RL fine-tuning of a megaseq checkpoint, as an RL recipe describes.")
+    p.add_argument("recipe", help="an RL recipe, e.g. packages/rl/recipes/genome-rl.toml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    from megaseq.plugins import get_plugins
+    from megaseq_rl.loop import RLRun
+    from megaseq_rl.recipe import load_rl_recipe
+
+    plugins = get_plugins()
+    recipe = load_rl_recipe(args.recipe, plugins, args.set)
+    result = RLRun(recipe, plugins, progress=not args.no_progress).run()
+    first, last = result.history[0], result.history[-1]
+    rewards = [h["reward/mean"] for h in result.history if "reward/mean" in h]
+    k = max(1, len(rewards) // 4)
+    print(f"mean rollout reward: first {k} steps {sum(rewards[:k]) / k:.4f}, last {k} steps {sum(rewards[-k:]) / k:.4f}")
+    print(f"held-out reward {first['eval/heldout_reward']:.4f} -> {last['eval/heldout_reward']:.4f}; "
+          f"held-out loss {first['eval/heldout_bits_per_base']:.4f} -> {last['eval/heldout_bits_per_base']:.4f} bits/base")
+    print(f"wrote {result.out_dir}/rl_curve.png, rl_history.json, metrics.jsonl; checkpoints in {result.out_dir}/checkpoints")
+    return 0
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UserError(f"megaseq logprob-gap: --lengths: expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def logprob_gap_main(argv: list[str]) -> int:
+    p = _Parser(
+        prog="megaseq logprob-gap",
+        description="An engine generates greedily after a held-out DNA prompt of each length; the training forward "
+        "re-scores the same tokens; mean and max |delta logprob| per length.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    p.add_argument("--lengths", default="1024,16384,131072", help="prompt lengths, comma-separated")
+    p.add_argument("--engine", default="cached", help="inference engine name (megaseq plugins lists them)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated after each prompt")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--no-routing-replay", action="store_true", help="report the gap without R3 (MoE models)")
+    p.add_argument("--data", help="dataset or FASTA of the prompts; default: the checkpoint's data.heldout")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per length")
+    args = p.parse_args(argv)
+    lengths = _lengths(args.lengths)
+    if args.new_tokens < 1:
+        raise UserError(f"megaseq logprob-gap: --new-tokens must be >= 1, got {args.new_tokens}")
+
+    from megaseq.plugins import get_plugins
+    from megaseq_rl.gap import format_rows, measure_gap
+
+    rows = measure_gap(
+        args.checkpoint, lengths, get_plugins(), engine=args.engine, dtype=args.dtype, new_tokens=args.new_tokens,
+        device=args.device, routing_replay=not args.no_routing_replay, dataset=args.data,
+    )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_rows(rows))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,92 @@
+"""The trainer/engine log-probability gap (the reported run's correctness check).
+
+For each prompt length L: a held-out DNA window of L bases (the middle window without N of the policy's
+held-out chromosome) is the prompt; the engine continues it greedily for ``new_tokens`` tokens and reports
+the log-probability of each; the training forward (``megaseq.inference.sequence_logprobs``: fp32 weights,
+bf16 autocast when ``dtype = "bf16"``, as in training) re-scores the same tokens. Reported per length: mean
+and max |delta logprob| over the generated tokens. For a model with MoE layers the training forward runs
+twice, replaying the engine's routing (R3) and routing by itself, so the effect of routing replay is
+measured on the same tokens; ``mean_abs``/``max_abs`` are those of the mode asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megaseq.contracts import ForwardContext
+from megaseq.data.sources import tokenized
+from megaseq.data.windows import GenomeWindows
+from megaseq.errors import UserError
+from megaseq.inference import SamplingParams, sequence_logprobs
+from megaseq.plugins import Plugins
+from megaseq.train.trainer import pick_device
+from megaseq_rl.policy import load_policy
+
+
+def heldout_prompt(dataset: str, length: int) -> torch.Tensor:
+    windows = GenomeWindows(tokenized(dataset), length, max_n_fraction=0.0)
+    if len(windows) == 0:
+        raise UserError(f"--lengths: {dataset!r} has no window of {length} bases without N")
+    return windows.batch([len(windows) // 2]).inputs
+
+
+def measure_gap(
+    checkpoint: str,
+    lengths: list[int],
+    plugins: Plugins,
+    *,
+    engine: str = "cached",
+    dtype: str = "fp32",
+    new_tokens: int = 32,
+    device: str = "auto",
+    routing_replay: bool = True,
+    dataset: str | None = None,
+) -> list[dict[str, Any]]:
+    _, recipe, model = load_policy(checkpoint, plugins)
+    torch_device = pick_device(device)
+    model.to(torch_device).eval()
+    provided = plugins.get("inference_engine", engine, where="--engine")
+    fields = provided.spec.config.model_fields
+    options = {"dtype": dtype, "device": device, "max_model_len": max(lengths) + new_tokens}
+    config = provided.spec.config(**{k: v for k, v in options.items() if k in fields})
+    served = provided.load()(config, recipe, plugins)
+    served.update_weights(model.state_dict())
+    has_moe = recipe.model.moe is not None
+    rows = []
+    for length in lengths:
+        prompt = heldout_prompt(dataset or recipe.data.heldout, length)
+        gen = served.generate(prompt, SamplingParams(new_tokens, temperature=0.0))
+        tokens = torch.cat([prompt, gen.tokens.cpu()], 1).to(torch_device)
+        engine_lp = gen.logprobs.to(torch_device)
+        mask = gen.mask.to(torch_device)
+        modes = [True, False] if has_moe else [False]
+        row: dict[str, Any] = {"length": length, "new_tokens": new_tokens, "dtype": dtype, "engine": engine,
+                               "routing_replay": routing_replay and has_moe}
+        for replay in modes:
+            ctx = ForwardContext(routing=gen.replay() if replay else None)
+            with torch.no_grad(), torch.autocast(torch_device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                trainer_lp = sequence_logprobs(model, tokens, ctx, 1.0, recipe.train.loss_chunk)[:, length - 1 :]
+            delta = (trainer_lp.float() - engine_lp).abs()[mask]
+            stats = {"mean_abs": float(delta.mean()), "max_abs": float(delta.max())}
+            if replay == row["routing_replay"]:
+                row.update(stats)
+            if has_moe:
+                row.update({f"{'with' if replay else 'without'}_replay_{k}": v for k, v in stats.items()})
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    moe = "with_replay_mean_abs" in rows[0]
+    head = f"{'length':>9} {'dtype':>5} {'mean |d|':>10} {'max |d|':>10}"
+    if moe:
+        head += f" {'mean, R3':>10} {'mean, no R3':>12}"
+    lines = [head]
+    for r in rows:
+        line = f"{r['length']:>9} {r['dtype']:>5} {r['mean_abs']:>10.2e} {r['max_abs']:>10.2e}"
+        if moe:
+            line += f" {r['with_replay_mean_abs']:>10.2e} {r['without_replay_mean_abs']:>12.2e}"
+        lines.append(line)
+    return "\n".join(lines)

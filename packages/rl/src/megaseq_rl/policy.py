@@ -1,0 +1,61 @@
+"""The policy: a megaseq checkpoint, its recipe and its model; and the training forward's per-token terms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from megaseq.config import Recipe, validate_recipe
+from megaseq.contracts import ForwardContext
+from megaseq.model import LanguageModel, build_model
+from megaseq.plugins import Plugins
+from megaseq.train.checkpoint import latest_checkpoint, load_weights, read_meta
+
+
+def load_policy(checkpoint: str | Path, plugins: Plugins) -> tuple[Path, Recipe, LanguageModel]:
+    """``(checkpoint directory, its recipe, the model with its weights)``. A run directory means its newest
+    checkpoint; a checkpoint whose components are not installed is a one-line ``PluginError``."""
+    path = Path(checkpoint)
+    if (path / "checkpoints").is_dir():
+        path = latest_checkpoint(path / "checkpoints") or path
+    meta = read_meta(path)
+    recipe = validate_recipe(meta["recipe"], plugins, source=f"{path}/meta.json")
+    model = build_model(recipe, plugins)
+    load_weights(path, model)
+    return path, recipe, model
+
+
+def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    logits = (hidden @ weight.to(hidden.dtype).t()).float() / temperature
+    return F.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def _chunk_entropy(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    logp = F.log_softmax((hidden @ weight.to(hidden.dtype).t()).float() / temperature, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def completion_terms(
+    model: LanguageModel, tokens: Tensor, prompt_len: int, ctx: ForwardContext, temperature: float, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """Policy log-probabilities (with gradient) and entropies (without) of ``tokens[:, prompt_len:]``, each
+    ``[B, N]`` fp32: one forward over ``tokens[:, :-1]``, the LM head ``chunk`` tokens at a time (recomputed in
+    backward), so full-sequence logits never exist. Equals ``megaseq.inference.sequence_logprobs`` there."""
+    hidden = model(tokens[:, :-1], ctx)[:, prompt_len - 1 :]
+    targets = tokens[:, prompt_len:]
+    flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    weight = model.head_weight
+    logprobs, entropies = [], []
+    for start in range(0, flat_t.numel(), chunk):
+        h, t = flat_h[start : start + chunk], flat_t[start : start + chunk]
+        if torch.is_grad_enabled():
+            logprobs.append(checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False))
+        else:
+            logprobs.append(_chunk_logprobs(h, weight, t, temperature))
+        entropies.append(_chunk_entropy(h.detach(), weight.detach(), temperature))
+    return torch.cat(logprobs).view(targets.shape), torch.cat(entropies).view(targets.shape)
