@@ -205,7 +205,7 @@ class RLRun:
                 loss, m = self.algorithm.loss(logprobs, old[rows], adv[rows], mask[rows], entropy)
                 aux = sum(ctx.losses.values()) * ((rows.stop - rows.start) / b) if ctx.losses else 0.0
                 (loss * weight + aux).backward()
-                for key, value in {**m, "loss": float(loss), **{f"aux/{k}": float(v.detach()) for k, v in ctx.losses.items()}}.items():
+                for key, value in {**m, "loss": float(loss.detach()), **{f"aux/{k}": float(v.detach()) for k, v in ctx.losses.items()}}.items():
                     sums[key] = sums.get(key, 0.0) + value * weight / t.updates_per_step
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))

@@ -1,0 +1,188 @@
+"""The RL loop on a tiny checkpoint: a run, its outputs, and every bad input of the issue as one line, exit 2,
+with no checkpoint written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaseq.cli import main
+from megaseq.inference.cached import CachedEngine
+from megaseq.plugins import get_plugins
+from megaseq.train.checkpoint import read_meta
+from megaseq_rl.loop import RLRun
+from megaseq_rl.recipe import validate_rl_recipe
+from megaseq_rl.task import ContinuationTask
+
+
+def rl_recipe(tmp_path: Path, checkpoint: Path, **sections) -> dict:
+    raw = {
+        "run": {"name": "t", "out_dir": str(tmp_path / "rl"), "device": "cpu"},
+        "policy": {"checkpoint": str(checkpoint)},
+        "task": {"prompt_len": 24},
+        "sampling": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 6},
+        "algorithm": {"name": "grpo"},
+        "train": {"steps": 2, "micro_batch": 4, "lr": 1e-3},
+        "eval": {"every": 1, "windows": 2, "reward_prompts": 3},
+    }
+    for name, table in sections.items():
+        raw[name] = {**raw.get(name, {}), **table}
+    return raw
+
+
+def write(tmp_path: Path, raw: dict) -> Path:
+    lines = []
+    for section, table in raw.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in table.items() if not isinstance(v, dict)]
+        for name, sub in table.items():
+            if isinstance(sub, dict):
+                lines.append(f"[{section}.{name}]")
+                lines += [f"{k} = {json.dumps(v)}" for k, v in sub.items()]
+    path = tmp_path / "rl.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_run_writes_history_plot_and_a_checkpoint_core_reads(tmp_path, policy_checkpoint):
+    plugins = get_plugins()
+    recipe = validate_rl_recipe(rl_recipe(tmp_path, policy_checkpoint, algorithm={"name": "dapo"}), plugins)
+    run = RLRun(recipe, plugins, progress=False)
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    result = run.run()
+    steps = [h for h in result.history if h["step"] > 0]
+    assert len(steps) == 2 and all("reward/mean" in h and "eval/heldout_reward" in h for h in steps)
+    updated = [h for h in steps if "policy/loss" in h]
+    assert updated and all(h["rollout/logprob_gap"] < 1e-4 for h in updated)  # fp32 engine and trainer agree
+    assert any(not torch.equal(before[k], v) for k, v in run.model.state_dict().items()), "the policy did not change"
+    # weight sync: the engine scores with the trained weights
+    tokens = torch.randint(0, 4, (2, 20))
+    assert torch.allclose(run.engine.score(tokens), CachedEngine.score(run.engine, tokens))
+    ref = run.engine.score(tokens)
+    from megaseq.contracts import ForwardContext
+    from megaseq.inference import sequence_logprobs
+
+    run.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(sequence_logprobs(run.model, tokens, ForwardContext()), ref, atol=1e-5)
+    out = result.out_dir
+    assert (out / "rl_curve.png").stat().st_size > 1000
+    meta = read_meta(out / "checkpoints" / "step_0000002")
+    assert meta["recipe"]["model"]["layer_pattern"] == ["sdpa"] and meta["rl_recipe"]["algorithm"]["name"] == "dapo"
+    assert main(["logprob-gap", str(out), "--lengths", "40", "--new-tokens", "4", "--device", "cpu"]) == 0
+
+
+def test_micro_batch_split_does_not_change_the_step(tmp_path, policy_checkpoint):
+    plugins = get_plugins()
+    weights = []
+    for micro in (9, 2):
+        raw = rl_recipe(tmp_path / str(micro), policy_checkpoint, train={"steps": 1, "micro_batch": micro})
+        run = RLRun(validate_rl_recipe(raw, plugins), plugins, progress=False)
+        run.train_step()
+        weights.append(run.model.state_dict())
+    for name, value in weights[0].items():
+        assert torch.allclose(value, weights[1][name], atol=1e-6), name
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("megaseq: error")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def assert_no_checkpoint(tmp_path: Path) -> None:
+    assert not list((tmp_path / "rl").glob("checkpoints/step_*")), "a checkpoint was written by a failed run"
+
+
+def test_nan_rewards(tmp_path, policy_checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(ContinuationTask, "reward", lambda self, a, t, m: torch.full((t.shape[0],), float("nan")))
+    assert main(["rl", str(write(tmp_path, rl_recipe(tmp_path, policy_checkpoint))), "--no-progress"]) == 2
+    assert "non-finite rewards" in one_error_line(capsys)
+    assert_no_checkpoint(tmp_path)
+
+
+def test_group_of_one_with_rloo(tmp_path, policy_checkpoint, capsys):
+    raw = rl_recipe(tmp_path, policy_checkpoint, algorithm={"name": "rloo"}, sampling={"group_size": 1})
+    assert main(["rl", str(write(tmp_path, raw))]) == 2
+    assert "group_size = 1" in one_error_line(capsys)
+    assert_no_checkpoint(tmp_path)
+
+
+def test_prompt_longer_than_the_engine_allows(tmp_path, policy_checkpoint, capsys):
+    raw = rl_recipe(tmp_path, policy_checkpoint, engine={"name": "cached", "cached": {"max_model_len": 20}})
+    assert main(["rl", str(write(tmp_path, raw))]) == 2
+    assert "max_model_len 20" in one_error_line(capsys)
+    assert_no_checkpoint(tmp_path)
+
+
+def test_engine_tokens_outside_the_vocabulary(tmp_path, policy_checkpoint, capsys, monkeypatch):
+    generate = CachedEngine.generate
+
+    def wrong(self, prompts, params):
+        out = generate(self, prompts, params)
+        out.tokens[0, 0] = 7
+        return out
+
+    monkeypatch.setattr(CachedEngine, "generate", wrong)
+    assert main(["rl", str(write(tmp_path, rl_recipe(tmp_path, policy_checkpoint))), "--no-progress"]) == 2
+    assert "outside the model's vocabulary [0, 5)" in one_error_line(capsys)
+    assert_no_checkpoint(tmp_path)
+
+
+def test_checkpoint_whose_components_are_not_installed(tmp_path, policy_checkpoint, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(policy_checkpoint, broken)
+    meta = json.loads((broken / "meta.json").read_text())
+    meta["recipe"]["model"]["layer_pattern"] = ["not-installed-attention"]
+    meta["recipe"]["attention"] = {"not-installed-attention": meta["recipe"]["attention"]["sdpa"]}
+    (broken / "meta.json").write_text(json.dumps(meta))
+    assert main(["rl", str(write(tmp_path, rl_recipe(tmp_path, broken)))]) == 2
+    assert "not-installed-attention" in one_error_line(capsys)
+    assert main(["logprob-gap", str(broken), "--lengths", "32"]) == 2
+    assert "not-installed-attention" in one_error_line(capsys)
+    assert_no_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"bogus": {"x": 1}}, "[bogus]: unknown section"),
+        ({"sampling": {"group_sise": 2}}, "sampling.group_sise: unknown key"),
+        ({"algorithm": {"name": "ppo2"}}, "no rl_algorithm named 'ppo2'; available: dapo, grpo, rloo"),
+        ({"algorithm": {"name": "grpo", "dapo": {"eps_high": 0.3}}}, "[algorithm.dapo] is configured but algorithm.name is 'grpo'"),
+        ({"algorithm": {"name": "dapo", "dapo": {"eps_hi": 0.3}}}, "[algorithm.dapo]: eps_hi: unknown key; allowed: eps_low"),
+        ({"engine": {"name": "cached", "cached": {"dtype": "fp8"}}}, "[engine.cached]: dtype"),
+    ],
+)
+def test_recipe_mistakes_are_one_line(tmp_path, policy_checkpoint, capsys, change, expected):
+    raw = rl_recipe(tmp_path, policy_checkpoint)
+    for section, table in change.items():
+        raw[section] = table
+    assert main(["rl", str(write(tmp_path, raw))]) == 2
+    assert expected in one_error_line(capsys)
+
+
+def test_gap_command_arguments(policy_checkpoint, capsys):
+    assert main(["logprob-gap", str(policy_checkpoint), "--lengths", "0,5"]) == 2
+    assert "--lengths" in one_error_line(capsys)
+    assert main(["logprob-gap", str(policy_checkpoint), "--lengths", "32", "--engine", "nope"]) == 2
+    assert "no inference_engine named 'nope'" in one_error_line(capsys)
+    assert main(["logprob-gap", str(policy_checkpoint), "--bogus"]) == 2
+    assert "unrecognized arguments" in one_error_line(capsys)
+
+
+def test_gap_fp32_and_bf16(policy_checkpoint, capsys):
+    assert main(["logprob-gap", str(policy_checkpoint), "--lengths", "48,200", "--new-tokens", "8", "--device", "cpu", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["length"] for r in rows] == [48, 200]
+    assert all(r["mean_abs"] <= 1e-4 and r["max_abs"] >= r["mean_abs"] for r in rows), rows
+    assert main(["logprob-gap", str(policy_checkpoint), "--lengths", "48", "--new-tokens", "8", "--device", "cpu",
+                 "--dtype", "bf16", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert 0 < row["mean_abs"] < 0.05, row
