@@ -186,3 +186,26 @@ def test_gap_fp32_and_bf16(policy_checkpoint, capsys):
                  "--dtype", "bf16", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert 0 < row["mean_abs"] < 0.05, row
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("ray") is not None, reason="Ray is installed here")
+def test_rollout_workers_without_ray(tmp_path, policy_checkpoint, capsys):
+    raw = rl_recipe(tmp_path, policy_checkpoint, sampling={"rollout_workers": 2})
+    assert main(["rl", str(write(tmp_path, raw))]) == 2
+    assert "pip install 'megaseq-rl[ray]'" in one_error_line(capsys)
+    assert_no_checkpoint(tmp_path)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("ray") is None, reason="needs Ray (pip install 'megaseq-rl[ray]')")
+def test_rollout_workers_as_ray_actors_match_one_engine(tmp_path, policy_checkpoint):
+    from megaseq.inference import SamplingParams
+    from megaseq_rl.rollout import RayEngines
+
+    plugins = get_plugins()
+    run = RLRun(validate_rl_recipe(rl_recipe(tmp_path, policy_checkpoint), plugins), plugins, progress=False)
+    actors = RayEngines("cached", run.recipe.engine_config, run.policy_recipe, workers=2)
+    actors.update_weights(run.model.state_dict())
+    prompts = torch.randint(0, 4, (4, 12))
+    greedy = SamplingParams(5, temperature=0.0)
+    assert torch.equal(actors.generate(prompts, greedy).tokens, run.engine.generate(prompts, greedy).tokens)
+    assert torch.allclose(actors.score(prompts), run.engine.score(prompts), atol=1e-6)
