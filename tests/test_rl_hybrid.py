@@ -63,3 +63,13 @@ def test_rl_step_on_hybrid_replays_routing(tmp_path, hybrid_checkpoint):
     metrics = run.update(batch)
     assert metrics["rollout/logprob_gap"] < 1e-4, metrics
     assert "aux/dsa_indexer" in {k.removeprefix("policy/") for k in metrics} and "moe/routing_entropy" in metrics
+
+
+def test_gap_reports_both_routing_modes(hybrid_checkpoint):
+    from megaseq_rl.gap import measure_gap
+
+    (fp32,) = measure_gap(str(hybrid_checkpoint), [40], get_plugins(), new_tokens=6, device="cpu")
+    assert fp32["routing_replay"] and fp32["mean_abs"] <= 1e-4 and fp32["routing_mismatch"] == 0.0
+    (bf16,) = measure_gap(str(hybrid_checkpoint), [40], get_plugins(), new_tokens=6, device="cpu", dtype="bf16")
+    assert 0 <= bf16["routing_mismatch"] <= 1 and bf16["with_replay_mean_abs"] == bf16["mean_abs"]
+    assert 0 < bf16["mean_abs"] < 0.05 and bf16["without_replay_mean_abs"] > 0

@@ -6,7 +6,8 @@ the log-probability of each; the training forward (``megaseq.inference.sequence_
 bf16 autocast when ``dtype = "bf16"``, as in training) re-scores the same tokens. Reported per length: mean
 and max |delta logprob| over the generated tokens. For a model with MoE layers the training forward runs
 twice, replaying the engine's routing (R3) and routing by itself, so the effect of routing replay is
-measured on the same tokens; ``mean_abs``/``max_abs`` are those of the mode asked for.
+measured on the same tokens; ``mean_abs``/``max_abs`` are those of the mode asked for, and
+``routing_mismatch`` is the fraction of (token, MoE layer) choices on which the two forwards disagree.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megaseq.contracts import ForwardContext
+from megaseq.contracts import ForwardContext, RoutingReplay
 from megaseq.data.sources import tokenized
 from megaseq.data.windows import GenomeWindows
 from megaseq.errors import UserError
@@ -30,6 +31,17 @@ def heldout_prompt(dataset: str, length: int) -> torch.Tensor:
     if len(windows) == 0:
         raise UserError(f"--lengths: {dataset!r} has no window of {length} bases without N")
     return windows.batch([len(windows) // 2]).inputs
+
+
+def routing_mismatch(engine: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor]) -> float:
+    """Fraction of (token, MoE layer) pairs whose set of experts differs between the engine and a training
+    forward that routed by itself."""
+    differ, total = 0, 0
+    for key, chosen in engine.items():
+        own = trainer[key].view_as(chosen).to(chosen.device)
+        differ += int((chosen.sort(-1).values != own.sort(-1).values).any(-1).sum())
+        total += chosen.shape[0] * chosen.shape[1]
+    return differ / max(total, 1)
 
 
 def measure_gap(
@@ -65,7 +77,7 @@ def measure_gap(
         row: dict[str, Any] = {"length": length, "new_tokens": new_tokens, "dtype": dtype, "engine": engine,
                                "routing_replay": routing_replay and has_moe}
         for replay in modes:
-            ctx = ForwardContext(routing=gen.replay() if replay else None)
+            ctx = ForwardContext(routing=gen.replay() if replay else RoutingReplay("record"))
             with torch.no_grad(), torch.autocast(torch_device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
                 trainer_lp = sequence_logprobs(model, tokens, ctx, 1.0, recipe.train.loss_chunk)[:, length - 1 :]
             delta = (trainer_lp.float() - engine_lp).abs()[mask]
@@ -74,6 +86,8 @@ def measure_gap(
                 row.update(stats)
             if has_moe:
                 row.update({f"{'with' if replay else 'without'}_replay_{k}": v for k, v in stats.items()})
+            if has_moe and not replay:
+                row["routing_mismatch"] = routing_mismatch(gen.routing, ctx.routing.indices)
         rows.append(row)
     return rows
 
@@ -82,11 +96,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     moe = "with_replay_mean_abs" in rows[0]
     head = f"{'length':>9} {'dtype':>5} {'mean |d|':>10} {'max |d|':>10}"
     if moe:
-        head += f" {'mean, R3':>10} {'mean, no R3':>12}"
+        head += f" {'mean, R3':>10} {'mean, no R3':>12} {'routing differs':>16}"
     lines = [head]
     for r in rows:
         line = f"{r['length']:>9} {r['dtype']:>5} {r['mean_abs']:>10.2e} {r['max_abs']:>10.2e}"
         if moe:
-            line += f" {r['with_replay_mean_abs']:>10.2e} {r['without_replay_mean_abs']:>12.2e}"
+            line += f" {r['with_replay_mean_abs']:>10.2e} {r['without_replay_mean_abs']:>12.2e} {r['routing_mismatch']:>16.2%}"
         lines.append(line)
     return "\n".join(lines)
