@@ -96,9 +96,9 @@ class RLRun:
         self.task = build_task(recipe.task.name, recipe.task.train or d.train, recipe.task.prompt_len, s.max_new_tokens)
         heldout_task = build_task(recipe.task.name, recipe.task.heldout or d.heldout, recipe.task.prompt_len, s.max_new_tokens)
         self.heldout_prompts = heldout_task.sample(recipe.eval.reward_prompts, np.random.default_rng([recipe.run.seed, 1]))
-        eval_recipe = self.policy_recipe.model_copy(update={"eval": self.policy_recipe.eval.model_copy(update={"windows": recipe.eval.windows})})
-        self.eval_recipe = eval_recipe
-        self.heldout = heldout_windows(eval_recipe)
+        policy_eval = self.policy_recipe.eval.model_copy(update={"windows": recipe.eval.windows})
+        self.eval_recipe = self.policy_recipe.model_copy(update={"eval": policy_eval})
+        self.heldout = heldout_windows(self.eval_recipe)
         self.rng = np.random.default_rng([recipe.run.seed, 0])
         t = recipe.train
         params = [p for p in self.model.parameters() if p.requires_grad]
