@@ -209,3 +209,10 @@ def test_rollout_workers_as_ray_actors_match_one_engine(tmp_path, policy_checkpo
     greedy = SamplingParams(5, temperature=0.0)
     assert torch.equal(actors.generate(prompts, greedy).tokens, run.engine.generate(prompts, greedy).tokens)
     assert torch.allclose(actors.score(prompts), run.engine.score(prompts), atol=1e-6)
+
+
+def test_shipped_rl_recipe_validates():
+    from megaseq_rl.recipe import load_rl_recipe
+
+    recipe = load_rl_recipe(Path(__file__).parents[1] / "recipes" / "genome-rl-cpu.toml", get_plugins())
+    assert recipe.algorithm.name == "grpo" and recipe.task.name == "continuation"

@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 def rl_main(argv: list[str]) -> int:
     p = _Parser(prog="megaseq rl", description="RL fine-tuning of a megaseq checkpoint, as an RL recipe describes.")
-    p.add_argument("recipe", help="an RL recipe, e.g. packages/rl/recipes/genome-rl.toml")
+    p.add_argument("recipe", help="an RL recipe, e.g. packages/rl/recipes/genome-rl-cpu.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
