@@ -178,9 +178,10 @@ def test_gap_command_arguments(policy_checkpoint, capsys):
 
 
 def test_gap_fp32_and_bf16(policy_checkpoint, capsys):
-    assert main(["logprob-gap", str(policy_checkpoint), "--lengths", "48,200", "--new-tokens", "8", "--device", "cpu", "--json"]) == 0
+    assert main(["logprob-gap", str(policy_checkpoint), "--lengths", "48,200", "--new-tokens", "8", "--device", "cpu",
+                 "--prompts", "3", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["length"] for r in rows] == [48, 200]
+    assert [r["length"] for r in rows] == [48, 200] and rows[0]["prompts"] == 3
     assert all(r["mean_abs"] <= 1e-4 and r["max_abs"] >= r["mean_abs"] for r in rows), rows
     assert main(["logprob-gap", str(policy_checkpoint), "--lengths", "48", "--new-tokens", "8", "--device", "cpu",
                  "--dtype", "bf16", "--json"]) == 0

@@ -60,21 +60,22 @@ def logprob_gap_main(argv: list[str]) -> int:
     p.add_argument("--engine", default="cached", help="inference engine name (megaseq plugins lists them)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated after each prompt")
+    p.add_argument("--prompts", type=int, default=1, help="held-out prompts per length (evenly spaced windows)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-routing-replay", action="store_true", help="report the gap without R3 (MoE models)")
     p.add_argument("--data", help="dataset or FASTA of the prompts; default: the checkpoint's data.heldout")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per length")
     args = p.parse_args(argv)
     lengths = _lengths(args.lengths)
-    if args.new_tokens < 1:
-        raise UserError(f"megaseq logprob-gap: --new-tokens must be >= 1, got {args.new_tokens}")
+    if args.new_tokens < 1 or args.prompts < 1:
+        raise UserError(f"megaseq logprob-gap: --new-tokens and --prompts must be >= 1, got {args.new_tokens}, {args.prompts}")
 
     from megaseq.plugins import get_plugins
     from megaseq_rl.gap import format_rows, measure_gap
 
     rows = measure_gap(
         args.checkpoint, lengths, get_plugins(), engine=args.engine, dtype=args.dtype, new_tokens=args.new_tokens,
-        device=args.device, routing_replay=not args.no_routing_replay, dataset=args.data,
+        device=args.device, routing_replay=not args.no_routing_replay, dataset=args.data, prompts=args.prompts,
     )
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -1,10 +1,10 @@
 """The trainer/engine log-probability gap (the reported run's correctness check).
 
-For each prompt length L: a held-out DNA window of L bases (the middle window without N of the policy's
-held-out chromosome) is the prompt; the engine continues it greedily for ``new_tokens`` tokens and reports
+For each prompt length L: ``prompts`` held-out DNA windows of L bases (windows without N of the policy's
+held-out chromosome: the middle one, or evenly spaced ones) are the prompts, one batch; the engine continues it greedily for ``new_tokens`` tokens and reports
 the log-probability of each; the training forward (``megaseq.inference.sequence_logprobs``: fp32 weights,
 bf16 autocast when ``dtype = "bf16"``, as in training) re-scores the same tokens. Reported per length: mean
-and max |delta logprob| over the generated tokens. For a model with MoE layers the training forward runs
+and max |delta logprob| over the generated tokens of every prompt. For a model with MoE layers the training forward runs
 twice, replaying the engine's routing (R3) and routing by itself, so the effect of routing replay is
 measured on the same tokens; ``mean_abs``/``max_abs`` are those of the mode asked for, and
 ``routing_mismatch`` is the fraction of (token, MoE layer) choices on which the two forwards disagree.
@@ -26,11 +26,13 @@ from megaseq.train.trainer import pick_device
 from megaseq_rl.policy import load_policy
 
 
-def heldout_prompt(dataset: str, length: int) -> torch.Tensor:
+def heldout_prompts(dataset: str, length: int, count: int) -> torch.Tensor:
+    """``count`` windows of ``length`` bases without N, evenly spaced over ``dataset`` (the middle one for 1)."""
     windows = GenomeWindows(tokenized(dataset), length, max_n_fraction=0.0)
-    if len(windows) == 0:
-        raise UserError(f"--lengths: {dataset!r} has no window of {length} bases without N")
-    return windows.batch([len(windows) // 2]).inputs
+    if len(windows) < count:
+        raise UserError(f"--lengths/--prompts: {dataset!r} has {len(windows)} windows of {length} bases without N, {count} asked for")
+    picks = [len(windows) // 2] if count == 1 else torch.linspace(0, len(windows) - 1, count).round().long().tolist()
+    return windows.batch(picks).inputs
 
 
 def routing_mismatch(engine: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor]) -> float:
@@ -55,6 +57,7 @@ def measure_gap(
     device: str = "auto",
     routing_replay: bool = True,
     dataset: str | None = None,
+    prompts: int = 1,
 ) -> list[dict[str, Any]]:
     _, recipe, model = load_policy(checkpoint, plugins)
     torch_device = pick_device(device)
@@ -68,13 +71,13 @@ def measure_gap(
     has_moe = recipe.model.moe is not None
     rows = []
     for length in lengths:
-        prompt = heldout_prompt(dataset or recipe.data.heldout, length)
+        prompt = heldout_prompts(dataset or recipe.data.heldout, length, prompts)
         gen = served.generate(prompt, SamplingParams(new_tokens, temperature=0.0))
         tokens = torch.cat([prompt, gen.tokens.cpu()], 1).to(torch_device)
         engine_lp = gen.logprobs.to(torch_device)
         mask = gen.mask.to(torch_device)
         modes = [True, False] if has_moe else [False]
-        row: dict[str, Any] = {"length": length, "new_tokens": new_tokens, "dtype": dtype, "engine": engine,
+        row: dict[str, Any] = {"length": length, "prompts": prompts, "new_tokens": new_tokens, "dtype": dtype, "engine": engine,
                                "routing_replay": routing_replay and has_moe}
         for replay in modes:
             ctx = ForwardContext(routing=gen.replay() if replay else RoutingReplay("record"))
