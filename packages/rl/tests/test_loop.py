@@ -212,8 +212,24 @@ def test_rollout_workers_as_ray_actors_match_one_engine(tmp_path, policy_checkpo
     assert torch.allclose(actors.score(prompts), run.engine.score(prompts), atol=1e-6)
 
 
-def test_shipped_rl_recipe_validates():
+def test_shipped_rl_recipes_validate():
     from megaseq_rl.recipe import load_rl_recipe
 
-    recipe = load_rl_recipe(Path(__file__).parents[1] / "recipes" / "genome-rl-cpu.toml", get_plugins())
+    recipes = Path(__file__).parents[1] / "recipes"
+    recipe = load_rl_recipe(recipes / "genome-rl-cpu.toml", get_plugins())
     assert recipe.algorithm.name == "grpo" and recipe.task.name == "continuation"
+    recipe = load_rl_recipe(recipes / "genome-gc-rl-cpu.toml", get_plugins())
+    assert recipe.algorithm.name == "dapo" and recipe.task.name == "gc-content"
+
+
+def test_gc_content_reward_by_hand():
+    from megaseq_rl.task import GCContentTask
+
+    task = GCContentTask.__new__(GCContentTask)  # the reward needs no genome
+    task.gc_target, task.motif = 0.6, torch.tensor([3, 0, 3, 0])  # TATA
+    # A C G T N = 0 1 2 3 4
+    tokens = torch.tensor([[1, 2, 1, 2, 0], [1, 2, 0, 3, 0], [3, 0, 3, 0, 2], [2, 2, 2, 2, 2]])
+    mask = torch.tensor([[True] * 5, [True] * 5, [True] * 5, [True, True, False, False, False]])
+    # GC 4/5 -> 1 - 0.2/0.6; GC 2/5 -> 1 - 0.2/0.6; contains TATA -> 0; GC 2/2 -> 1 - 0.4/0.6
+    expected = torch.tensor([1 - 0.2 / 0.6, 1 - 0.2 / 0.6, 0.0, 1 - 0.4 / 0.6])
+    assert torch.allclose(task.reward(None, tokens, mask), expected)

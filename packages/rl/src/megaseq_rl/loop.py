@@ -93,8 +93,10 @@ class RLRun:
                 f"exceeds the engine's max_model_len {self.engine.max_model_len}"
             )
         d = self.policy_recipe.data
-        self.task = build_task(recipe.task.name, recipe.task.train or d.train, recipe.task.prompt_len, s.max_new_tokens)
-        heldout_task = build_task(recipe.task.name, recipe.task.heldout or d.heldout, recipe.task.prompt_len, s.max_new_tokens)
+        task = recipe.task
+        options = {"gc_target": task.gc_target, "avoid": task.avoid}
+        self.task = build_task(task.name, task.train or d.train, task.prompt_len, s.max_new_tokens, **options)
+        heldout_task = build_task(task.name, task.heldout or d.heldout, task.prompt_len, s.max_new_tokens, **options)
         self.heldout_prompts = heldout_task.sample(recipe.eval.reward_prompts, np.random.default_rng([recipe.run.seed, 1]))
         policy_eval = self.policy_recipe.eval.model_copy(update={"windows": recipe.eval.windows})
         self.eval_recipe = self.policy_recipe.model_copy(update={"eval": policy_eval})

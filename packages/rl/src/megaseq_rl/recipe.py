@@ -36,10 +36,14 @@ class PolicySection(Section):
 
 
 class TaskSection(Section):
-    name: Literal["continuation"] = Field("continuation", description="continuation: continue a genome prefix")
+    name: Literal["continuation", "gc-content"] = Field(
+        "continuation", description="continuation: continue a genome prefix; gc-content: a design reward"
+    )
     train: str | None = Field(None, description="dataset or FASTA the prompts come from; default: the policy's data.train")
     heldout: str | None = Field(None, description="dataset or FASTA of held-out prompts; default: the policy's data.heldout")
     prompt_len: int = Field(256, ge=1)
+    gc_target: float = Field(0.6, ge=0, le=1, description="gc-content: the GC fraction rewarded most")
+    avoid: str = Field("TATA", pattern="^[ACGTacgt]*$", description="gc-content: a motif that zeroes the reward")
 
 
 class SamplingSection(Section):

@@ -1,9 +1,11 @@
-"""The genome RL task: continue a prefix of real DNA; the reward is verifiable against the genome itself.
+"""Genome RL tasks with verifiable rewards. A prompt is ``prompt_len`` bases at a random position of a
+chromosome (windows holding an N are never drawn); training prompts come from the training chromosome, a
+fixed set of held-out prompts from the held-out one.
 
-``continuation``: a prompt is ``prompt_len`` bases at a random position of a chromosome (windows holding an
-N are never drawn), the answer is the ``max_new_tokens`` bases that follow it, and the reward of a
-completion is the fraction of its generated bases equal to the answer, base by base (0 for an empty one).
-Prompts for training come from the training chromosome, a fixed set of held-out prompts from the held-out one.
+``continuation``: the answer is the ``max_new_tokens`` bases that follow the prompt in the genome; the reward
+of a completion is the fraction of its generated bases equal to the answer, base by base.
+``gc-content`` (a design reward): ``1 - |GC fraction - gc_target| / max(gc_target, 1 - gc_target)`` over
+the generated bases, and 0 for a completion containing the motif ``avoid``. Empty completions score 0.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from torch import Tensor
 
 from megaseq.data.sources import tokenized
-from megaseq.data.tokenizer import N_ID, TOKEN_ID_MASK
+from megaseq.data.tokenizer import N_ID, TOKEN_ID_MASK, VOCAB
 from megaseq.errors import UserError
 
 
@@ -47,7 +49,29 @@ class ContinuationTask:
         return hits / mask.sum(-1).clamp_min(1).float()
 
 
-def build_task(name: str, dataset: str, prompt_len: int, completion_len: int) -> ContinuationTask:
-    if name != "continuation":
-        raise UserError(f"task.name: unknown task {name!r}; available: continuation")
-    return ContinuationTask(dataset, prompt_len, completion_len)
+class GCContentTask(ContinuationTask):
+    def __init__(self, dataset: str, prompt_len: int, completion_len: int, gc_target: float, avoid: str) -> None:
+        super().__init__(dataset, prompt_len, completion_len)
+        self.gc_target = gc_target
+        self.motif = torch.tensor([VOCAB.index(base) for base in avoid.upper()], dtype=torch.int64)
+
+    def contains_motif(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        width = len(self.motif)
+        if width == 0 or tokens.shape[1] < width:
+            return torch.zeros(tokens.shape[0], dtype=torch.bool)
+        windows, valid = tokens.unfold(1, width, 1), mask.unfold(1, width, 1).all(-1)
+        return ((windows == self.motif).all(-1) & valid).any(-1)
+
+    def reward(self, answers: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+        gc = (((tokens == VOCAB.index("G")) | (tokens == VOCAB.index("C"))) & mask).sum(-1).float()
+        fraction = gc / mask.sum(-1).clamp_min(1).float()
+        score = 1 - (fraction - self.gc_target).abs() / max(self.gc_target, 1 - self.gc_target)
+        return torch.where(self.contains_motif(tokens, mask) | (mask.sum(-1) == 0), 0.0, score)
+
+
+def build_task(name: str, dataset: str, prompt_len: int, completion_len: int, gc_target: float = 0.5, avoid: str = "") -> ContinuationTask:
+    if name == "continuation":
+        return ContinuationTask(dataset, prompt_len, completion_len)
+    if name == "gc-content":
+        return GCContentTask(dataset, prompt_len, completion_len, gc_target, avoid)
+    raise UserError(f"task.name: unknown task {name!r}; available: continuation, gc-content")
