@@ -294,7 +294,7 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
         ax_r.plot(*zip(*train, strict=True), label="rollouts (train prompts)", alpha=0.8)
     if held:
         ax_r.plot(*zip(*held, strict=True), "o-", label="held-out prompts")
-    ax_r.set(xlabel="RL step", ylabel="mean reward (fraction of bases matched)", title="reward")
+    ax_r.set(xlabel="RL step", ylabel="mean reward", title="reward")
     ax_r.legend()
     if loss:
         ax_l.plot(*zip(*loss, strict=True), "o-", color="C2")
