@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megaseq.cli import main
+from megaseq.errors import UserError
 from megaseq.inference.cached import CachedEngine
 from megaseq.plugins import get_plugins
 from megaseq.train.checkpoint import read_meta
@@ -73,6 +74,8 @@ def test_run_writes_history_plot_and_a_checkpoint_core_reads(tmp_path, policy_ch
     meta = read_meta(out / "checkpoints" / "step_0000002")
     assert meta["recipe"]["model"]["layer_pattern"] == ["sdpa"] and meta["rl_recipe"]["algorithm"]["name"] == "dapo"
     assert main(["logprob-gap", str(out), "--lengths", "40", "--new-tokens", "4", "--device", "cpu"]) == 0
+    with pytest.raises(UserError, match="already holds a run"):  # core's run-directory rule
+        RLRun(recipe, plugins, progress=False).run()
 
 
 def test_micro_batch_split_does_not_change_the_step(tmp_path, policy_checkpoint):
@@ -136,12 +139,15 @@ def test_engine_tokens_outside_the_vocabulary(tmp_path, policy_checkpoint, capsy
 def test_checkpoint_whose_components_are_not_installed(tmp_path, policy_checkpoint, capsys):
     import shutil
 
-    broken = tmp_path / "broken"
-    shutil.copytree(policy_checkpoint, broken)
-    meta = json.loads((broken / "meta.json").read_text())
+    from megaseq.train.checkpoint import commit, staging_dir
+
+    meta = json.loads((policy_checkpoint / "meta.json").read_text())
     meta["recipe"]["model"]["layer_pattern"] = ["not-installed-attention"]
     meta["recipe"]["attention"] = {"not-installed-attention": meta["recipe"]["attention"]["sdpa"]}
-    (broken / "meta.json").write_text(json.dumps(meta))
+    staged = staging_dir(tmp_path / "broken" / "checkpoints", meta["step"])
+    for name in ("model.safetensors", "state.pt"):
+        shutil.copy(policy_checkpoint / name, staged / name)
+    broken = commit(tmp_path / "broken" / "checkpoints", meta["step"], meta)  # a valid manifest, foreign recipe
     assert main(["rl", str(write(tmp_path, rl_recipe(tmp_path, broken)))]) == 2
     assert "not-installed-attention" in one_error_line(capsys)
     assert main(["logprob-gap", str(broken), "--lengths", "32"]) == 2

@@ -19,6 +19,7 @@ def rl_main(argv: list[str]) -> int:
     p = _Parser(prog="megaseq rl", description="RL fine-tuning of a megaseq checkpoint, as an RL recipe describes.")
     p.add_argument("recipe", help="an RL recipe, e.g. packages/rl/recipes/genome-rl-cpu.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
+    p.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
@@ -28,7 +29,7 @@ def rl_main(argv: list[str]) -> int:
 
     plugins = get_plugins()
     recipe = load_rl_recipe(args.recipe, plugins, args.set)
-    result = RLRun(recipe, plugins, progress=not args.no_progress).run()
+    result = RLRun(recipe, plugins, progress=not args.no_progress).run(overwrite=args.overwrite)
     first, last = result.history[0], result.history[-1]
     rewards = [h["reward/mean"] for h in result.history if "reward/mean" in h]
     k = max(1, len(rewards) // 4)

@@ -42,6 +42,7 @@ from megaseq.errors import UserError
 from megaseq.eval.evaluate import heldout_windows, score_model
 from megaseq.inference import Generation, SamplingParams
 from megaseq.plugins import Plugins
+from megaseq.train import rundir
 from megaseq.train.checkpoint import save_checkpoint
 from megaseq.train.metrics import MetricsLogger
 from megaseq.train.state import StepInfo
@@ -249,9 +250,12 @@ class RLRun:
         state = {"optimizer": self.optimizer.state_dict(), "rl_step": self.step}
         return save_checkpoint(self.recipe.out_dir / "checkpoints", self.step, self.model, state, meta)
 
-    def run(self) -> RLResult:
+    def run(self, overwrite: bool = False) -> RLResult:
+        """Run ``train.steps`` RL steps into ``run.out_dir``, which must not hold a run unless ``overwrite``
+        (its run output is then deleted first; core's run-directory rules). RL runs do not resume yet."""
         r = self.recipe
         out = r.out_dir
+        rundir.prepare(out, "overwrite" if overwrite else "new")
         print(f"megaseq rl {r.run.name!r} from {r.source}: policy {self.checkpoint}, algorithm {r.algorithm.name}, "
               f"engine {r.engine.name}, {r.sampling.prompts_per_step} prompts x {r.sampling.group_size} completions "
               f"of {r.sampling.max_new_tokens} tokens per step; out: {out}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -13,15 +14,29 @@ from megaseq.config import Recipe, validate_recipe
 from megaseq.contracts import ForwardContext
 from megaseq.model import LanguageModel, build_model
 from megaseq.plugins import Plugins
-from megaseq.train.checkpoint import latest_checkpoint, load_weights, read_meta
+from megaseq.train.checkpoint import CheckpointError, load_weights, newest_verified, read_meta, verify
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A verified checkpoint directory: ``path`` itself, or a run directory's newest verified checkpoint
+    (skipped damaged ones are reported in one warning line); anything else is a one-line ``CheckpointError``."""
+    if (path / "checkpoints").is_dir():
+        found = newest_verified(path / "checkpoints")
+        if found.path is None:
+            raise CheckpointError(f"no usable checkpoint in {path / 'checkpoints'}" + (f": {found.report()}" if found.skipped else ""))
+        if found.report():
+            print(f"megaseq: warning: {found.report()}", file=sys.stderr)
+        return found.path
+    if not (path / "meta.json").exists():
+        raise CheckpointError(f"{path}: not a megaseq checkpoint or run directory (no meta.json, no checkpoints/)")
+    verify(path)
+    return path
 
 
 def load_policy(checkpoint: str | Path, plugins: Plugins) -> tuple[Path, Recipe, LanguageModel]:
     """``(checkpoint directory, its recipe, the model with its weights)``. A run directory means its newest
-    checkpoint; a checkpoint whose components are not installed is a one-line ``PluginError``."""
-    path = Path(checkpoint)
-    if (path / "checkpoints").is_dir():
-        path = latest_checkpoint(path / "checkpoints") or path
+    verified checkpoint; a checkpoint whose components are not installed is a one-line ``PluginError``."""
+    path = resolve_checkpoint(Path(checkpoint))
     meta = read_meta(path)
     recipe = validate_recipe(meta["recipe"], plugins, source=f"{path}/meta.json")
     model = build_model(recipe, plugins)
