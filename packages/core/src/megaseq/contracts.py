@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from megaseq.documents import Documents
 from megaseq.records import ModelDims
 
 
@@ -102,6 +103,8 @@ class ForwardContext:
 
     ``cu_seqlens``: int32 ``[N + 1]`` cumulative document lengths of a packed batch (then the batch size is 1).
     No attention, state or convolution may cross a boundary. ``None`` means each row is one document.
+    Components read the layout through :attr:`documents` (built once per forward, the batch's only host
+    synchronisation), not from ``cu_seqlens`` directly.
     ``cp``: the context-parallel shard when the sequence is split over ranks, else ``None``; with ``cp``,
     inputs are this rank's zig-zag share and ``cu_seqlens`` (if any) are global boundaries.
     ``routing``: MoE routing record/replay, or ``None``.
@@ -116,6 +119,19 @@ class ForwardContext:
     ep_group: Any | None = None
     losses: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    _documents: Documents | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def documents(self) -> Documents | None:
+        """The document layout of ``cu_seqlens`` (``megaseq.documents.Documents``), ``None`` without packing.
+
+        Built and validated on first use, then shared by every layer of this forward; memoize layouts you
+        derive from it with ``ctx.documents.derive(key, build)``."""
+        if self.cu_seqlens is None:
+            return None
+        if self._documents is None:
+            self._documents = Documents(self.cu_seqlens)
+        return self._documents
 
     def add_loss(self, name: str, value: Tensor) -> None:
         """Add an auxiliary loss; losses with the same name (e.g. one per layer) are summed."""

@@ -9,7 +9,6 @@ and flash-attn installed, plain and packed rows use flash-attn (varlen for packe
 from __future__ import annotations
 
 import importlib.util
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
-from megaseq.parallel import zigzag_unshard
+from megaseq.documents import Documents, as_documents
+from megaseq.dtypes import compute_dtype
+from megaseq.parallel import gather_sequence
 from megaseq.records import MemoryEstimate, ModelDims
 
 from .config import SDPAConfig
@@ -26,14 +27,15 @@ HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
 def rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotate pairs of channels of ``x [B, T, H, D]`` by angles ``position * theta^(-2i/D)`` (fp32 math)."""
-    d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [T, D/2] or [B, T, D/2]
+    """Rotate pairs of channels of ``x [B, T, H, D]`` by angles ``position * theta^(-2i/D)`` (in
+    ``compute_dtype``: fp32, or float64 for float64 inputs)."""
+    d, dtype = x.shape[-1], compute_dtype(x.dtype)
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)
+    angles = positions.to(dtype)[..., None] * inv_freq  # [T, D/2] or [B, T, D/2]
     if angles.dim() == 2:
         angles = angles[None]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    x1, x2 = x.to(dtype)[..., 0::2], x.to(dtype)[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.to(x.dtype)
 
@@ -79,8 +81,8 @@ class SDPAttention(nn.Module):
             o = self._decode(q, k, v, cache)
         elif ctx.cp is not None:
             o = self._context_parallel(q, k, v, ctx)
-        elif ctx.cu_seqlens is not None:
-            o = self._packed(q, k, v, ctx.cu_seqlens)
+        elif ctx.documents is not None:
+            o = self._packed(q, k, v, as_documents(ctx.documents, batch=b, length=t, who="sdpa: cu_seqlens"))
         else:
             pos = torch.arange(t, device=x.device)
             o = self._causal(self._rope(q, pos), self._rope(k, pos), v)
@@ -94,19 +96,16 @@ class SDPAttention(nn.Module):
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return o.transpose(1, 2)
 
-    def _packed(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
-        if q.shape[0] != 1:
-            raise ValueError(f"sdpa: packed rows (cu_seqlens) need batch size 1, got {q.shape[0]}")
-        docs = list(itertools.pairwise(cu_seqlens.tolist()))
-        pos = torch.cat([torch.arange(e - s, device=q.device) for s, e in docs])
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, documents: Documents) -> Tensor:
+        pos = documents.positions_in_doc(q.device)
         q, k = self._rope(q, pos), self._rope(k, pos)
         if q.is_cuda and HAS_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16):
             from flash_attn import flash_attn_varlen_func
 
-            cu = cu_seqlens.to(torch.int32)
-            longest = max(e - s for s, e in docs)
+            cu = documents.on(q.device, torch.int32)
+            longest = max(documents.lengths)
             return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, longest, longest, causal=True)[None]
-        parts = [self._causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in docs if e > s]
+        parts = [self._causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in documents.bounds if e > s]
         return torch.cat(parts, dim=1)
 
     def _decode(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache) -> Tensor:
@@ -121,25 +120,22 @@ class SDPAttention(nn.Module):
         return o.transpose(1, 2)
 
     def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext) -> Tensor:
-        import torch.distributed.nn.functional as dist_fn
-
         cp = ctx.cp
         assert cp is not None
         q_pos = cp.positions(q.device)
         k_pos = torch.arange(cp.seq_len, device=q.device)
-        if ctx.cu_seqlens is not None:
-            starts = ctx.cu_seqlens.to(q.device).long()
-            doc = torch.searchsorted(starts[1:-1], k_pos, right=True)  # document id of every global position
-            rope_pos = k_pos - starts[doc]
+        if ctx.documents is not None:
+            documents = as_documents(ctx.documents, batch=q.shape[0], length=cp.seq_len, who="sdpa: cu_seqlens")
+            doc = documents.doc_ids(q.device)
+            rope_pos = documents.positions_in_doc(q.device)
             mask = (k_pos[None, :] <= q_pos[:, None]) & (doc[None, :] == doc[q_pos][:, None])
         else:
             rope_pos = k_pos
             mask = k_pos[None, :] <= q_pos[:, None]
         q = self._rope(q, rope_pos[q_pos])
         k = self._rope(k, rope_pos[q_pos])
-        # all_gather from torch.distributed.nn is differentiable: key/value gradients flow back to their owners
-        k_all = zigzag_unshard(list(dist_fn.all_gather(k.contiguous(), group=cp.group)), dim=1)
-        v_all = zigzag_unshard(list(dist_fn.all_gather(v.contiguous(), group=cp.group)), dim=1)
+        # differentiable gathers: key/value gradients flow back to the ranks that own those positions
+        k_all, v_all = gather_sequence(k, cp), gather_sequence(v, cp)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask)
         return o.transpose(1, 2)
 

@@ -1,9 +1,17 @@
-"""Helpers for splitting a sequence over a context-parallel group (see ``ContextParallel``)."""
+"""Splitting a sequence over a context-parallel group (see ``ContextParallel``), and the autograd-aware
+collectives components use across ranks (``megaseq.parallel.collectives``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+from megaseq.parallel.collectives import all_gather, all_to_all
+
+if TYPE_CHECKING:
+    from megaseq.contracts import ContextParallel
 
 
 def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 1) -> Tensor:
@@ -14,11 +22,21 @@ def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 1) -> Tensor:
     return torch.cat([segments[rank], segments[2 * world_size - 1 - rank]], dim=dim)
 
 
-def zigzag_unshard(shards: list[Tensor], dim: int = 1) -> Tensor:
-    """Inverse of :func:`zigzag_shard`: the full sequence from every rank's share, in rank order."""
+def zigzag_unshard(shards: list[Tensor] | Tensor, dim: int = 1) -> Tensor:
+    """Inverse of :func:`zigzag_shard`: the full sequence from every rank's share, in rank order (a list, or
+    a tensor stacked along a new leading dimension as :func:`all_gather` returns it)."""
     world_size = len(shards)
     segments: list[Tensor | None] = [None] * (2 * world_size)
     for rank, shard in enumerate(shards):
         first, second = shard.chunk(2, dim=dim)
         segments[rank], segments[2 * world_size - 1 - rank] = first, second
     return torch.cat(segments, dim=dim)  # type: ignore[arg-type]
+
+
+def gather_sequence(local: Tensor, cp: ContextParallel, dim: int = 1) -> Tensor:
+    """The whole sequence in global order from every rank's zig-zag share ``local`` (along ``dim``),
+    differentiably: each position's gradient, summed over the ranks that used it, returns to its owner."""
+    return zigzag_unshard(all_gather(local, cp.group), dim=dim)
+
+
+__all__ = ["all_gather", "all_to_all", "gather_sequence", "zigzag_shard", "zigzag_unshard"]

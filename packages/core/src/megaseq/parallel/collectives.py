@@ -1,0 +1,86 @@
+"""Autograd-aware collectives for components (context and expert parallelism).
+
+Each is a ``torch.autograd.Function`` whose backward is itself a collective: gradients flow back to the
+rank that owns each piece. They use only public ``torch.distributed`` calls that gloo (CPU) and NCCL (CUDA)
+both implement; the deprecated ``torch.distributed.nn.functional`` is not used.
+
+The rule that comes with them: **every rank of the group must run the same collectives, in the same order,
+with matching sizes, in forward and in backward.** A backward collective runs only where autograd reaches
+it, so a rank whose output does not depend on a gathered tensor (say, both of its segments start a document
+and ignore the incoming state) must still keep that tensor in its graph, e.g. by multiplying it by zero
+instead of dropping it. Otherwise the other ranks wait in a collective this rank never enters (a hang, or
+gloo's "Received data size doesn't match"). The conformance suite runs layouts that provoke this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _has_reduce_scatter(group: Any) -> bool:
+    return dist.get_backend(group) in ("nccl", "xccl")
+
+
+def _reduce_scatter(stacked: Tensor, group: Any) -> Tensor:
+    """``stacked [W, ...]``: return the sum over ranks of their slice ``r`` (this rank being ``r``)."""
+    stacked = stacked.contiguous()
+    if _has_reduce_scatter(group):
+        out = stacked.new_empty(stacked[0].numel())
+        dist.reduce_scatter_tensor(out, stacked.view(-1), group=group)
+        return out.view(stacked.shape[1:])
+    # gloo has no reduce-scatter: all-to-all moves slice r of every rank here, then sum (same traffic)
+    received = torch.empty_like(stacked)
+    dist.all_to_all_single(received, stacked, group=group)
+    return received.sum(0)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        x = x.contiguous()
+        out = x.new_empty(dist.get_world_size(group) * x.numel())
+        dist.all_gather_into_tensor(out, x.view(-1), group=group)
+        ctx.group = group
+        return out.view(-1, *x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return _reduce_scatter(grad, ctx.group), None
+
+
+def all_gather(x: Tensor, group: Any) -> Tensor:
+    """Every rank's ``x`` stacked in rank order, ``[world_size, *x.shape]`` (all ranks' ``x`` must have the
+    same shape). Backward: the gradient of this rank's ``x`` is the sum over ranks of their gradient for
+    slice ``rank`` (a reduce-scatter)."""
+    return _AllGather.apply(x, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any
+    ) -> Tensor:
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+        ctx.counts, ctx.group = (send_counts, recv_counts), group
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        send_counts, recv_counts = ctx.counts
+        out = grad.new_empty((sum(send_counts), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), send_counts, recv_counts, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group: Any) -> Tensor:
+    """Send ``send_counts[r]`` consecutive rows (dim 0) of ``x`` to rank ``r``; receive ``recv_counts[r]`` rows
+    from rank ``r``, in rank order. Uneven counts are fine (gloo included). Backward: the reverse exchange."""
+    return _AllToAll.apply(x, list(send_counts), list(recv_counts), group)
+
+
+__all__ = ["all_gather", "all_to_all"]
