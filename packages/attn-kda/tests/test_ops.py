@@ -283,7 +283,7 @@ def test_state_update_is_affine_in_initial_state() -> None:
         (lambda x: x.update(beta=x["beta"][..., None]), "beta must be"),
         (lambda x: x.update(g=x["g"][..., :-1]), "k and g must"),
         (lambda x: x.update(initial_state=x["initial_state"][:, :, :-1]), "initial_state must be"),
-        (lambda x: x.update(cu_seqlens=torch.tensor([0, 5])), "cu_seqlens needs batch size 1"),
+        (lambda x: x.update(cu_seqlens=torch.tensor([0, 5])), "cu_seqlens needs packed documents in a batch of 1"),
     ],
 )
 def test_bad_shapes_raise_one_line_errors(change, message: str) -> None:

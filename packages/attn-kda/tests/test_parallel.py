@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megaseq.contracts import ContextParallel
 from megaseq.testing.attention import assert_close, check_context_parallel
 from megaseq_kda.ops import chunk_kda
-from megaseq_kda.parallel import context_parallel_kda, segment_documents
+from megaseq_kda.parallel import context_parallel_kda
 
 D_MODEL = 16
 BOUNDED = {"n_heads": 2, "head_dim": 8}
@@ -39,17 +39,6 @@ def test_four_ranks_equal_one_rank() -> None:
         grad_out = torch.randn(batch, length, D_MODEL, generator=gen)
         cases.append((config, x, grad_out, None if cu is None else torch.tensor(cu, dtype=torch.int32)))
     check_context_parallel("kda", D_MODEL, cases, world=4)
-
-
-def test_segment_documents() -> None:
-    cu = torch.tensor([0, 3, 8, 8, 12, 20])
-    offsets, continues = segment_documents(cu, 0, 4)  # a document starts at 0, another at 3
-    assert offsets.tolist() == [0, 3, 4] and not continues
-    offsets, continues = segment_documents(cu, 4, 8)  # continues the document begun at 3
-    assert offsets.tolist() == [0, 4] and continues
-    offsets, continues = segment_documents(cu, 8, 16)  # an empty document and one starting at 8, one at 12
-    assert offsets.tolist() == [0, 4, 8] and not continues
-    assert segment_documents(None, 4, 8) == (None, True)
 
 
 def test_one_backend_pass_per_segment() -> None:

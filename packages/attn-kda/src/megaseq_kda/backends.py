@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from megaseq.backends import Backend, Backends
+from megaseq.documents import Documents
 
 KDAOp = Callable[..., tuple[Tensor, Tensor | None]]
 
@@ -67,15 +68,21 @@ def fla_chunk_kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Tensor | Documents | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """fla-core's ``chunk_kda`` in this package's calling convention."""
     from fla.ops.kda import chunk_kda
 
+    from megaseq_kda.ops.inputs import documents_of
+
     extra: dict[str, Any] = {}
-    if cu_seqlens is not None:
-        # fla wants the offsets on the device (int64) and reads a CPU copy to plan its chunks
-        extra = {"cu_seqlens": cu_seqlens.to(q.device, torch.long), "cu_seqlens_cpu": cu_seqlens.cpu().long()}
+    documents = documents_of(cu_seqlens, q.shape[0], q.shape[1])
+    if documents is not None:
+        # fla wants the offsets on the device (int64) and a CPU copy to plan its chunks (from the host offsets)
+        extra = {
+            "cu_seqlens": documents.on(q.device, torch.long),
+            "cu_seqlens_cpu": torch.tensor(documents.offsets, dtype=torch.long),
+        }
     return chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state, **extra
     )

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
+from megaseq.documents import Documents, as_documents
+from megaseq.dtypes import compute_dtype
 from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_kda.backends import BACKENDS
 from megaseq_kda.config import KDAConfig
@@ -61,12 +63,6 @@ def causal_conv(x: Tensor, weight: Tensor, history: Tensor, position_in_doc: Ten
             tap = tap * (position_in_doc >= lag)[None, :, None].to(tap.dtype)
         out = out + tap
     return out
-
-
-def position_in_document(positions: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """Offset of each global position in its document, given document boundaries ``cu_seqlens``."""
-    starts = cu_seqlens.to(positions.device, torch.long)
-    return positions - starts[torch.searchsorted(starts, positions, right=True) - 1]
 
 
 class KimiDeltaAttention(nn.Module):
@@ -119,10 +115,11 @@ class KimiDeltaAttention(nn.Module):
         )
 
     def forget_gate(self, x: Tensor) -> Tensor:
-        """Per-channel log-decay g <= 0, fp32 ``[B, T, H, K]``."""
-        f = self.gate_up(self.gate_down(x)).float() + self.dt_bias.float()
+        """Per-channel log-decay g <= 0, ``[B, T, H, K]`` in ``compute_dtype`` (fp32; float64 for float64)."""
+        dtype = compute_dtype(x.dtype)
+        f = self.gate_up(self.gate_down(x)).to(dtype) + self.dt_bias.to(dtype)
         f = f.unflatten(-1, (self.n_heads, self.head_dim))
-        rate = self.A_log.float().exp()[:, None]
+        rate = self.A_log.to(dtype).exp()[:, None]
         if self.gate == "softplus":
             return -rate * F.softplus(f)
         return self.gate_lower_bound * torch.sigmoid(rate * f)
@@ -138,31 +135,38 @@ class KimiDeltaAttention(nn.Module):
                 f"segments of {ctx.cp.segment_len} (seq_len {ctx.cp.seq_len} over {ctx.cp.world_size} ranks)"
             )
         op = BACKENDS.load(self.backend, x.device)
+        documents = None  # read once per forward by the context, shared with every other layer
+        if ctx.documents is not None:
+            length = ctx.cp.seq_len if ctx.cp is not None else x.shape[1]
+            documents = as_documents(ctx.documents, batch=x.shape[0], length=length, who="attention.kda: cu_seqlens")
+        dtype = compute_dtype(x.dtype)
         projected = self.qkv_proj(x)
         q, k, v = (
-            F.silu(self._convolve(projected, ctx, cache))
+            F.silu(self._convolve(projected, ctx, cache, documents))
             .unflatten(-1, (3, self.n_heads, self.head_dim))
             .unbind(2)
         )
         q, k = (
-            y * torch.rsqrt(y.float().square().sum(-1, keepdim=True) + L2_EPS).to(y.dtype) for y in (q, k)
+            y * torch.rsqrt(y.to(dtype).square().sum(-1, keepdim=True) + L2_EPS).to(y.dtype) for y in (q, k)
         )
         g = self.forget_gate(x)
-        beta = torch.sigmoid(self.beta_proj(x).float())
+        beta = torch.sigmoid(self.beta_proj(x).to(dtype))
         if cache is not None:
             step = naive_recurrent_kda if x.shape[1] == 1 else op  # one token: the recurrence is cheapest
             o, cache.state = step(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
         elif ctx.cp is not None:
-            o = context_parallel_kda(op, q, k, v, g, beta, ctx.cp, ctx.cu_seqlens)
+            o = context_parallel_kda(op, q, k, v, g, beta, ctx.cp, documents)
         else:
-            o, _ = op(q, k, v, g, beta, cu_seqlens=ctx.cu_seqlens)
-        o = o.float()
-        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + NORM_EPS) * self.norm_weight.float()
-        out_gate = torch.sigmoid(self.out_gate_up(self.out_gate_down(x)).float())
+            o, _ = op(q, k, v, g, beta, cu_seqlens=documents)
+        o = o.to(dtype)
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + NORM_EPS) * self.norm_weight.to(dtype)
+        out_gate = torch.sigmoid(self.out_gate_up(self.out_gate_down(x)).to(dtype))
         o = out_gate * o.flatten(-2)
         return self.out_proj(o.to(x.dtype))
 
-    def _convolve(self, projected: Tensor, ctx: ForwardContext, cache: KDACache | None) -> Tensor:
+    def _convolve(
+        self, projected: Tensor, ctx: ForwardContext, cache: KDACache | None, documents: Documents | None
+    ) -> Tensor:
         """The short convolution over ``projected [B, T, C]`` with the history each case calls for."""
         batch, length, channels = projected.shape
         history_len = self.conv_weight.shape[1] - 1
@@ -181,10 +185,7 @@ class KimiDeltaAttention(nn.Module):
             histories = conv_histories(segments, ctx.cp, history_len)
         outputs = []
         for (start, end), segment, history in zip(spans, segments, histories, strict=True):
-            doc_positions = None
-            if ctx.cu_seqlens is not None:
-                positions = torch.arange(start, end, device=projected.device)
-                doc_positions = position_in_document(positions, ctx.cu_seqlens)
+            doc_positions = None if documents is None else documents.positions_in_doc(projected.device)[start:end]
             outputs.append(causal_conv(segment, weight, history, doc_positions))
         return torch.cat(outputs, 1)
 

@@ -17,24 +17,26 @@ the segment). Only the segment's first piece may continue a document from earlie
 ``S_in`` only then. The map that leaves a segment is its last piece's: ``M`` from that piece's start, which
 is zero unless the last piece is the first and continues, so the fold resets at a document start.
 
-The all-gather is ``torch.distributed.nn.functional.all_gather``: autograd-aware, and its backward uses only
-collectives gloo has (all-to-all through scatter), so gradients reach every segment's owner on CPU too.
+The all-gather is core's ``megaseq.parallel.all_gather``: autograd-aware (its backward is a reduce-scatter,
+all-to-all on gloo), so gradients reach every segment's owner on CPU too. The document pieces of each segment
+come from core's ``Documents.window`` (host offsets, memoized for the other layers of the forward).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor
 
 from megaseq.contracts import ContextParallel
+from megaseq.documents import Documents, as_documents
+from megaseq.parallel import all_gather
 from megaseq_kda.backends import KDAOp
 from megaseq_kda.ops import kda_affine_map
 
 
 def gather_segments(local: Tensor, cp: ContextParallel) -> list[Tensor]:
     """All ranks' ``local [2, ...]`` (this rank's two segments stacked) as a list of 2W, in global order."""
-    gathered = dist_fn.all_gather(local.contiguous(), group=cp.group)
+    gathered = all_gather(local, cp.group)
     world = cp.world_size
     return [gathered[s][0] if s < world else gathered[2 * world - 1 - s][1] for s in range(2 * world)]
 
@@ -52,18 +54,6 @@ def conv_histories(segments: list[Tensor], cp: ContextParallel, size: int) -> li
     return [torch.cat([zeros, *tails[: segment_index(cp, i)]], 1)[:, -size:] for i in range(len(segments))]
 
 
-def segment_documents(cu_seqlens: Tensor | None, start: int, end: int) -> tuple[Tensor | None, bool]:
-    """Offsets of the document pieces in global ``[start, end)``, relative to ``start``, and whether the first
-    piece continues a document begun before ``start``. ``(None, True)`` without packing."""
-    if cu_seqlens is None:
-        return None, True
-    bounds = cu_seqlens.tolist()
-    inside = sorted({b for b in bounds if start < b < end})
-    offsets = torch.tensor([0, *(b - start for b in inside), end - start], dtype=torch.int32)
-    # a document starting exactly at ``start`` (an offset there, not the last one) owes nothing to the past
-    return offsets, start not in bounds[:-1]
-
-
 def context_parallel_kda(
     op: KDAOp,
     q: Tensor,
@@ -72,16 +62,18 @@ def context_parallel_kda(
     g: Tensor,
     beta: Tensor,
     cp: ContextParallel,
-    cu_seqlens: Tensor | None,
+    cu_seqlens: Tensor | Documents | None,
 ) -> Tensor:
-    """KDA over this rank's zig-zag share ``[B, 2n, H, D]`` -> o ``[B, 2n, H, V]`` (global cu_seqlens)."""
+    """KDA over this rank's zig-zag share ``[B, 2n, H, D]`` -> o ``[B, 2n, H, V]`` (``cu_seqlens``: the global
+    layout, preferably ``ctx.documents``)."""
     n, v_dim = cp.segment_len, v.shape[-1]
     pieces = [tuple(x[:, i * n : (i + 1) * n] for x in (q, k, v, g, beta)) for i in range(2)]
-    documents = [segment_documents(cu_seqlens, *cp.segments()[i]) for i in range(2)]
+    documents = None if cu_seqlens is None else as_documents(cu_seqlens, length=cp.seq_len)
+    windows = [(None, True) if documents is None else documents.window(*span) for span in cp.segments()]
 
     ends = []  # [B, H, K, V + K] = [S_loc | M] per local segment
-    for (_, k_i, v_i, g_i, beta_i), (offsets, continues) in zip(pieces, documents, strict=True):
-        last = 0 if offsets is None else int(offsets[-2])  # the last document piece's start
+    for (_, k_i, v_i, g_i, beta_i), (offsets, continues) in zip(pieces, windows, strict=True):
+        last = 0 if offsets is None else offsets.offsets[-2]  # the last document piece's start
         M, S_loc = kda_affine_map(k_i[:, last:], v_i[:, last:], g_i[:, last:], beta_i[:, last:])
         if last > 0 or not continues:
             M = torch.zeros_like(M)  # the last piece starts a document: nothing from before reaches its end
@@ -92,15 +84,15 @@ def context_parallel_kda(
     for end in all_ends[: segment_index(cp, 1)]:
         incoming.append(end[..., v_dim:] @ incoming[-1] + end[..., :v_dim])
 
-    def first_piece_state(initial: Tensor, offsets: Tensor | None) -> Tensor:
+    def first_piece_state(initial: Tensor, offsets: Documents | None) -> Tensor:
         """A state per document piece: ``initial`` for the first, zeros for the others."""
         if offsets is None:
             return initial
-        return torch.cat([initial, initial.new_zeros(len(offsets) - 2, *initial.shape[1:])])
+        return torch.cat([initial, initial.new_zeros(offsets.n_docs - 1, *initial.shape[1:])])
 
     outputs = []
     for i, ((q_i, k_i, v_i, g_i, beta_i), (offsets, continues)) in enumerate(
-        zip(pieces, documents, strict=True)
+        zip(pieces, windows, strict=True)
     ):
         state = incoming[segment_index(cp, i)]
         # Multiply rather than drop: the all-gather's backward is a collective, so every rank's graph must

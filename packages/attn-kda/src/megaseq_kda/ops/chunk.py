@@ -37,7 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megaseq_kda.ops.inputs import check_kda_inputs, compute_dtype
+from megaseq.documents import Documents
+from megaseq.dtypes import compute_dtype
+from megaseq_kda.ops.inputs import check_kda_inputs, documents_of
 
 CHUNK = 64
 SUBCHUNK = 16
@@ -52,14 +54,15 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (same maths as the oracle): ``(o [B, T, H, V], final_state [N, H, K, V] or None)``."""
-    n_seqs = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    documents = documents_of(cu_seqlens, q.shape[0], q.shape[1])
+    n_seqs = check_kda_inputs(q, k, v, g, beta, initial_state, documents)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
-    out_dtype, dtype = q.dtype, compute_dtype(q)
-    layout = _ChunkLayout.build(B, T, cu_seqlens, q.device)
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    layout = _ChunkLayout.build(B, T, documents, q.device)
     q, k, v, g, beta = (layout.to_chunks(x.to(dtype)) for x in (q, k, v, g, beta[..., None]))
     if initial_state is None:
         initial_state = q.new_zeros(n_seqs, H, K, v.shape[-1])
@@ -84,13 +87,17 @@ class _ChunkLayout:
     slot_of_token: torch.Tensor | None  # [T]
 
     @classmethod
-    def build(
-        cls, batch: int, length: int, cu_seqlens: torch.Tensor | None, device: torch.device
-    ) -> "_ChunkLayout":
-        if cu_seqlens is None:
+    def build(cls, batch: int, length: int, documents: Documents | None, device: torch.device) -> "_ChunkLayout":
+        """The layout of a ``[batch, length]`` input; with documents, built once per batch (memoized on them:
+        every layer of a forward shares it)."""
+        if documents is None:
             n_chunks = max(1, math.ceil(length / CHUNK))
             return cls(n_chunks, {0: slice(None)}, {n_chunks - 1: slice(None)}, None, None)
-        offsets = cu_seqlens.tolist()
+        return documents.derive(("megaseq_kda.chunk_layout", CHUNK, device), lambda: cls._packed(documents, device))
+
+    @classmethod
+    def _packed(cls, documents: Documents, device: torch.device) -> "_ChunkLayout":
+        offsets, length = documents.offsets, documents.length
         lengths = [end - start for start, end in itertools.pairwise(offsets)]
         # An empty document still gets one all-padding chunk so that its final state is its initial state.
         doc_chunks = [max(1, math.ceil(n / CHUNK)) for n in lengths]

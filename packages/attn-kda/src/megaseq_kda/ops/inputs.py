@@ -2,16 +2,20 @@
 
 Conventions (fla's): q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, states ``[N, H, K, V]``
 where N is B, or the number of documents when ``cu_seqlens`` (``[N + 1]`` offsets, B == 1) is given.
+``cu_seqlens`` may be a tensor or core's ``megaseq.documents.Documents`` (what the layer passes: the
+boundaries are then already on the host, so an op never synchronises with the device to read them).
 """
-
-import itertools
 
 import torch
 
+from megaseq.documents import Documents, as_documents
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """Gates, beta and states are kept in fp32; float64 inputs stay float64 (for tight tests)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+def documents_of(cu_seqlens: torch.Tensor | Documents | None, batch: int, length: int) -> Documents | None:
+    """``cu_seqlens`` as validated core ``Documents`` for a ``[batch, length]`` input (None stays None)."""
+    if cu_seqlens is None:
+        return None
+    return as_documents(cu_seqlens, batch=batch, length=length)
 
 
 def check_kda_inputs(
@@ -21,9 +25,10 @@ def check_kda_inputs(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | Documents | None,
 ) -> int:
-    """Validate shapes; return N, the number of independent sequences (rows of the state)."""
+    """Validate shapes; return N, the number of independent sequences (rows of the state). Ops convert
+    ``cu_seqlens`` with :func:`documents_of` first, so that a tensor is read to the host only once."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -35,27 +40,10 @@ def check_kda_inputs(
         raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
     if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
-    n_seqs = B
-    if cu_seqlens is not None:
-        n_seqs = check_cu_seqlens(cu_seqlens, B, T)
+    n_seqs = B if cu_seqlens is None else documents_of(cu_seqlens, B, T).n_docs
     if initial_state is not None and initial_state.shape != (n_seqs, H, K, v.shape[-1]):
         raise ValueError(
             f"initial_state must be [N, H, K, V] = [{n_seqs}, {H}, {K}, {v.shape[-1]}], "
             f"got {tuple(initial_state.shape)}"
         )
     return n_seqs
-
-
-def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int) -> int:
-    """Validate document offsets; return the number of documents."""
-    if batch != 1:
-        raise ValueError(f"cu_seqlens needs batch size 1 (documents are packed along T), got B={batch}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"cu_seqlens must be a 1-D int32/int64 tensor [N + 1], got {cu_seqlens.dtype} "
-            f"of shape {tuple(cu_seqlens.shape)}"
-        )
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != length or any(b < a for a, b in itertools.pairwise(offsets)):
-        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={length}, got {offsets}")
-    return len(offsets) - 1

@@ -10,11 +10,11 @@ Slow (a Python loop over tokens) and obviously correct; every fast path is teste
 Computes in fp32, or in float64 when given float64 inputs.
 """
 
-import itertools
-
 import torch
 
-from megaseq_kda.ops.inputs import check_kda_inputs, compute_dtype
+from megaseq.documents import Documents
+from megaseq.dtypes import compute_dtype
+from megaseq_kda.ops.inputs import check_kda_inputs, documents_of
 
 
 def naive_recurrent_kda(
@@ -26,17 +26,17 @@ def naive_recurrent_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA. Returns ``(o [B, T, H, V], final_state [N, H, K, V] or None)``.
 
     With ``cu_seqlens`` each document is run on its own from its own initial state.
     """
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if cu_seqlens is not None:
-        offsets = cu_seqlens.tolist()
+    documents = documents_of(cu_seqlens, q.shape[0], q.shape[1])
+    check_kda_inputs(q, k, v, g, beta, initial_state, documents)
+    if documents is not None:
         outputs, finals = [], []
-        for doc, (start, end) in enumerate(itertools.pairwise(offsets)):
+        for doc, (start, end) in enumerate(documents.bounds):
             doc_state = None if initial_state is None else initial_state[doc : doc + 1]
             o, final = naive_recurrent_kda(
                 *(x[:, start:end] for x in (q, k, v, g, beta)), scale, doc_state, output_final_state=True
@@ -47,7 +47,7 @@ def naive_recurrent_kda(
 
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
-    out_dtype, dtype = q.dtype, compute_dtype(q)
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
     outputs = []

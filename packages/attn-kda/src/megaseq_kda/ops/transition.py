@@ -16,12 +16,12 @@ fp32 (float64 for float64 inputs). Memory: ordinary autograd, O(K (K + V) / 64) 
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
+from megaseq.documents import Documents
+from megaseq.dtypes import compute_dtype
 from megaseq_kda.ops.chunk import _ChunkLayout, _exp, _gated_grams
-from megaseq_kda.ops.inputs import check_cu_seqlens, compute_dtype
+from megaseq_kda.ops.inputs import documents_of
 
 
 def kda_affine_map(
@@ -37,7 +37,7 @@ def kda_affine_map(
     if v is not None and (v.dim() != 4 or v.shape[:3] != k.shape[:3]):
         raise ValueError(f"v must be [B, T, H, V] with B, T, H of k {tuple(k.shape[:3])}, got {tuple(v.shape)}")
     batch, length, _, k_dim = k.shape
-    dtype = compute_dtype(k)
+    dtype = compute_dtype(k.dtype)
     layout = _ChunkLayout.build(batch, length, None, k.device)
     k, g, beta = (layout.to_chunks(x.to(dtype)) for x in (k, g, beta[..., None]))  # [B, H, n, C, *]
     beta = beta.squeeze(-1)
@@ -63,13 +63,11 @@ def kda_affine_map(
 
 
 def kda_transition(
-    k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | Documents | None = None
 ) -> torch.Tensor:
     """The linear part M of the state update, final(S0) = M @ S0 + final(0): ``[N, H, K, K]``, one per row or
     document (``cu_seqlens``, B == 1). M = prod_t (I - beta_t k_t k_t^T) Diag(exp(g_t)), later tokens left."""
-    if cu_seqlens is None:
+    documents = documents_of(cu_seqlens, k.shape[0], k.shape[1])
+    if documents is None:
         return kda_affine_map(k, None, g, beta)[0]
-    check_cu_seqlens(cu_seqlens, k.shape[0], k.shape[1])
-    return torch.cat(
-        [kda_affine_map(k[:, a:b], None, g[:, a:b], beta[:, a:b])[0] for a, b in itertools.pairwise(cu_seqlens.tolist())]
-    )
+    return torch.cat([kda_affine_map(k[:, a:b], None, g[:, a:b], beta[:, a:b])[0] for a, b in documents.bounds])

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from megaseq_kda.ops.inputs import check_kda_inputs
+from megaseq.documents import Documents
+from megaseq_kda.ops.inputs import check_kda_inputs, documents_of
 
 from .kernels_bwd import chunk_grads_kernel, pair_grads_kernel, state_bwd_kernel, wy_bwd_kernel
 from .kernels_fwd import (
@@ -54,8 +55,13 @@ class Layout:
         return self.doc_chunks.shape[0] - 1
 
 
-def make_layout(cu_seqlens: torch.Tensor, heads: int, k_dim: int, v_dim: int, device: torch.device) -> Layout:
-    edges = cu_seqlens.tolist()
+def make_layout(documents: Documents, heads: int, k_dim: int, v_dim: int, device: torch.device) -> Layout:
+    """The launch layout, built once per batch: memoized on ``documents`` (every layer of a forward shares it)."""
+    key = ("megaseq_kda.triton_layout", heads, k_dim, v_dim, device)
+    return documents.derive(key, lambda: _make_layout(documents.offsets, heads, k_dim, v_dim, device))
+
+
+def _make_layout(edges: tuple[int, ...], heads: int, k_dim: int, v_dim: int, device: torch.device) -> Layout:
     bounds, doc_chunks = [], [0]
     for bos, eos in itertools.pairwise(edges):
         bounds += [(t0, min(t0 + CHUNK, eos)) for t0 in range(bos, eos, CHUNK)]
@@ -229,7 +235,7 @@ def chunk_kda_triton(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked Kimi Delta Attention on Triton kernels, differentiable in all tensor inputs.
 
@@ -238,13 +244,14 @@ def chunk_kda_triton(
     B must be 1 and the state restarts at every document boundary). Returns o [B, T, H, V] in q's dtype
     and, if output_final_state, the fp32 final states [N, H, K, V] (else None).
     """
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     batch, seq, heads, k_dim = q.shape
+    documents = documents_of(cu_seqlens, batch, seq)
+    check_kda_inputs(q, k, v, g, beta, initial_state, documents)
     v_dim = v.shape[-1]
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(batch + 1) * seq
+    if documents is None:  # the rows of the batch, one after another
+        documents = Documents.from_offsets([row * seq for row in range(batch + 1)])
     scale = k_dim**-0.5 if scale is None else scale
-    lay = make_layout(cu_seqlens, heads, k_dim, v_dim, q.device)
+    lay = make_layout(documents, heads, k_dim, v_dim, q.device)
 
     def packed(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(batch * seq, *x.shape[2:]).contiguous()
