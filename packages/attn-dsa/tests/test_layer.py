@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaseq import backends as core_backends
-from megaseq.builtins.sdpa import rotary
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
+from megaseq.rotary import rotary
 from megaseq.testing import build_component
 from megaseq.testing.attention import assert_close
 from megaseq_dsa.backends import BACKENDS

@@ -25,7 +25,7 @@ parameters in a differentiable way.
 
 Keys and queries: every path works on the keys of a whole sequence and on queries at known positions in it
 (the operations' ``query_positions``). Plain and packed rows: both are the local tokens. Context parallelism:
-keys are all-gathered (``megaseq_dsa.parallel``), queries are this rank's zig-zag share at their global
+keys are all-gathered (core's ``megaseq.parallel.gather_sequence``), queries are this rank's zig-zag share at their global
 positions, so a rank's work is O(T_local x T). Decoding: keys are the cache plus the new tokens, queries the
 new tokens, so a step costs O(cache length). The dense warm-up attends each run of consecutive query
 positions inside a document to that document's keys up to the run's end (causal aligned to the last key).
@@ -40,15 +40,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megaseq.builtins.sdpa import rotary
 from megaseq.contracts import ForwardContext
+from megaseq.documents import Documents, as_documents
+from megaseq.parallel import gather_sequence
 from megaseq.records import MemoryEstimate, ModelDims
+from megaseq.rotary import rotary
 from megaseq_dsa.backends import BACKENDS, DSAOps
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl
 from megaseq_dsa.ops import selected_slots
 from megaseq_dsa.ops.indexer import SCORE_BLOCK_BYTES, document_starts
-from megaseq_dsa.parallel import gather_sequence
 
 # Tokens a fresh decoding cache has room for before it first grows.
 INITIAL_CACHE_TOKENS = 256
@@ -139,38 +140,44 @@ class DeepSeekSparseAttention(nn.Module):
             raise ValueError(
                 "attention.dsa: a decoding cache cannot be combined with packing or context parallelism"
             )
+        documents = None  # read once per forward by the context, shared with every other layer
+        if ctx.documents is not None:
+            length = ctx.cp.seq_len if ctx.cp is not None else t
+            documents = as_documents(ctx.documents, batch=b, length=length, who="attention.dsa: cu_seqlens")
         c_q = self.q_norm(self.q_down(x))
         latent = self.kv_norm(self.kv_down(x))
         q = torch.einsum("bthd,hdc->bthc", self.q_up(c_q).view(b, t, self.config.n_heads, -1), self.k_up)
         key = latent
         if self.rope_dim:
-            pos = self._rope_positions(t, ctx, cache, x.device)
+            pos = self._rope_positions(t, ctx, cache, documents, x.device)
             q_rot = rotary(self.q_rope(c_q).view(b, t, self.config.n_heads, -1), pos, self.config.rope_theta)
             k_rot = rotary(self.k_rope(x)[:, :, None], pos, self.config.rope_theta)[:, :, 0]
             q, key = torch.cat([q, q_rot], dim=-1), torch.cat([latent, k_rot], dim=-1)
         q_idx, k_idx, idx_weights = self.indexer(x.detach(), c_q.detach())
 
-        # Keys of the whole sequence; queries at query_pos in it.
-        cu_seqlens = ctx.cu_seqlens
+        # Keys of the whole sequence; queries at query_pos in it (query_spans: the same, as host ranges).
         if cache is not None:
+            query_spans = [(cache.length, cache.length + t)]
             query_pos = torch.arange(cache.length, cache.length + t, device=x.device)
             cache.append(key, k_idx)
             key, k_idx = cache.key, cache.k_idx
         elif ctx.cp is not None:
+            query_spans = ctx.cp.segments()
             query_pos = ctx.cp.positions(x.device)
             key, k_idx = gather_sequence(key, ctx.cp), gather_sequence(k_idx, ctx.cp)
         else:
+            query_spans = [(0, t)]
             query_pos = torch.arange(t, device=x.device)
 
         if self.config.mode == "sparse":
             ops = BACKENDS.load(self.config.backend, x.device)
-            indices = self._select(ops, q_idx, k_idx, idx_weights, query_pos, cu_seqlens)
+            indices = self._select(ops, q_idx, k_idx, idx_weights, query_pos, documents)
             o = self._sparse(ops, q, key, indices)
         else:
             indices = None
-            o = self._dense(q, key, query_pos, cu_seqlens)
+            o = self._dense(q, key, query_spans, documents)
         if cache is None and torch.is_grad_enabled():
-            doc_start = document_starts(cu_seqlens, key.shape[1], x.device)
+            doc_start = document_starts(documents, key.shape[1], x.device)
             kl = indexer_kl(
                 q_idx,
                 k_idx,
@@ -191,14 +198,13 @@ class DeepSeekSparseAttention(nn.Module):
         return self.out(o.reshape(b, t, -1))
 
     def _rope_positions(
-        self, t: int, ctx: ForwardContext, cache: DSACache | None, device: torch.device
+        self, t: int, ctx: ForwardContext, cache: DSACache | None, documents: Documents | None, device: torch.device
     ) -> Tensor:
         """Position of each local token inside its document (rotary angles restart at each document)."""
         if cache is not None:
             return torch.arange(cache.length, cache.length + t, device=device)
         pos = ctx.cp.positions(device) if ctx.cp is not None else torch.arange(t, device=device)
-        length = ctx.cp.seq_len if ctx.cp is not None else t
-        return pos - document_starts(ctx.cu_seqlens, length, device)[pos]
+        return pos if documents is None else documents.positions_in_doc(device)[pos]
 
     @torch.no_grad()
     def _select(
@@ -208,12 +214,12 @@ class DeepSeekSparseAttention(nn.Module):
         k_idx: Tensor,
         weights: Tensor,
         query_pos: Tensor,
-        cu_seqlens: Tensor | None,
+        documents: Documents | None,
     ) -> Tensor:
         """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice)."""
         config = self.config
         return ops.select_topk(
-            q_idx, k_idx, weights, config.topk, cu_seqlens, config.index_pool, query_pos, config.query_chunk
+            q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos, config.query_chunk
         )
 
     def _sparse(self, ops: DSAOps, q: Tensor, key: Tensor, indices: Tensor) -> Tensor:
@@ -221,20 +227,21 @@ class DeepSeekSparseAttention(nn.Module):
         value = key[..., : self.config.kv_lora_rank]
         return ops.sparse_attention(q, key, value, indices, self.scale, self.config.query_chunk)
 
-    def _dense(self, q: Tensor, key: Tensor, query_pos: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    def _dense(
+        self, q: Tensor, key: Tensor, query_spans: list[tuple[int, int]], documents: Documents | None
+    ) -> Tensor:
         """Dense causal attention of each query over its document's keys up to its position: latent outputs
-        [B, Tq, H, kv_lora_rank]. One attention call per run of consecutive query positions in a document."""
+        [B, Tq, H, kv_lora_rank]; the queries lie at the global positions ``query_spans`` (host ranges, in
+        order). One attention call per run of consecutive query positions in a document."""
         batch, _, heads, _ = q.shape
         # Values padded with zeros to the key width: the rotary columns then add nothing, and equal q/k/v
         # widths let SDPA pick its fused O(L)-memory kernels instead of materialising the L x L scores.
         value = F.pad(key[..., : self.config.kv_lora_rank], (0, self.rope_dim))[:, None]
         key = key[:, None]
         q = q.transpose(1, 2)  # [B, H, Tq, D]
-        doc_start = document_starts(cu_seqlens, key.shape[2], q.device)
         block = self.config.query_chunk or max(1, CHUNK_BYTES // (4 * batch * heads * key.shape[2]))
         parts = []
-        for q0, q1, k0 in _query_runs(query_pos, doc_start):
-            k1 = int(query_pos[q1 - 1]) + 1
+        for q0, q1, k0, k1 in _query_runs(query_spans, documents):
             parts.append(
                 _causal_to_last_key(q[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], self.scale, block)
             )
@@ -242,15 +249,20 @@ class DeepSeekSparseAttention(nn.Module):
         return o.transpose(1, 2)[..., : self.config.kv_lora_rank]
 
 
-def _query_runs(query_pos: Tensor, doc_start: Tensor) -> list[tuple[int, int, int]]:
+def _query_runs(
+    query_spans: list[tuple[int, int]], documents: Documents | None
+) -> list[tuple[int, int, int, int]]:
     """Maximal runs of consecutive query positions inside one document, as (first query, end query, first key
-    of the document)."""
-    if len(query_pos) == 0:
-        return []
-    query_doc = doc_start[query_pos]
-    breaks = (query_pos[1:] != query_pos[:-1] + 1) | (query_doc[1:] != query_doc[:-1])
-    starts = [0, *(breaks.nonzero()[:, 0] + 1).tolist()]
-    return list(zip(starts, [*starts[1:], len(query_pos)], query_doc[starts].tolist(), strict=True))
+    of the document, end key = last query position + 1). Host arithmetic on host ranges: no device sync."""
+    bounds = documents.bounds if documents is not None else [(0, max((end for _, end in query_spans), default=0))]
+    runs, first_query = [], 0
+    for span_start, span_end in query_spans:
+        for doc_start, doc_end in bounds:
+            a, b = max(span_start, doc_start), min(span_end, doc_end)
+            if a < b:
+                runs.append((first_query + a - span_start, first_query + b - span_start, doc_start, b))
+        first_query += span_end - span_start
+    return runs
 
 
 def _causal_to_last_key(q: Tensor, key: Tensor, value: Tensor, scale: float, block: int) -> Tensor:

@@ -37,11 +37,13 @@ dense causal attention. The work is O(Tq x visible keys): a decoding step costs 
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from megaseq.documents import Documents, as_documents
+from megaseq.dtypes import compute_dtype
 
 # Sparse attention kernels want the index count padded to a multiple of 64 (FlashMLA-style tiles).
 SLOT_MULTIPLE = 64
@@ -54,16 +56,11 @@ def selected_slots(topk: int, pool: int = 1) -> int:
     return -(-(topk + pool - 1) // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Scores and softmax statistics are accumulated in at least fp32 (float64 inputs stay float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def check_index_inputs(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
     weights: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | Documents | None,
     query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Raise a one-line ValueError for inconsistent indexer inputs; return the query positions as int64
@@ -82,7 +79,7 @@ def check_index_inputs(
             f"weights must be [B, Tq, Hi] = {(batch, n_queries, heads)}, got {tuple(weights.shape)}"
         )
     positions = check_query_positions(query_positions, batch, n_queries, n_keys, q_idx.device)
-    check_cu_seqlens(cu_seqlens, batch, n_keys)
+    documents_of(cu_seqlens, batch, n_keys)
     return positions
 
 
@@ -115,29 +112,19 @@ def check_query_positions(
     return positions
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, n_keys: int) -> None:
-    """cu_seqlens [N+1] bounds packed documents on the key axis (B == 1)."""
-    if cu_seqlens is None:
-        return
-    if batch != 1:
-        raise ValueError(f"cu_seqlens needs packed documents in a batch of 1, got batch size {batch}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be a 1-D tensor [N+1] with N >= 1, got shape {tuple(cu_seqlens.shape)}"
-        )
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != n_keys or any(b < a for a, b in itertools.pairwise(bounds)):
-        raise ValueError(f"cu_seqlens must rise from 0 to Tk={n_keys} without decreasing, got {bounds}")
+def documents_of(cu_seqlens: torch.Tensor | Documents | None, batch: int, n_keys: int) -> Documents | None:
+    """cu_seqlens [N+1] (a tensor or core's Documents) bounding packed documents on the key axis (B == 1),
+    validated, as core Documents (a tensor is read to the host here, once)."""
+    return None if cu_seqlens is None else as_documents(cu_seqlens, batch=batch, length=n_keys)
 
 
-def document_starts(cu_seqlens: torch.Tensor | None, seq_len: int, device: torch.device) -> torch.Tensor:
+def document_starts(
+    cu_seqlens: torch.Tensor | Documents | None, seq_len: int, device: torch.device
+) -> torch.Tensor:
     """First token of each token's document, int64 [T] (all zeros without cu_seqlens)."""
     if cu_seqlens is None:
         return torch.zeros(seq_len, dtype=torch.long, device=device)
-    bounds = cu_seqlens.to(device=device, dtype=torch.long)
-    positions = torch.arange(seq_len, device=device)
-    doc = torch.searchsorted(bounds[1:], positions, right=True)
-    return bounds[doc]
+    return as_documents(cu_seqlens, length=seq_len).starts(device)
 
 
 def _index_scores(
@@ -164,7 +151,7 @@ def select_topk(
     k_idx: torch.Tensor,
     weights: torch.Tensor,
     topk: int,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Documents | None = None,
     pool: int = 1,
     query_positions: torch.Tensor | None = None,
     query_block: int = DEFAULT_QUERY_BLOCK,
@@ -180,14 +167,15 @@ def select_topk(
     query_block: at most this many queries per block (fewer when a block's scores would pass
     SCORE_BLOCK_BYTES); key_block: keys per scoring tile.
     """
-    positions = check_index_inputs(q_idx, k_idx, weights, cu_seqlens, query_positions)
+    documents = None if cu_seqlens is None else as_documents(cu_seqlens)  # read to the host once, checked below
+    positions = check_index_inputs(q_idx, k_idx, weights, documents, query_positions)
     check_topk_and_pool(topk, pool)
     if query_block < 1 or key_block < 1:
         raise ValueError(f"query_block and key_block must be >= 1, got {query_block}, {key_block}")
     batch, n_queries, _, _ = q_idx.shape
     device = q_idx.device
     dtype = compute_dtype(q_idx.dtype)
-    cand = pooled_candidates(k_idx, positions, cu_seqlens, pool, dtype)
+    cand = pooled_candidates(k_idx, positions, documents, pool, dtype)
     keys, block_first, first_key, last_key = cand.keys, cand.block_first, cand.first, cand.last
     tail_start, tail_len = cand.tail_start, cand.tail_len
 
@@ -247,16 +235,13 @@ class Candidates:
 
 
 def pooled_candidates(
-    k_idx: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None, pool: int, dtype: torch.dtype
+    k_idx: torch.Tensor, positions: torch.Tensor, documents: Documents | None, pool: int, dtype: torch.dtype
 ) -> Candidates:
     """The candidate blocks of queries at key positions ``positions [B, Tq]`` (means in ``dtype``)."""
     n_keys, device = k_idx.shape[1], k_idx.device
     key_positions = torch.arange(n_keys, device=device)
-    doc_start = document_starts(cu_seqlens, n_keys, device)
-    doc_end = doc_start.new_full((n_keys,), n_keys)
-    if cu_seqlens is not None:
-        bounds = cu_seqlens.to(device=device, dtype=torch.long)
-        doc_end = bounds[torch.searchsorted(bounds[1:], key_positions, right=True) + 1]
+    doc_start = document_starts(documents, n_keys, device)
+    doc_end = doc_start.new_full((n_keys,), n_keys) if documents is None else documents.ends(device)
     is_block_first = ((key_positions - doc_start) % pool == 0) & (key_positions + pool <= doc_end)
     block_first = key_positions[is_block_first]
     block_last = block_first + pool - 1

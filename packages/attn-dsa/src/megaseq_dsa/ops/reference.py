@@ -11,18 +11,18 @@ Queries sit at key positions (`query_positions`, default arange(Tq) when there a
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from megaseq_dsa.ops.indexer import check_index_inputs, compute_dtype, document_starts, selected_slots
+from megaseq.documents import Documents, as_documents
+from megaseq.dtypes import compute_dtype
+from megaseq_dsa.ops.indexer import check_index_inputs, document_starts, selected_slots
 
 
 def indexer_scores_reference(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
     weights: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Documents | None = None,
     query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """I(t, s) = sum_j weights[t, j] * relu(q_idx[t, j] . k_idx[s]) as [B, Tq, Tk].
@@ -45,7 +45,7 @@ def select_topk_reference(
     k_idx: torch.Tensor,
     weights: torch.Tensor,
     topk: int,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Documents | None = None,
     pool: int = 1,
     query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -54,10 +54,10 @@ def select_topk_reference(
     batch, n_queries, _, dim = q_idx.shape
     n_keys = k_idx.shape[1]
     dtype = compute_dtype(q_idx.dtype)
-    bounds = [0, n_keys] if cu_seqlens is None else cu_seqlens.tolist()
+    bounds = [(0, n_keys)] if cu_seqlens is None else as_documents(cu_seqlens).bounds
     out = torch.full((batch, n_queries, selected_slots(topk, pool)), -1, dtype=torch.int32)
     for b in range(batch):
-        for start, end in itertools.pairwise(bounds):
+        for start, end in bounds:
             rows = ((positions[b] >= start) & (positions[b] < end)).nonzero()[:, 0].tolist()
             if not rows:
                 continue

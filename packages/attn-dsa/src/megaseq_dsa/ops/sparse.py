@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megaseq_dsa.ops.indexer import compute_dtype
+from megaseq.dtypes import compute_dtype
 
 # Gathered K and V of one chunk take about this many bytes. The products per query are tiny ([H, D] x [D, S])
 # and bound by memory traffic, so a chunk small enough to stay in cache (a few queries) beats big chunks

@@ -17,27 +17,13 @@ from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
 from megaseq.documents import Documents, as_documents
-from megaseq.dtypes import compute_dtype
 from megaseq.parallel import gather_sequence
 from megaseq.records import MemoryEstimate, ModelDims
+from megaseq.rotary import rotary
 
 from .config import SDPAConfig
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-
-
-def rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotate pairs of channels of ``x [B, T, H, D]`` by angles ``position * theta^(-2i/D)`` (in
-    ``compute_dtype``: fp32, or float64 for float64 inputs)."""
-    d, dtype = x.shape[-1], compute_dtype(x.dtype)
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=dtype) / d)
-    angles = positions.to(dtype)[..., None] * inv_freq  # [T, D/2] or [B, T, D/2]
-    if angles.dim() == 2:
-        angles = angles[None]
-    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
-    x1, x2 = x.to(dtype)[..., 0::2], x.to(dtype)[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.to(x.dtype)
 
 
 @dataclass

@@ -27,10 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from megaseq.documents import Documents, as_documents
+from megaseq.dtypes import compute_dtype
 from megaseq_dsa.ops.indexer import (
     check_index_inputs,
     check_topk_and_pool,
-    compute_dtype,
     expand_rows,
     pooled_candidates,
     selected_slots,
@@ -187,7 +188,7 @@ def select_topk_triton(
     k_idx: torch.Tensor,
     weights: torch.Tensor,
     topk: int,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Documents | None = None,
     pool: int = 1,
     query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -200,6 +201,7 @@ def select_topk_triton(
     positions in ascending order, then -1 padding; a query with <= topk visible keys gets all of them; equal
     scores go to the earlier key.
     """
+    cu_seqlens = None if cu_seqlens is None else as_documents(cu_seqlens)  # read to the host once
     positions = check_index_inputs(q_idx, k_idx, weights, cu_seqlens, query_positions)
     check_topk_and_pool(topk, pool)
     if q_idx.dtype != k_idx.dtype:
