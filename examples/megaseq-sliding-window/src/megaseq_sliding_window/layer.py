@@ -8,22 +8,25 @@ touches the keys at ``[a - window + 1, b)``, so each block's score matrix is ``b
   document start, so a packed row equals its documents run separately.
 - Decoding: the cache keeps at most the last ``window`` keys/values (already rotated) and the number of
   tokens seen.
-- Context parallelism (``ctx.cp``, zig-zag): keys/values are all-gathered over ``ctx.cp.group`` with an
-  autograd-aware all-gather (its backward all-reduces the gradient and keeps this rank's slice), put back in
-  global order, and the local queries attend at their global positions. Exact, at the cost of holding the
-  full sequence's keys/values on every rank.
+- Context parallelism (``ctx.cp``, zig-zag): keys/values are all-gathered over ``ctx.cp.group`` with core's
+  autograd-aware ``megaseq.parallel.gather_sequence`` (the gradient of every key returns to its owner), and
+  the local queries attend at their global positions. Exact, at the cost of holding the full sequence's
+  keys/values on every rank.
+
+Document layout comes from ``ctx.documents`` (core's ``megaseq.documents.Documents``, computed once per batch).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from megaseq.contracts import ContextParallel, ForwardContext
+from megaseq.contracts import ForwardContext
+from megaseq.documents import as_documents
+from megaseq.parallel import gather_sequence
 from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_sliding_window.config import SlidingWindowConfig
 
@@ -91,42 +94,6 @@ def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-# ------------------------------------------------------------------------------------- context parallelism
-
-
-class _AllGather(torch.autograd.Function):
-    """All-gather along a new leading dim; backward sums the gradient over ranks and keeps this rank's slice."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any, rank: int, world_size: int) -> Tensor:  # type: ignore[override]
-        import torch.distributed as dist
-
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(world_size)]
-        dist.all_gather(parts, x, group=group)
-        ctx.group, ctx.rank = group, rank
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:  # type: ignore[override]
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None, None, None
-
-
-def gather_sequence(x: Tensor, cp: ContextParallel, dim: int = 2) -> Tensor:
-    """The full sequence from every rank's zig-zag share of ``x`` along ``dim``, differentiably."""
-    gathered = _AllGather.apply(x, cp.group, cp.rank, cp.world_size)  # [W, ...]
-    n, w = cp.segment_len, cp.world_size
-    segments: list[Tensor | None] = [None] * (2 * w)
-    for r in range(w):  # rank r holds segments r and 2w - 1 - r, in that order
-        first, second = gathered[r].split(n, dim=dim)
-        segments[r], segments[2 * w - 1 - r] = first, second
-    return torch.cat(segments, dim=dim)  # type: ignore[arg-type]
-
-
 # ------------------------------------------------------------------------------------------------- module
 
 
@@ -190,19 +157,17 @@ class SlidingWindowAttention(nn.Module):
 
         q_doc = k_doc = None
         rope_pos = q_pos
-        if ctx.cu_seqlens is not None:
-            cu = ctx.cu_seqlens.to(device=device, dtype=torch.long)
-            if int(cu[-1]) != total:
-                raise ValueError(f"sliding-window: cu_seqlens ends at {int(cu[-1])}, sequence length is {total}")
-            k_doc = torch.searchsorted(cu, torch.arange(total, device=device), right=True) - 1
+        if ctx.documents is not None:
+            documents = as_documents(ctx.documents, batch=x.shape[0], length=total, who="sliding-window: cu_seqlens")
+            k_doc = documents.doc_ids(device)
             q_doc = k_doc[q_pos]
-            rope_pos = q_pos - cu[q_doc]  # RoPE restarts at every document start
+            rope_pos = documents.positions_in_doc(device)[q_pos]  # RoPE restarts at every document start
 
         q, k, v = self._qkv(x, rope_pos)
         if cp is None:
             runs = [(0, 0, t)]
         else:
-            k, v = gather_sequence(k, cp), gather_sequence(v, cp)
+            k, v = gather_sequence(k, cp, dim=2), gather_sequence(v, cp, dim=2)
             n = cp.segment_len
             runs = [(i * n, a, b - a) for i, (a, b) in enumerate(cp.segments())]
         y = sliding_window_attention(

@@ -1,7 +1,7 @@
 """Expert-parallel collectives. ``group=None`` means one rank: every helper is then the identity.
 
-Rows move with ``all_to_all_single`` and explicit split sizes; gloo implements it (uneven splits included),
-whereas gloo's list ``all_to_all`` requires equal sizes, so only the single-tensor form is used.
+Rows move with core's ``megaseq.parallel.all_to_all`` (``all_to_all_single`` with explicit split sizes, which
+gloo implements with uneven splits too).
 """
 
 from __future__ import annotations
@@ -12,18 +12,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megaseq.parallel import all_to_all
+
 
 def group_size(group: Any | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
 def exchange_rows(rows: Tensor, send_counts: list[int], recv_counts: list[int], group: Any | None) -> Tensor:
-    """Send ``send_counts[r]`` consecutive rows to rank r; receive ``recv_counts[r]`` rows from rank r."""
-    if group is None:
-        return rows
-    out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
-    return out
+    """Send ``send_counts[r]`` consecutive rows to rank r; receive ``recv_counts[r]`` rows from rank r (core's
+    ``megaseq.parallel.all_to_all``; the layer's own autograd function calls it without a graph)."""
+    return rows if group is None else all_to_all(rows, send_counts, recv_counts, group)
 
 
 def exchange_counts(counts: Tensor, group: Any | None) -> Tensor:

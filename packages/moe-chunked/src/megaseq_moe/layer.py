@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, iter_modules
+from megaseq.documents import as_documents
+from megaseq.dtypes import compute_dtype
 from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_moe.config import ChunkedMoEConfig
 from megaseq_moe.dispatch import plan_dispatch
@@ -151,11 +153,12 @@ class ChunkedMoE(nn.Module):
         self, batch: int, length: int, ctx: ForwardContext, device: torch.device
     ) -> tuple[Tensor, int]:
         """Sequence id of each token for the balance loss: the document under packing, else the batch row."""
-        if ctx.cu_seqlens is None:
+        if ctx.documents is None:
             return torch.arange(batch, device=device).repeat_interleave(length), batch
-        positions = ctx.cp.positions(device) if ctx.cp is not None else torch.arange(length, device=device)
-        ends = ctx.cu_seqlens[1:].to(device=device, dtype=torch.int64)
-        return torch.searchsorted(ends, positions, right=True), ends.numel()
+        total = ctx.cp.seq_len if ctx.cp is not None else length
+        documents = as_documents(ctx.documents, batch=batch, length=total, who=f"moe {self.routing_key}: cu_seqlens")
+        doc_ids = documents.doc_ids(device)
+        return (doc_ids if ctx.cp is None else doc_ids[ctx.cp.positions(device)]), documents.n_docs
 
     def _aux_loss(self, indices: Tensor, segments: Tensor, n_segments: int, affinity_sums: Tensor) -> Tensor:
         """Sequence-level balance loss (DeepSeek-V3): ``coef * mean_s sum_e f_se P_se``, ``f_se`` = E/(k T_s)
@@ -192,7 +195,7 @@ class ChunkedMoE(nn.Module):
         weights, out, sums = self._local_part(x, indices, segments, n_segments)
         plan = plan_dispatch(indices, self.n_experts, group)
         h = plan.send_back(self.experts(plan.send(x[plan.tokens]), plan.expert_counts))
-        acc = _accumulation_dtype(x.dtype)
+        acc = compute_dtype(x.dtype)
         combined = out.to(acc).index_add(
             0, plan.tokens, h.to(acc) * weights.to(acc).reshape(-1)[plan.order, None]
         )
@@ -222,7 +225,7 @@ class ChunkedMoE(nn.Module):
             h = self.experts(rows, plan.expert_counts)
         expert_weights = [self.experts.w_gate_up, self.experts.w_down]
         grad_rows, *expert_grads = _grads([h], [grad_h * received[:, 2 * d :]], [rows, *expert_weights])
-        acc = _accumulation_dtype(x.dtype)
+        acc = compute_dtype(x.dtype)
         grad_pair_weights = (grad_h.to(acc) * h.detach().to(acc)).sum(-1, keepdim=True)
         back = plan.send_back(torch.cat([_or_zeros(grad_rows, rows), grad_pair_weights.to(x.dtype)], dim=1))
         grad_x = torch.zeros(x.shape, dtype=acc, device=x.device).index_add_(
@@ -258,7 +261,7 @@ class _ChunkedMoEFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         bounds = layer._chunk_bounds(x.shape[0], group, x.device)
         out = torch.empty_like(x)
-        sums = torch.zeros(n_segments, layer.n_experts, dtype=_accumulation_dtype(x.dtype), device=x.device)
+        sums = torch.zeros(n_segments, layer.n_experts, dtype=compute_dtype(x.dtype), device=x.device)
         for a, b in bounds:
             seg = segments[a:b] if segments is not None else None
             out[a:b], chunk_sums = layer.chunk_forward(x[a:b], indices[a:b], seg, n_segments, group)
@@ -276,7 +279,7 @@ class _ChunkedMoEFunction(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         # accumulate over chunks in fp32 (at least) so that bf16 weights do not lose the small per-chunk terms
         grad_params = [
-            torch.zeros(p.shape, dtype=_accumulation_dtype(p.dtype), device=p.device) for p in params
+            torch.zeros(p.shape, dtype=compute_dtype(p.dtype), device=p.device) for p in params
         ]
         grad_out = grad_out.contiguous()
         for a, b in ctx.bounds:
@@ -297,10 +300,6 @@ class _ChunkedMoEFunction(torch.autograd.Function):
             None,
             *(g.to(p.dtype) for g, p in zip(grad_params, params, strict=True)),
         )
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _grads(

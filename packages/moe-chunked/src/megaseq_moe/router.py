@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from megaseq.dtypes import compute_dtype
+
 
 class Router(nn.Module):
     def __init__(self, d_model: int, n_experts: int, top_k: int, scaling: float, init_std: float) -> None:
@@ -23,7 +25,7 @@ class Router(nn.Module):
 
     def affinities(self, x: Tensor) -> Tensor:
         """``sigmoid(x W^T)``, ``[N, E]``, in fp32 or wider: routing decisions are sensitive to rounding."""
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = compute_dtype(x.dtype)
         return torch.sigmoid(x.to(dtype) @ self.weight.to(dtype).t())
 
     def select(self, affinities: Tensor) -> Tensor:
