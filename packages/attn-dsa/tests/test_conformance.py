@@ -21,7 +21,7 @@ class TestSparseTopk(AttentionConformance):
 class TestSparsePooledRope(AttentionConformance):
     name = "dsa"
     config: ClassVar[dict[str, Any]] = {**SMALL, "topk": 8, "index_pool": 4, "rope": True, "rope_dim": 4}
-    test_context_parallel_equals_one_rank = None  # in test_parallel.py, with the other configurations
+    test_context_parallel = None  # in test_parallel.py, with the other configurations
 
 
 class TestDenseWarmup(AttentionConformance):
@@ -33,10 +33,10 @@ class TestDenseWarmup(AttentionConformance):
         "rope_dim": 4,
         "freeze_main_in_warmup": False,
     }
-    test_context_parallel_equals_one_rank = None  # in test_parallel.py, with the other configurations
+    test_context_parallel = None  # in test_parallel.py, with the other configurations
 
 
 class TestShortSequenceIsDense(AttentionConformance):
     name = "dsa"
     config: ClassVar[dict[str, Any]] = {**SMALL, "topk": 64}
-    test_context_parallel_equals_one_rank = None  # in test_parallel.py, with the other configurations
+    test_context_parallel = None  # in test_parallel.py, with the other configurations

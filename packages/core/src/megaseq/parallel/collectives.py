@@ -20,6 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# torch 2.13 renamed the single-tensor forms (the old names warn); older torch has only the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _has_reduce_scatter(group: Any) -> bool:
     return dist.get_backend(group) in ("nccl", "xccl")
@@ -30,7 +34,7 @@ def _reduce_scatter(stacked: Tensor, group: Any) -> Tensor:
     stacked = stacked.contiguous()
     if _has_reduce_scatter(group):
         out = stacked.new_empty(stacked[0].numel())
-        dist.reduce_scatter_tensor(out, stacked.view(-1), group=group)
+        _reduce_scatter_single(out, stacked.view(-1), group=group)
         return out.view(stacked.shape[1:])
     # gloo has no reduce-scatter: all-to-all moves slice r of every rank here, then sum (same traffic)
     received = torch.empty_like(stacked)
@@ -43,7 +47,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
         x = x.contiguous()
         out = x.new_empty(dist.get_world_size(group) * x.numel())
-        dist.all_gather_into_tensor(out, x.view(-1), group=group)
+        _all_gather_single(out, x.view(-1), group=group)
         ctx.group = group
         return out.view(-1, *x.shape)
 

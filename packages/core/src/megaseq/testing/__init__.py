@@ -8,32 +8,28 @@ Typical plugin test::
         name = "my-attention"
         config = {"n_heads": 2}
 
-The suites are the executable definition of "a working plugin"; they build components by name through the
-installed entry points, so they also check that registration works.
+The suites (``megaseq.testing.attention``, ``.ffn``, ``.moe``) are the executable definition of "a working
+plugin"; they build components by name through the installed entry points, so they also check that
+registration works. Their building blocks are in ``megaseq.testing.checks``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from megaseq.plugins import Plugins, get_plugins
-from megaseq.records import ModelDims
-
-
-def assert_close(actual: Tensor, expected: Tensor, rtol: float, what: str) -> None:
-    """``max |actual - expected| <= rtol * max(1, max |expected|)``, with a message naming ``what``."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
-    scale = max(1.0, expected.double().abs().max().item() if expected.numel() else 0.0)
-    assert err <= rtol * scale, f"{what}: max abs error {err:.3e} > {rtol:.1e} x {scale:.3e}"
+from megaseq.records import ModelDims, load_target
+from megaseq.testing.checks import assert_close, check_deterministic, check_gradients, watch_host_syncs
 
 
 def fresh_plugins(autoload: bool = False) -> Plugins:
@@ -65,12 +61,46 @@ def installed_plugins() -> Plugins:
 
 
 def build_component(
-    kind: str, name: str, config: dict[str, Any], dims: ModelDims, layer_idx: int = 0, plugins: Plugins | None = None
+    kind: str,
+    name: str,
+    config: dict[str, Any],
+    dims: ModelDims,
+    layer_idx: int = 0,
+    plugins: Plugins | None = None,
+    factory: str | None = None,
 ) -> nn.Module:
-    """Build one component by name (from the installed plugins unless ``plugins`` is given)."""
+    """Build one component by name (from the installed plugins unless ``plugins`` is given), validating
+    ``config`` with its schema. With ``factory`` (see :func:`load_factory`) the component is not looked up:
+    ``factory(config, dims, layer_idx)`` builds it from the plain ``config`` dict."""
+    if factory is not None:
+        return load_factory(factory)(dict(config), dims, layer_idx)
     plugins = plugins or installed_plugins()
     provided = plugins.get(kind, name)
     return provided.load()(provided.spec.config(**config), dims, layer_idx)
+
+
+def load_factory(target: str) -> Any:
+    """``"package.module:attr"`` or ``"/path/to/file.py:attr"``: a builder that is not a registered plugin.
+
+    Conformance suites use it (their ``factory`` knob) to test a module before it is packaged, and core's
+    own tests use it for deliberately wrong components. A file is imported once per process under a name
+    derived from its path, so multi-process suites can rebuild the component in every rank."""
+    path, _, attr = target.rpartition(":")
+    if not path.endswith(".py"):
+        return load_target(target)
+    file = Path(path).resolve()
+    module_name = "megaseq_factory_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, file)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {file}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    obj: Any = sys.modules[module_name]
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @contextmanager
@@ -88,4 +118,15 @@ def env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-__all__ = ["assert_close", "build_component", "env", "fresh_plugins", "installed_plugins", "registered"]
+__all__ = [
+    "assert_close",
+    "build_component",
+    "check_deterministic",
+    "check_gradients",
+    "env",
+    "fresh_plugins",
+    "installed_plugins",
+    "load_factory",
+    "registered",
+    "watch_host_syncs",
+]

@@ -50,18 +50,21 @@ def _worker(
         dist.destroy_process_group()
 
 
-def run_gloo(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_gloo(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, collective_timeout: float = 60.0
+) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes with a gloo group initialised.
 
     ``fn`` must be importable (a module-level function) and its return value picklable (e.g. tensors).
     Returns the results in rank order; raises ``RuntimeError`` with the worker's traceback if any rank fails.
-    A collective that some rank never enters fails after ``min(timeout, 60)`` seconds.
+    A collective that some rank never enters fails after ``collective_timeout`` seconds; ``timeout`` bounds
+    the wait for each rank's answer.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     port = _free_port()
-    worker_args = (queue, dict(os.environ), min(timeout, 60.0))
+    worker_args = (queue, dict(os.environ), min(timeout, collective_timeout))
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, *worker_args)) for r in range(world_size)
     ]

@@ -1,0 +1,132 @@
+"""Checks shared by the conformance suites, usable on their own in a plugin's tests.
+
+- :func:`assert_close`: outputs or gradients against a reference, with the suites' error bound.
+- :func:`check_gradients`: analytic gradients against float64 central finite differences, for the input and
+  every trainable parameter; a parameter that changes the loss but receives no gradient is reported.
+- :func:`check_deterministic`: a forward and backward repeated with torch's global random generator moved
+  between the two runs gives identical results, and leaves the generator's state alone.
+- :func:`watch_host_syncs`: counts how often a tensor (e.g. ``cu_seqlens``) is read back to the host.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def assert_close(actual: Tensor, expected: Tensor, tolerance: float, what: str) -> None:
+    """``max |actual - expected| <= tolerance * max(1, max |expected|)``, with a message naming ``what``.
+
+    The bound is absolute for results of magnitude up to 1 and relative to the largest magnitude above that
+    (so neither tiny nor large results make it meaningless). Non-finite values fail."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    scale = max(1.0, expected.double().abs().max().item() if expected.numel() else 0.0)
+    assert err <= tolerance * scale, f"{what}: max abs error {err:.3e} > {tolerance:.1e} x {scale:.3e}"
+
+
+def check_gradients(
+    module: nn.Module,
+    loss: Callable[[nn.Module, Tensor], Tensor],
+    x: Tensor,
+    what: str,
+    tolerance: float = 1e-6,
+    eps: float = 1e-6,
+) -> None:
+    """Gradients of ``loss(module, x)`` (a scalar) against float64 central finite differences.
+
+    Runs on float64 copies of ``module`` and ``x``. For the input and each trainable parameter, the analytic
+    directional derivative along one random direction must equal ``(L(p + eps u) - L(p - eps u)) / 2 eps`` to
+    ``tolerance * max(1, |finite difference|)``. This needs no reference implementation: it catches detached
+    projections, hand-written backward passes that are wrong, and parameters that change the loss but get no
+    gradient (``p.grad is None``). The truncation error of the difference is O(eps^2) and its rounding error
+    O(1e-16 |L| / eps), both far below the tolerance for smooth components computed in float64 (a component
+    that silently computes in float32 shows up as ~1e-7 / eps = 0.1 relative error).
+    """
+    module = copy.deepcopy(module).double()
+    module.zero_grad(set_to_none=True)
+    x = x.detach().double().requires_grad_(True)
+    value = loss(module, x)
+    assert torch.isfinite(value), f"{what}: the loss is {value.item()}"
+    value.backward()
+    generator = torch.Generator().manual_seed(0)
+    targets = [("the input", x), *((n, p) for n, p in module.named_parameters() if p.requires_grad)]
+    for name, tensor in targets:
+        grad = tensor.grad
+        assert grad is None or torch.isfinite(grad).all(), f"{what}: non-finite gradient of {name}"
+        direction = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
+        original = tensor.detach().clone()
+        with torch.no_grad():
+            tensor.copy_(original + eps * direction)
+            plus = loss(module, x).item()
+            tensor.copy_(original - eps * direction)
+            minus = loss(module, x).item()
+            tensor.copy_(original)
+        numeric = (plus - minus) / (2 * eps)
+        bound = tolerance * max(1.0, abs(numeric))
+        if grad is None:
+            assert abs(numeric) <= bound, (
+                f"{what}: {name} receives no gradient but changes the output "
+                f"(finite-difference derivative {numeric:.3e} along a random direction)"
+            )
+            continue
+        analytic = (grad * direction).sum().item()
+        assert abs(analytic - numeric) <= bound, (
+            f"{what}: gradient of {name} along a random direction is {analytic:.6e}, "
+            f"finite differences give {numeric:.6e}"
+        )
+
+
+def check_deterministic(run: Callable[[], dict[str, Tensor]], what: str) -> None:
+    """``run()`` twice, with torch's global random generator moved in between: the results (a dict of
+    tensors) must be identical, and ``run()`` must leave the generator's state as it found it (components
+    draw no random numbers from it: the trainer's reproducibility and its resumes depend on that state)."""
+    state = torch.get_rng_state()
+    first = run()
+    assert torch.equal(torch.get_rng_state(), state), (
+        f"{what}: forward/backward drew from or reseeded torch's global random generator"
+    )
+    torch.manual_seed(torch.initial_seed() + 7919)  # a different stream for the second run
+    torch.randn(17)
+    second = run()
+    for key, value in first.items():
+        assert torch.equal(value, second[key]), f"{what}: {key} differs between two identical runs"
+
+
+# Tensor methods that read a tensor's values back to the host (a device synchronisation on CUDA)
+_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+# methods whose result is still "the same tensor" (a copy, cast, move or slice of it): it stays watched
+_COPIES = ("to", "long", "int", "contiguous", "clone", "detach", "__getitem__", "cpu", "cuda")
+
+
+def watch_host_syncs(tensor: Tensor) -> tuple[Tensor, Callable[[], int]]:
+    """A watched copy of ``tensor`` and a function returning how often it has been read to the host.
+
+    Reads: ``.tolist()``, ``.item()``, ``.cpu()``, ``.numpy()`` and Python conversions (``bool``, ``int``,
+    ``float``, indexing a list), of the tensor or of a copy, cast, move or slice of it. Results of other
+    operations on it (``searchsorted``, arithmetic) are ordinary tensors. On CPU nothing waits, but the same
+    code on CUDA would synchronise at each read; hence a per-layer read is a per-layer stall."""
+    reads = {getattr(Tensor, name) for name in _READS}
+    copies = {getattr(Tensor, name) for name in _COPIES}
+    count = [0]
+
+    class Watched(Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if func in reads:
+                count[0] += 1
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+            if func in copies and isinstance(out, Tensor):
+                return out.as_subclass(cls)
+            return out
+
+    return tensor.as_subclass(Watched), lambda: count[0]
+
+
+__all__ = ["assert_close", "check_deterministic", "check_gradients", "watch_host_syncs"]

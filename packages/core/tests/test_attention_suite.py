@@ -1,0 +1,76 @@
+"""The attention conformance suite passes a small correct component and catches a wrong one for every check.
+
+``attention_variants.py`` holds the components; each wrong variant differs from ``ToyAttention`` in one
+thing. Every case runs one suite test on one variant and expects it to fail with an AssertionError (the
+suite turns errors of the gloo ranks into assertion failures too).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import megaseq.testing.attention
+from megaseq.testing.attention import AttentionConformance
+
+VARIANTS = Path(__file__).with_name("attention_variants.py")
+
+
+def factory(cls: str) -> str:
+    return f"{VARIANTS}:{cls}"
+
+
+class TestToyAttention(AttentionConformance):
+    """The correct component passes every check (context parallelism at 2 and 4 ranks included)."""
+
+    name = "toy"
+    factory = factory("ToyAttention")
+    d_model = 8
+
+
+class TestOptOut(AttentionConformance):
+    """A component that declares no context parallelism and raises on ``ctx.cp`` passes."""
+
+    name = "toy-no-cp"
+    factory = factory("OptOutRaises")
+    d_model = 8
+    cp_world_sizes = ()
+
+    # only the opt-out check differs from TestToyAttention
+    test_shape_and_dtype = test_causal = test_packed_equals_separate = test_decode_equals_forward = None
+    test_gradients = test_deterministic = test_zero_input = test_padding_document = None
+    test_one_host_sync_per_batch = None
+
+
+CAUGHT = [
+    ("UpcastsOutput", "test_shape_and_dtype", "output dtype"),
+    ("PeeksAhead", "test_causal", "outputs before the change"),
+    ("CrossesDocuments", "test_packed_equals_separate", "packed output"),
+    ("ForgetfulCache", "test_decode_equals_forward", "decode"),
+    ("DetachedProjection", "test_gradients", "gradient of qkv.weight"),
+    ("FrozenByData", "test_gradients", "out.weight receives no gradient"),
+    ("WrongBackward", "test_gradients", "gradient of the input"),
+    ("GlobalNoise", "test_deterministic", "global random generator"),
+    ("NormalisesWithoutEpsilon", "test_zero_input", "zeros: non-finite output"),
+    ("NormalisesDocumentsWithoutEpsilon", "test_padding_document", "non-finite output"),
+    ("ReadsBoundariesEveryLayer", "test_one_host_sync_per_batch", "2 times"),
+    ("IgnoresContextParallel", "test_context_parallel", "cp2 rank 0 output"),
+    ("TwoRanksOnly", "test_context_parallel", "cp4 rank 0 output"),
+    ("SkipsGatherWhenUnneeded", "test_context_parallel", "context parallelism over 2 gloo ranks failed"),
+    ("ToyAttention", "opt-out", "tried to communicate|DID NOT RAISE"),
+]
+
+
+@pytest.mark.parametrize(("variant", "test", "message"), CAUGHT, ids=[f"{v}-{t}" for v, t, _ in CAUGHT])
+def test_suite_catches(variant: str, test: str, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the toy's collectives take milliseconds: a rank left waiting in one was abandoned by its peers
+    monkeypatch.setattr(megaseq.testing.attention, "COLLECTIVE_TIMEOUT", 5.0)
+    class Suite(AttentionConformance):
+        name = variant
+        factory = globals()["factory"](variant)
+        d_model = 8
+        cp_world_sizes = () if test == "opt-out" else (2, 4)
+
+    with pytest.raises((AssertionError, pytest.fail.Exception), match=message):
+        getattr(Suite(), "test_context_parallel" if test == "opt-out" else test)()
