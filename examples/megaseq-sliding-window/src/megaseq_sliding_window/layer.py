@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
 from megaseq.documents import as_documents
+from megaseq.dtypes import compute_dtype
 from megaseq.parallel import gather_sequence
 from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_sliding_window.config import SlidingWindowConfig
@@ -77,7 +78,7 @@ def sliding_window_attention(
             if q_doc is not None and k_doc is not None:
                 allowed = allowed & (q_doc[qs, None] == k_doc[None, ks])
             scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+            probs = torch.softmax(scores, dim=-1, dtype=compute_dtype(scores.dtype)).to(v.dtype)
             outs.append(torch.matmul(probs, v[:, :, ks]))
     if not outs:
         return q.new_zeros(q.shape)
@@ -87,8 +88,9 @@ def sliding_window_attention(
 def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
     """Rotary embedding (rotate-half form) of ``x [B, H, T, D]`` at integer ``positions [T]``."""
     half = x.shape[-1] // 2
-    freqs = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * freqs[None, :]  # [T, D/2]
+    dtype = compute_dtype(x.dtype)
+    freqs = base ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
+    angles = positions.to(dtype)[:, None] * freqs[None, :]  # [T, D/2]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

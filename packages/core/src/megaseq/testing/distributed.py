@@ -10,7 +10,9 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -26,8 +28,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Imported once by the fork server, so that every rank starts with them loaded.
-PRELOAD = ["torch", "torch.distributed", "megaseq.testing.attention"]
+# Imported once by the fork server, so that every rank starts with them loaded. torch._dynamo is what the
+# first activation checkpoint imports (seconds, otherwise paid again by every rank).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megaseq.testing.attention"]
 
 
 def _worker(
@@ -72,17 +75,21 @@ def run_gloo(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    for _ in range(world_size):
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not errors:
         try:
-            rank, status, payload = queue.get(timeout=timeout)
-        except Exception:  # a worker died without reporting (e.g. killed)
-            errors.append(f"no answer from some rank within {timeout:.0f} s")
-            break
+            rank, status, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if dead:  # died without reporting (killed, or failed while starting)
+                errors.append(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without an answer")
+            elif time.monotonic() > deadline:
+                errors.append(f"no answer from some rank within {timeout:.0f} s")
+            continue
         if status == "ok":
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append(f"rank {rank}:\n{payload}")
-            break
     for p in procs:
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():
