@@ -1,128 +1,47 @@
-"""The MoE conformance suite run on a tiny loop-over-experts MoE defined here, and failing broken ones.
-
-The reference MoE deliberately differs from the ``chunked`` plugin (softmax router, GELU experts, no shared
-expert), so the suite is checked against more than one way of satisfying the contract.
-"""
+"""The MoE conformance suite run on a tiny loop-over-experts MoE (``moe_variants.py``), and failing wrong ones:
+one per MoE-specific check, and one per feed-forward check whose class matters for an MoE (the five
+feed-forward wrong components are in ``test_ffn_suite.py``)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-from torch import Tensor, nn
+from pathlib import Path
 
-from megaseq.contracts import ForwardContext
+import pytest
+
 from megaseq.testing.moe import MoEConformance
 
-D_MODEL, N_EXPERTS, TOP_K, HIDDEN = 32, 6, 2, 16
-
-
-class LoopMoE(nn.Module):
-    """Softmax top-k router, renormalised weights, one small GELU MLP per expert, a loop over experts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n_experts, self.top_k, self.chunk_tokens = N_EXPERTS, TOP_K, None
-        self.router = nn.Linear(D_MODEL, N_EXPERTS, bias=False)
-        self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(D_MODEL, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, D_MODEL))
-            for _ in range(N_EXPERTS)
-        )
-        self.last_load: Tensor | None = None
-
-    def route(self, x: Tensor, indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        probs = self.router(x).softmax(-1)
-        if indices is None:
-            indices = probs.topk(self.top_k, dim=-1).indices
-        chosen = probs.gather(-1, indices)
-        return indices, chosen / chosen.sum(-1, keepdim=True)
-
-    def expert_forward(self, expert: int, x: Tensor) -> Tensor:
-        return self.experts[expert](x)
-
-    def shared_forward(self, x: Tensor) -> Tensor:
-        return torch.zeros_like(x)
-
-    def load_stats(self) -> dict[str, float]:
-        if self.last_load is None:
-            return {}
-        load = self.last_load.double()
-        share = load / load.sum()
-        return {
-            "tokens_per_expert_max": load.max().item(),
-            "tokens_per_expert_mean": load.mean().item(),
-            "tokens_per_rank_max": load.sum().item(),
-            "tokens_per_rank_mean": load.sum().item(),
-            "routing_entropy": -(share * share.clamp_min(1e-300).log()).sum().item(),
-        }
-
-    def select(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        indices, _ = self.route(x)
-        return ctx.routing.route("layer0", indices) if ctx.routing is not None else indices
-
-    def combine(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
-        out = torch.zeros_like(x)
-        for e in range(self.n_experts):
-            for slot in range(self.top_k):
-                rows = (indices[:, slot] == e).nonzero().squeeze(-1)
-                out = out.index_add(0, rows, weights[rows, slot, None] * self.experts[e](x[rows]))
-        return out
-
-    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        indices = self.select(flat, ctx)
-        if self.training:
-            self.last_load = torch.bincount(indices.reshape(-1), minlength=self.n_experts)
-        _, weights = self.route(flat, indices)
-        chunks = flat.shape[0] if self.chunk_tokens is None else self.chunk_tokens
-        parts = [
-            self.combine(*p)
-            for p in zip(flat.split(chunks), indices.split(chunks), weights.split(chunks), strict=True)
-        ]
-        return torch.cat(parts).view_as(x)
-
-
-class CappedMoE(LoopMoE):
-    """Drops the assignments beyond a per-expert capacity: not dropless."""
-
-    def combine(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
-        capacity = x.shape[0] * self.top_k // self.n_experts + 1
-        kept = torch.zeros_like(indices, dtype=torch.bool)
-        for e in range(self.n_experts):
-            positions = (indices == e).nonzero()[:capacity]
-            kept[positions[:, 0], positions[:, 1]] = True
-        return super().combine(x, indices, weights * kept)
-
-
-class ReplayIgnoringMoE(LoopMoE):
-    """Records its routing but routes by itself when asked to replay."""
-
-    def select(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        indices, _ = self.route(x)
-        if ctx.routing is not None and ctx.routing.mode == "record":
-            ctx.routing.route("layer0", indices)
-        return indices
+VARIANTS = Path(__file__).with_name("moe_variants.py")
 
 
 class TestLoopMoEConformance(MoEConformance):
     name = "loop-reference"
-
-    def build(self, seed: int = 0) -> nn.Module:
-        torch.manual_seed(seed)
-        return LoopMoE().train()
+    factory = f"{VARIANTS}:LoopMoE"
 
 
-@pytest.mark.parametrize(
-    ("broken", "test_name"),
-    [(CappedMoE, "test_dropless_under_skew"), (ReplayIgnoringMoE, "test_routing_replay")],
-    ids=["capacity-drops", "ignores-replay"],
-)
-def test_suite_rejects_broken_moe(broken: type[LoopMoE], test_name: str) -> None:
+CAUGHT = [
+    ("CappedMoE", "test_dropless_under_skew", "all-to-the-same-experts routing"),
+    ("ReplayIgnoringMoE", "test_routing_replay", "replay"),
+    ("DetachedExpertMoE", "test_gradients", "receives no gradient"),
+    ("NoisyRouterMoE", "test_deterministic", "global random generator"),
+    ("NormalisedRouterMoE", "test_zero_input", "non-finite output"),
+]
+
+
+@pytest.mark.parametrize(("variant", "test", "message"), CAUGHT, ids=[f"{v}-{t}" for v, t, _ in CAUGHT])
+def test_suite_catches(variant: str, test: str, message: str) -> None:
     class Suite(MoEConformance):
-        name = broken.__name__
+        name = variant
+        factory = f"{VARIANTS}:{variant}"
 
-        def build(self, seed: int = 0) -> nn.Module:
-            torch.manual_seed(seed)
-            return broken().train()
+    with pytest.raises(AssertionError, match=message):
+        getattr(Suite(), test)()
 
-    with pytest.raises(AssertionError):
-        getattr(Suite(), test_name)()
+
+def test_dense_reference_misses_a_detached_expert() -> None:
+    """The reason for the finite-difference check: the dense reference shares the module's mistake."""
+
+    class Suite(MoEConformance):
+        name = "DetachedExpertMoE"
+        factory = f"{VARIANTS}:DetachedExpertMoE"
+
+    Suite().test_gradients_match_reference()

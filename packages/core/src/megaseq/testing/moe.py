@@ -1,13 +1,18 @@
 """Conformance suite for mixture-of-experts strategies (see ``megaseq.contracts.MoE``).
 
 Subclass :class:`MoEConformance` in a pytest module and set ``name`` and ``config`` (a small config); every
-test below then runs against the component built through the installed plugins.
+test below then runs against the component built through the installed plugins. An MoE is a feed-forward
+block, so the suite includes every test of ``megaseq.testing.ffn.FeedForwardConformance`` (per-token
+outputs, float64 finite-difference gradients, determinism under a moved global generator, zero inputs,
+one host sync per batch); the tests here add what is specific to experts and routing.
 
 The reference is the contract's per-token definition, ``shared_forward(x) + sum_j w_j expert_forward(e_j, x)``
 with ``(e, w) = route(x)``, evaluated on a float64 copy of the module with the experts the module itself
 chose (recorded through ``ctx.routing``), so near-ties in the top-k cannot make the comparison flaky; a
-separate check asserts that those recorded experts are the router's own choice. Tolerance: outputs and
-gradients agree to ``rtol`` (fp32 default 1e-5) times ``max(1, max |reference|)``.
+separate check asserts that those recorded experts are the router's own choice. Error bound: outputs and
+gradients agree to ``tolerance`` (fp32 default 1e-5) times ``max(1, max |reference|)``. The reference is
+built from the module's own ``route``/``expert_forward``/``shared_forward``, so a mistake shared by them
+and the forward (a detached expert weight) is caught by the finite-difference check, not here.
 
 ``load_stats()`` must report at least :data:`LOAD_STAT_KEYS` for the last training forward, counting
 (token, expert) assignments; ``routing_entropy`` is in nats of the share of assignments per expert.
@@ -24,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, MoE, RoutingReplay
-from megaseq.records import ModelDims
 from megaseq.testing import assert_close
+from megaseq.testing.ffn import FeedForwardConformance
 
 LOAD_STAT_KEYS = (
     "tokens_per_expert_max",
@@ -63,28 +68,12 @@ def _record(module: nn.Module, x: Tensor) -> tuple[Tensor, RoutingReplay]:
     return out, routing
 
 
-class MoEConformance:
-    """Base class of an MoE strategy's conformance tests."""
+class MoEConformance(FeedForwardConformance):
+    """Base class of an MoE strategy's conformance tests (the knobs are documented in
+    docs/writing-a-plugin.md)."""
 
-    name: ClassVar[str]
-    config: ClassVar[dict[str, Any]] = {}
-    d_model: ClassVar[int] = 32
-    rtol: ClassVar[float] = 1e-5
-    batch: ClassVar[int] = 2
-    seq_len: ClassVar[int] = 13
+    kind: ClassVar[str] = "moe"
     chunk_sizes: ClassVar[tuple[int, ...]] = (7, 1)
-
-    def build(self, seed: int = 0) -> nn.Module:
-        """The module under test, in training mode. Override only for a module that is not a plugin."""
-        from megaseq.testing import build_component
-
-        torch.manual_seed(seed)
-        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        return build_component("moe", self.name, self.config, dims).float().train()
-
-    def inputs(self, seed: int = 1) -> Tensor:
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randn(self.batch, self.seq_len, self.d_model, generator=gen)
 
     def reference(self, module: nn.Module, x: Tensor, indices: Tensor) -> tuple[nn.Module, Tensor, Tensor]:
         """A float64 copy of ``module``, a float64 leaf copy of ``x``, the reference output ``[B, T, d]``."""
@@ -121,7 +110,7 @@ class MoEConformance:
         )
         assert out.shape == x.shape and out.dtype == x.dtype
         _, _, ref = self.reference(module, x, recorded)
-        assert_close(out, ref, self.rtol, "output vs dense reference")
+        assert_close(out, ref, self.tolerance, "output vs dense reference")
 
     def test_dropless_under_skew(self) -> None:
         """Every token routed to the same k experts: nothing may be dropped or capped, forward or backward."""
@@ -149,11 +138,11 @@ class MoEConformance:
         (out * grad_out).sum().backward()
         ref_module, x64, ref = self.reference(module, x, indices)
         (ref * grad_out.double()).sum().backward()
-        assert_close(out, ref, self.rtol, f"{what}: output")
-        assert_close(x.grad, x64.grad, self.rtol, f"{what}: input gradient")
+        assert_close(out, ref, self.tolerance, f"{what}: output")
+        assert_close(x.grad, x64.grad, self.tolerance, f"{what}: input gradient")
         ref_params = dict(ref_module.named_parameters())
         for pname, p in module.named_parameters():
-            assert_close(_grad(p), _grad(ref_params[pname]), self.rtol, f"{what}: gradient of {pname}")
+            assert_close(_grad(p), _grad(ref_params[pname]), self.tolerance, f"{what}: gradient of {pname}")
 
     def test_chunked_equals_unchunked(self) -> None:
         x = self.inputs()
@@ -168,11 +157,11 @@ class MoEConformance:
             results[chunk] = (out.detach(), xr.grad, {n: _grad(p) for n, p in module.named_parameters()})
         whole, whole_grad, whole_params = results.pop(None)
         for chunk, (out, x_grad, params) in results.items():
-            assert_close(out, whole, self.rtol, f"output with chunk_tokens={chunk}")
-            assert_close(x_grad, whole_grad, self.rtol, f"input gradient with chunk_tokens={chunk}")
+            assert_close(out, whole, self.tolerance, f"output with chunk_tokens={chunk}")
+            assert_close(x_grad, whole_grad, self.tolerance, f"input gradient with chunk_tokens={chunk}")
             for pname, g in params.items():
                 assert_close(
-                    g, whole_params[pname], self.rtol, f"gradient of {pname} with chunk_tokens={chunk}"
+                    g, whole_params[pname], self.tolerance, f"gradient of {pname} with chunk_tokens={chunk}"
                 )
 
     def test_routing_replay(self) -> None:
@@ -190,7 +179,7 @@ class MoEConformance:
         assert not torch.equal(own.sort(-1).values, recorded.sort(-1).values), "test inputs route identically"
         out_other = module(other, ForwardContext(routing=routing.replay()))
         _, _, ref = self.reference(module, other, recorded)
-        assert_close(out_other, ref, self.rtol, "output on new input with replayed routing")
+        assert_close(out_other, ref, self.tolerance, "output on new input with replayed routing")
 
     def test_load_stats(self) -> None:
         module = self.build()
@@ -218,6 +207,7 @@ class MoEConformance:
         assert module.load_stats() == skewed, "an eval-mode forward changed the training load statistics"
 
     def test_finite_at_large_inputs(self) -> None:
+        """Inputs 50x the usual scale (saturated router and gates) give finite outputs and gradients."""
         module = self.build()
         x = (self.inputs() * 50).requires_grad_(True)
         out = module(x, ForwardContext())
