@@ -1,13 +1,18 @@
 """Repository rules that keep the plugin architecture honest.
 
 - Core never imports a plugin; a plugin never imports another plugin (they meet only through core).
-- Every package has the layout DESIGN.md asks for: hatchling, src/ layout, static version, README,
-  CHANGELOG, tests, and (plugins) a ranged megaseq-core dependency and a `megaseq` entry point.
+- Every package has the layout docs/architecture.md describes: hatchling, src/ layout, static version,
+  README, CHANGELOG, tests, and (plugins) a ranged megaseq-core dependency and a `megaseq` entry point.
+- Every package declares the distributions it imports (dependencies or extras).
+- Core's catalog of the project's components (``megaseq.catalog``) matches what the packages register.
+- Nothing in the repository cites documents that are not in it.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -62,3 +67,57 @@ def test_package_layout(package):
         core = [r for r in reqs if r.name == "megaseq-core"]
         assert core and core[0].specifier and "<" in str(core[0].specifier), "needs a ranged megaseq-core dependency"
         assert meta["project"]["entry-points"]["megaseq"], "no megaseq entry point"
+
+
+def registered_components(package: Path) -> dict[tuple[str, str], str]:
+    """(kind, name) -> distribution, for every component the package's registration hooks return."""
+    from megaseq.records import SPEC_TYPES
+
+    meta = tomllib.loads((package / "pyproject.toml").read_text())["project"]
+    dist = meta["name"]
+    modules = ["megaseq.builtins"] if dist == "megaseq-core" else list(meta["entry-points"]["megaseq"].values())
+    found = {}
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        for kind in SPEC_TYPES:
+            hook = getattr(module, f"megaseq_{kind}", None)
+            for spec in hook() if hook else []:
+                found[(kind, spec.name)] = dist
+    return found
+
+
+def test_catalog_names_every_shipped_component():
+    from megaseq.catalog import PROVIDERS
+
+    shipped = {}
+    for package in PACKAGES + EXAMPLES:
+        shipped |= registered_components(package)
+    assert shipped == PROVIDERS, "megaseq.catalog.PROVIDERS must list exactly the components the packages register"
+
+
+def test_no_citation_of_documents_outside_the_repository():
+    outside = ["DESIGN" + ".md", "REFERENCE" + ".md"]  # the team's notes, not shipped: cite docs/ instead
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        path = REPO / name
+        if path.suffix in {".py", ".md", ".toml", ".txt", ".cfg", ""} and path.is_file():
+            text = path.read_text(errors="ignore")
+            cited = [doc for doc in outside if doc in text]
+            assert not cited, f"{name} cites {cited}, which are not in the repository"
+
+
+# import name -> distribution name, where they differ
+DISTRIBUTION_OF = {"fla": "fla-core", "flash_attn": "flash-attn", "megaseq": "megaseq-core"}
+
+
+@pytest.mark.parametrize("package", PACKAGES + EXAMPLES, ids=lambda p: p.name)
+def test_every_imported_distribution_is_declared(package):
+    import sys
+
+    project = tomllib.loads((package / "pyproject.toml").read_text())["project"]
+    extras = project.get("optional-dependencies", {}).values()
+    requirements = [*project.get("dependencies", []), *(r for extra in extras for r in extra)]
+    declared = {Requirement(r).name.lower() for r in requirements} | {project["name"]}
+    imported = imported_roots(package) - set(sys.stdlib_module_names) - {import_name(package)}
+    missing = sorted(DISTRIBUTION_OF.get(root, root) for root in imported if DISTRIBUTION_OF.get(root, root) not in declared)
+    assert not missing, f"{package.name} imports {missing} without declaring them in pyproject.toml"

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import subprocess
 import sys
+import tomllib
+import types
 from pathlib import Path
 
 import pytest
 
 from megaseq.cli import main
+from megaseq.config import validate_recipe
+from megaseq.errors import PluginError
+from megaseq.hookspecs import hookimpl
+from megaseq.records import AttentionSpec
+from megaseq.testing import fresh_plugins
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -51,7 +59,75 @@ def test_plugins_listing():
     assert core["status"] == "active"
     assert core["components"] == {"attention": ["sdpa"], "ffn": ["swiglu"], "inference_engine": ["cached"]}
     text = run("plugins").stdout
-    assert "megaseq-core" in text and "attention: sdpa" in text
+    components = text.split("Plugins")[0]  # component names lead, with their kind and provider
+    assert "attention  sdpa" in components and "ffn        swiglu" in components and "megaseq-core" in components
+    assert "megaseq-core 0.1.0, megaseq.builtins: active" in text
+
+
+class _Dist:
+    def __init__(self, name: str) -> None:
+        self.name, self.version, self.requires = name, "1.0", ["megaseq-core>=0.1,<0.2"]
+
+
+class _EntryPoint:
+    def __init__(self, name: str, module: types.ModuleType, dist: str) -> None:
+        self.name, self.module, self.dist = name, module, _Dist(dist)
+
+    def load(self) -> types.ModuleType:
+        return self.module
+
+
+def _plugin_module(spec: AttentionSpec) -> types.ModuleType:
+    module = types.ModuleType(f"fake_{spec.name}")
+    module.megaseq_attention = hookimpl(lambda: [spec])
+    return module
+
+
+@pytest.fixture
+def troubled_plugins(monkeypatch):
+    """Installed plugins with trouble: two distributions providing 'twin', one with a misspelt memory target."""
+    twin_a, twin_b = (_plugin_module(AttentionSpec(name="twin", target="megaseq.builtins.sdpa:build")) for _ in "ab")
+    typo = _plugin_module(
+        AttentionSpec(name="typo", target="megaseq.builtins.sdpa:build", memory="megaseq.builtins.sdpa:memory_estimat")
+    )
+    eps = [_EntryPoint("twin-a", twin_a, "dist-a"), _EntryPoint("twin-b", twin_b, "dist-b"), _EntryPoint("typo", typo, "dist-typo")]
+    monkeypatch.setattr(md, "entry_points", lambda group=None: eps if group == "megaseq" else [])
+    monkeypatch.delenv("MEGASEQ_PLUGINS", raising=False)
+    monkeypatch.delenv("MEGASEQ_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+
+
+@pytest.mark.filterwarnings("ignore:.*(provided twice|is broken)")
+def test_plugins_runs_despite_conflicts_and_shows_broken_targets(troubled_plugins, capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "attention  twin    dist-a 1.0 + dist-b 1.0  CONFLICT: provided twice, unusable" in out
+    assert "dist-a 1.0, twin-a: active\n    conflict: attention 'twin' is also provided by dist-b 1.0" in out
+    assert "dist-typo 1.0, typo: broken (attention 'typo': memory 'megaseq.builtins.sdpa:memory_estimat'" in out
+    assert "defines no 'memory_estimat')" in out
+    assert main(["plugins", "--json"]) == 0
+    listed = {i["name"]: i for i in json.loads(capsys.readouterr().out)}
+    assert listed["twin-b"]["components"] == {"attention": ["twin"]} and listed["twin-b"]["conflicts"]
+    assert listed["typo"]["status"] == "broken"
+    # only what needs the conflicting name fails
+    plugins = fresh_plugins(autoload=True)
+    recipe = tomllib.loads((REPO / "recipes" / "tiny.toml").read_text())
+    assert validate_recipe(recipe, plugins).model.layer_pattern == ["sdpa"]
+    recipe["model"]["layer_pattern"], recipe["attention"] = ["twin"], {}
+    with pytest.raises(PluginError, match="attention 'twin' is provided twice: by dist-a 1.0 \\(twin-a\\) and by dist-b"):
+        validate_recipe(recipe, plugins)
+
+
+@pytest.mark.filterwarnings("ignore:.*(provided twice|is broken)")
+def test_plugins_check_imports_targets_and_fails_on_broken(troubled_plugins, capsys):
+    assert main(["plugins", "--check"]) == 2
+    out = capsys.readouterr().out
+    assert "dist-typo 1.0 (typo): broken: attention 'typo': memory" in out and "1 problem(s)" in out
+
+
+def test_plugins_check_passes_on_installed_plugins():
+    proc = run("plugins", "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "components' targets import" in proc.stdout
 
 
 def test_train_then_eval_checkpoint(tmp_path, monkeypatch):

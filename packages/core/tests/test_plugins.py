@@ -1,4 +1,4 @@
-"""The plugin manager: registration, statuses, duplicates, unknown names, allow-list, autoload switch."""
+"""The plugin manager: registration, statuses, duplicates, unknown names, targets, allow-list, autoload switch."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Width(ComponentConfig):
 class ProvidesIdentity:
     @hookimpl
     def megaseq_attention(self):
-        return [AttentionSpec(name="identity", target="tests_support:Identity", config=Width, summary="test")]
+        return [AttentionSpec(name="identity", target="megaseq.builtins.sdpa:build", config=Width, summary="test")]
 
 
 def test_builtins_registered_without_entry_points():
@@ -42,21 +42,59 @@ def test_registered_context_adds_and_removes():
     assert "identity" not in plugins.names("attention")
 
 
-def test_duplicate_names_name_both_providers():
+def test_duplicate_names_are_listed_and_only_their_use_fails():
     plugins = fresh_plugins()
     plugins.register(ProvidesIdentity(), name="first", dist="dist-a", version="1.0")
     plugins.register(ProvidesIdentity(), name="second", dist="dist-b", version="2.0")
-    with pytest.raises(PluginError, match=r"'identity' is provided twice: by dist-a 1.0 \(first\) and by dist-b 2.0"):
-        plugins.names("attention")
+    with pytest.warns(UserWarning, match=r"'identity' is provided twice: by dist-a 1.0 \(first\) and by dist-b 2.0"):
+        assert plugins.names("attention") == ["sdpa"]
+    assert plugins.get("attention", "sdpa").plugin.dist == "megaseq-core"  # other names still work
+    infos = {i.name: i for i in plugins}
+    assert infos["first"].status == infos["second"].status == "active"
+    assert infos["first"].components == infos["second"].components == {"attention": ["identity"]}
+    assert infos["first"].conflicts == ["attention 'identity' is also provided by dist-b 2.0"]
+    with pytest.raises(PluginError, match=r"r.toml: attention 'identity' is provided twice: by dist-a 1.0 .*set MEGASEQ_PLUGINS"):
+        plugins.get("attention", "identity", where="r.toml")
 
 
 def test_unknown_name_lists_choices_and_plugins():
     plugins = fresh_plugins()
     with pytest.raises(PluginError) as err:
-        plugins.get("attention", "kda", where="r.toml: model.layer_pattern[0]")
+        plugins.get("attention", "mamba", where="r.toml: model.layer_pattern[0]")
     msg = str(err.value)
-    assert "r.toml: model.layer_pattern[0]: no attention named 'kda'; available: sdpa" in msg
-    assert "megaseq-core" in msg and "\n" not in msg
+    assert "r.toml: model.layer_pattern[0]: no attention named 'mamba'; available: sdpa" in msg
+    assert "megaseq-core" in msg and "\n" not in msg and "provided by" not in msg
+
+
+@pytest.mark.parametrize(("kind", "name", "package"), [("attention", "dsa", "megaseq-attn-dsa"), ("moe", "chunked", "megaseq-moe-chunked")])
+def test_unknown_name_of_a_megaseq_package_names_the_package(kind, name, package):
+    with pytest.raises(PluginError, match=f"'{name}' is provided by the package {package}, which is not installed"):
+        fresh_plugins().get(kind, name)
+
+
+def test_misspelt_targets_make_the_plugin_broken_with_the_reason():
+    class MisspeltMemory:
+        @hookimpl
+        def megaseq_attention(self):
+            return [AttentionSpec(name="x", target="megaseq.builtins.sdpa:build", memory="megaseq.builtins.sdpa:memory_estimat")]
+
+    class MisspeltModule:
+        @hookimpl
+        def megaseq_attention(self):
+            return [AttentionSpec(name="y", target="megaseq.builtins.sdpaa:build")]
+
+    plugins = fresh_plugins()
+    plugins.register(MisspeltMemory(), name="memory-typo", dist="dist-m", version="1")
+    plugins.register(MisspeltModule(), name="module-typo", dist="dist-t", version="1")
+    with pytest.warns(UserWarning, match="broken"):
+        assert plugins.names("attention") == ["sdpa"]
+    memory, module = plugins.infos["memory-typo"], plugins.infos["module-typo"]
+    assert memory.status == "broken"
+    assert memory.reason.startswith("attention 'x': memory 'megaseq.builtins.sdpa:memory_estimat': module megaseq.builtins.sdpa")
+    assert memory.reason.endswith("defines no 'memory_estimat'")
+    assert module.status == "broken"
+    assert module.reason == "attention 'y': target 'megaseq.builtins.sdpaa:build': module 'megaseq.builtins.sdpaa' not found"
+    assert "megaseq.builtins.sdpaa" not in sys.modules  # nothing was imported to find out
 
 
 def test_misspelt_hook_fails_at_registration():
@@ -98,16 +136,38 @@ def test_wrong_record_type_is_broken():
     assert plugins.infos["wrong"].status == "broken"
 
 
-def test_target_import_failure_names_distribution():
+@pytest.fixture
+def crashing_module(tmp_path, monkeypatch):
+    """A module that defines ``build`` (so it passes the static check) and raises when imported."""
+    (tmp_path / "megaseq_crash_on_import.py").write_text("raise RuntimeError('boom at import')\ndef build(): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "megaseq_crash_on_import:build"
+
+
+def test_target_import_failure_names_distribution(crashing_module):
     class BadTarget:
         @hookimpl
         def megaseq_attention(self):
-            return [AttentionSpec(name="ghost", target="no_such_module_xyz:build")]
+            return [AttentionSpec(name="ghost", target=crashing_module)]
 
     plugins = fresh_plugins()
     plugins.register(BadTarget(), name="bad", dist="megaseq-ghost", version="0.3.0")
-    with pytest.raises(PluginError, match=r"attention 'ghost' from megaseq-ghost 0.3.0 failed to load: ModuleNotFoundError"):
+    with pytest.raises(PluginError, match=r"attention 'ghost' from megaseq-ghost 0.3.0 failed to load: RuntimeError: boom"):
         plugins.get("attention", "ghost").load()
+
+
+def test_check_imports_every_target(crashing_module):
+    class BadTarget:
+        @hookimpl
+        def megaseq_attention(self):
+            return [AttentionSpec(name="ghost", target=crashing_module)]
+
+    plugins = fresh_plugins()
+    assert plugins.check() == []
+    plugins.register(BadTarget(), name="bad", dist="megaseq-ghost", version="0.3.0")
+    assert plugins.check() == [
+        f"attention 'ghost' from megaseq-ghost 0.3.0: target '{crashing_module}': RuntimeError: boom at import"
+    ]
 
 
 def test_record_validation():
@@ -150,6 +210,7 @@ def plugin_module(monkeypatch):
         return [AttentionSpec(name="fake", target="fake_megaseq_plugin:build")]
 
     module.megaseq_attention = megaseq_attention
+    module.build = lambda config, dims, layer_idx: None
     monkeypatch.setitem(sys.modules, "fake_megaseq_plugin", module)
     return module
 

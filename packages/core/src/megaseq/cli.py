@@ -84,18 +84,10 @@ def default_eval_dir(checkpoint_dir: Path) -> Path:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    from megaseq import plugin_report
     from megaseq.plugins import get_plugins
 
-    plugins = get_plugins()
-    infos = list(plugins)
-    if args.json:
-        print(json.dumps([vars(i) for i in infos], indent=2))
-        return 0
-    for info in infos:
-        print(f"{info.dist} {info.version} [{info.name}]: {info.status}" + (f" ({info.reason})" if info.reason else ""))
-        for kind, names in sorted(info.components.items()):
-            print(f"    {kind}: {', '.join(sorted(names))}")
-    return 0
+    return plugin_report.run(get_plugins(), as_json=args.json, check=args.check)
 
 
 def cmd_data_fetch(args: argparse.Namespace) -> int:
@@ -180,8 +172,15 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
-    pl = sub.add_parser("plugins", help="list plugins", description="Installed plugins, their status and components.")
+    pl = sub.add_parser(
+        "plugins", help="list plugins and components",
+        description="The components a recipe can name, the installed plugins providing them, their status.",
+    )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument(
+        "--check", action="store_true",
+        help="import every component's target (and memory target), run nothing else; exit status 2 on failure",
+    )
     pl.set_defaults(func=cmd_plugins)
 
     d = sub.add_parser("data", help="genome datasets", description="Obtain and inspect genome datasets.")

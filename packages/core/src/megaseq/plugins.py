@@ -8,19 +8,30 @@ distribution instead of breaking start-up:
 - ``disabled``: not in ``MEGASEQ_PLUGINS`` (comma-separated distribution or entry-point names), or
   ``MEGASEQ_DISABLE_PLUGIN_AUTOLOAD=1``;
 - ``incompatible``: its declared ``megaseq-core`` requirement excludes the installed core;
-- ``broken``: importing it or one of its registration hooks raised.
+- ``broken``: importing it or one of its registration hooks raised, a hook returned something other than
+  its record type, or one of its records points at a target (``target``, ``memory``) that does not exist.
+
+Targets are checked without importing them (discovery must stay cheap and never touch CUDA): the target's
+module must be found (``importlib.util.find_spec``, which imports only its parent packages) and its source
+must define the attribute at top level. :meth:`Plugins.check` imports every target for real
+(``megaseq plugins --check``).
 
 A broken plugin produces a warning; using a component that is unavailable because of it is a one-line error
-naming the distribution, its version and the cause.
+naming the distribution, its version and the cause. Two plugins providing the same name are a conflict: both
+stay listed, a warning names them, and only using that name is an error.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata as md
+import importlib.util
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import pluggy
@@ -29,8 +40,9 @@ from packaging.version import Version
 
 from megaseq import hookspecs
 from megaseq.__about__ import __version__ as CORE_VERSION
+from megaseq.catalog import provider
 from megaseq.errors import PluginError
-from megaseq.records import SPEC_TYPES, Component
+from megaseq.records import SPEC_TYPES, Component, load_target
 
 ENTRY_POINT_GROUP = "megaseq"
 CORE_DIST = "megaseq-core"
@@ -47,6 +59,7 @@ class PluginInfo:
     status: Status
     reason: str = ""
     components: dict[str, list[str]] = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -69,6 +82,63 @@ class Provided:
                 f"{self.spec.kind} {self.spec.name!r} from {self.plugin.label} failed to load: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+
+
+def _top_level_names(tree: ast.Module) -> set[str] | None:
+    """Names a module's source binds at top level (also inside top-level if/try/with blocks); None when it
+    cannot be told statically (a star import, or a module ``__getattr__``)."""
+    names: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> bool:
+        for node in statements:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if node.name == "__getattr__":
+                    return False
+                names.add(node.name)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name == "*":
+                        return False
+                    names.add(alias.asname or alias.name.split(".")[0])
+            elif isinstance(node, ast.If | ast.Try | ast.With):
+                blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+                blocks += [h.body for h in getattr(node, "handlers", [])]
+                if not all(visit(block) for block in blocks):
+                    return False
+        return True
+
+    return names if visit(tree.body) else None
+
+
+def target_problem(target: str) -> str | None:
+    """Why ``"module:attr"`` cannot resolve, told without importing the module (its parent packages are
+    imported to find it); ``None`` when it looks fine or cannot be told statically."""
+    module_name, _, attr = target.partition(":")
+    first = attr.split(".")[0]
+    if module_name in sys.modules:
+        return None if hasattr(sys.modules[module_name], first) else f"module {module_name} has no {first!r}"
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:  # a parent package is missing or failed to import
+        return f"module {module_name!r} not found ({type(exc).__name__}: {exc})"
+    if spec is None:
+        return f"module {module_name!r} not found"
+    if not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    try:
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"), filename=spec.origin)
+    except SyntaxError as exc:
+        return f"module {module_name} does not parse: {exc}"
+    except OSError:
+        return None
+    names = _top_level_names(tree)
+    if names is None or first in names:
+        return None
+    return f"module {module_name} ({spec.origin}) defines no {first!r}"
 
 
 def _core_requirement(dist: md.Distribution) -> Requirement | None:
@@ -101,6 +171,8 @@ class Plugins:
         self.pm.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
         self._registry: dict[str, dict[str, Provided]] | None = None
+        # (kind, name) -> every provider, for names that more than one active plugin provides
+        self.conflicts: dict[tuple[str, str], list[PluginInfo]] = {}
         from megaseq import builtins
 
         self.register(builtins, name="megaseq.builtins", dist=CORE_DIST, version=CORE_VERSION)
@@ -160,7 +232,7 @@ class Plugins:
 
     # -- registry -----------------------------------------------------------------------------------
     def _collect(self) -> dict[str, dict[str, Provided]]:
-        registry: dict[str, dict[str, Provided]] = {kind: {} for kind in SPEC_TYPES}
+        provided: dict[tuple[str, str], list[Provided]] = {}
         for kind, spec_type in SPEC_TYPES.items():
             hook = getattr(self.pm.hook, f"megaseq_{kind}")
             for impl in hook.get_hookimpls():
@@ -177,28 +249,52 @@ class Plugins:
                     info.status, info.reason = "broken", f"megaseq_{kind}: {type(exc).__name__}: {exc}"
                     continue
                 for spec in specs:
-                    if spec.name in registry[kind]:
-                        other = registry[kind][spec.name].plugin
-                        raise PluginError(
-                            f"{kind} {spec.name!r} is provided twice: by {other.label} ({other.name}) and by "
-                            f"{info.label} ({info.name}); uninstall one or set MEGASEQ_PLUGINS"
-                        )
-                    registry[kind][spec.name] = Provided(spec, info)
+                    problem = self._record_problem(spec)
+                    if problem:
+                        info.status, info.reason = "broken", problem
+                        break
+                    provided.setdefault((kind, spec.name), []).append(Provided(spec, info))
                     info.components.setdefault(kind, []).append(spec.name)
-        # a plugin that broke during collection must not keep the components it registered before breaking
-        for kind in registry:
-            registry[kind] = {n: p for n, p in registry[kind].items() if p.plugin.status == "active"}
+        registry: dict[str, dict[str, Provided]] = {kind: {} for kind in SPEC_TYPES}
+        self.conflicts = {}
+        for (kind, name), providers in provided.items():
+            # a plugin that broke during collection keeps none of the components it registered before breaking
+            providers = [p for p in providers if p.plugin.status == "active"]
+            if len(providers) == 1:
+                registry[kind][name] = providers[0]
+            elif providers:
+                self.conflicts[(kind, name)] = [p.plugin for p in providers]
+                for p in providers:
+                    others = ", ".join(o.plugin.label for o in providers if o is not p)
+                    p.plugin.conflicts.append(f"{kind} {name!r} is also provided by {others}")
+                warnings.warn(self._conflict_message(kind, name), stacklevel=3)
         for info in self.infos.values():
             if info.status == "broken":
                 info.components.clear()
                 warnings.warn(f"megaseq plugin {info.name!r} ({info.label}) is broken: {info.reason}", stacklevel=3)
         return registry
 
+    @staticmethod
+    def _record_problem(spec: Component) -> str | None:
+        """Why a record's targets cannot resolve (see :func:`target_problem`), or None."""
+        for field_name, target in (("target", spec.target), ("memory", spec.memory)):
+            problem = target and target_problem(target)
+            if problem:
+                return f"{spec.kind} {spec.name!r}: {field_name} {target!r}: {problem}"
+        return None
+
+    def _conflict_message(self, kind: str, name: str) -> str:
+        providers = self.conflicts[(kind, name)]
+        times = "twice" if len(providers) == 2 else f"{len(providers)} times"
+        labels = " and by ".join(f"{i.label} ({i.name})" for i in providers)
+        return f"{kind} {name!r} is provided {times}: by {labels}; uninstall all but one or set MEGASEQ_PLUGINS"
+
     @property
     def registry(self) -> dict[str, dict[str, Provided]]:
         if self._registry is None:
             for info in self.infos.values():
                 info.components.clear()
+                info.conflicts.clear()
             self._registry = self._collect()
         return self._registry
 
@@ -213,8 +309,13 @@ class Plugins:
         if found is not None:
             return found
         prefix = f"{where}: " if where else ""
+        if (kind, name) in self.conflicts:
+            raise PluginError(prefix + self._conflict_message(kind, name))
         available = ", ".join(self.names(kind)) or "none"
         msg = f"{prefix}no {kind} named {name!r}; available: {available}"
+        package = provider(kind, name)
+        if package is not None and package not in {i.dist for i in self.infos.values()}:
+            msg += f"; {name!r} is provided by the package {package}, which is not installed"
         trouble = [i for i in self.infos.values() if i.status in ("broken", "incompatible", "disabled")]
         if trouble:
             msg += "; unavailable plugins: " + ", ".join(f"{i.label} ({i.status}: {i.reason})" for i in trouble)
@@ -225,6 +326,25 @@ class Plugins:
     def __iter__(self) -> Iterator[PluginInfo]:
         self.registry  # noqa: B018 - statuses are final only after collection
         return iter(self.infos.values())
+
+    def check(self) -> list[str]:
+        """Import every target (and memory target) of every active plugin, running nothing else; return one
+        line per failure (``megaseq plugins --check``)."""
+        failures = []
+        for kind, components in self.registry.items():
+            for name, found in sorted(components.items()):
+                for field_name, target in (("target", found.spec.target), ("memory", found.spec.memory)):
+                    if target is None:
+                        continue
+                    try:
+                        obj = load_target(target)
+                    except Exception as exc:  # third-party import code can raise anything
+                        problem = f"{type(exc).__name__}: {exc}"
+                    else:
+                        problem = None if callable(obj) else f"{type(obj).__name__} is not callable"
+                    if problem:
+                        failures.append(f"{kind} {name!r} from {found.plugin.label}: {field_name} {target!r}: {problem}")
+        return failures
 
     def active(self) -> list[dict[str, str]]:
         """Active plugins as ``{"name", "dist", "version"}``: for run headers and checkpoint metadata."""
@@ -266,4 +386,4 @@ def get_plugins() -> Plugins:
     return plugins
 
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "Plugins", "Provided", "get_plugins"]
+__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "Plugins", "Provided", "get_plugins", "target_problem"]

@@ -1,0 +1,26 @@
+"""The components of the megaseq project's own packages, and which package provides each.
+
+Core never imports a plugin; it only knows their names, so that a recipe naming a component whose package is
+not installed gets told what to install (``megaseq-attn-dsa`` for ``dsa``). A repository test checks that
+every package in this repository registers exactly the components listed here.
+"""
+
+from __future__ import annotations
+
+# (kind, component name) -> distribution that provides it
+PROVIDERS: dict[tuple[str, str], str] = {
+    ("attention", "sdpa"): "megaseq-core",
+    ("ffn", "swiglu"): "megaseq-core",
+    ("attention", "kda"): "megaseq-attn-kda",
+    ("attention", "dsa"): "megaseq-attn-dsa",
+    ("moe", "chunked"): "megaseq-moe-chunked",
+    ("attention", "sliding-window"): "megaseq-sliding-window",
+}
+
+
+def provider(kind: str, name: str) -> str | None:
+    """The megaseq distribution that provides component ``name`` of ``kind``, if it is one of ours."""
+    return PROVIDERS.get((kind, name))
+
+
+__all__ = ["PROVIDERS", "provider"]
