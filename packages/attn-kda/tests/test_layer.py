@@ -241,8 +241,11 @@ def test_triton_backend_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    errors = result["errors"]
     assert len(errors) > 10 and all(err <= 1e-5 for err in errors.values()), errors
+    # three Triton-backed layers of one packed forward read cu_seqlens to the host once (the layout), not per layer
+    assert result["host_reads"] == 1, result["host_reads"]
 
 
 @pytest.mark.cuda
@@ -260,5 +263,9 @@ def test_gpu_backends_equal_chunk_on_cuda(backend: str, tolerance: float) -> Non
 
 
 if __name__ == "__main__":
+    from megaseq_kda.testing import host_reads_of_layers
+
     torch.set_num_threads(1)
-    print(json.dumps(triton_versus_chunk()))
+    x, cu = inputs(1, 70, 16), torch.tensor([0, 7, 7, 70], dtype=torch.int32)
+    host_reads = host_reads_of_layers({"n_heads": 1, "head_dim": 16, "backend": "triton"}, x, cu, n_layers=3)
+    print(json.dumps({"errors": triton_versus_chunk(), "host_reads": host_reads}))
