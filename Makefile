@@ -20,7 +20,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH=$(TORCH): use TORCH=cpu (the default) or TORCH=cuda)
 endif
 
-.PHONY: setup train test test-isolated test-integration lint clean
+.PHONY: setup train test test-isolated test-integration lint dist clean
 
 # A venv with pip new enough for dependency groups, the chosen torch build (before the packages, so that
 # their torch requirement is already met), and every workspace package editable. One stamp per build.
@@ -70,5 +70,12 @@ test-integration: setup
 lint: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
 
+# A wheel and an sdist of every package in dist/, versioned from each package's __about__.py, for installing
+# without the repository: pip install dist/megaseq_core-*.whl dist/megaseq_attn_kda-*.whl
+dist: setup
+	rm -rf dist
+	set -e; for p in $(PACKAGES) $(EXAMPLES); do (cd $$p && $(CURDIR)/$(VENV)/bin/python -m hatchling build -d $(CURDIR)/dist); done
+	ls dist
+
 clean:
-	rm -rf $(VENV) $(ISO) runs
+	rm -rf $(VENV) $(ISO) runs dist
