@@ -70,12 +70,13 @@ test-integration: setup
 lint: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
 
-# A wheel and an sdist of every package in dist/, versioned from each package's __about__.py, for installing
+# A wheel and an sdist of every package in $(DIST), versioned from each package's __about__.py, for installing
 # without the repository: pip install dist/megaseq_core-*.whl dist/megaseq_attn_kda-*.whl
+DIST ?= dist
 dist: setup
-	rm -rf dist
-	set -e; for p in $(PACKAGES) $(EXAMPLES); do (cd $$p && $(CURDIR)/$(VENV)/bin/python -m hatchling build -d $(CURDIR)/dist); done
-	ls dist
+	rm -rf $(DIST)
+	set -e; for p in $(PACKAGES) $(EXAMPLES); do (cd $$p && $(CURDIR)/$(VENV)/bin/python -m hatchling build -d $(abspath $(DIST))); done
+	ls $(DIST)
 
 clean:
 	rm -rf $(VENV) $(ISO) runs dist

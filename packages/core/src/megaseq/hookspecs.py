@@ -1,8 +1,23 @@
 """Every hook a megaseq plugin can implement. All are prefixed ``megaseq_``.
 
-Registration hooks return a list of records (``megaseq.records``); core calls each plugin's
-implementation separately so that a failure is pinned on the plugin that caused it. Lifecycle hooks let a
-plugin keep its own state (an MoE bias, a host-memory pool) without the trainer knowing about it.
+Implement them as module-level functions (or methods of a registered object) marked with :data:`hookimpl`,
+using only the argument names you need (pluggy passes arguments by name). A misspelt hook name is an error
+when the plugin is registered, not a silent no-op.
+
+Two families:
+
+- **Registration hooks** (``megaseq_attention``, ``megaseq_ffn``, ``megaseq_moe``, ``megaseq_memory_policy``,
+  ``megaseq_rl_algorithm``) return the plugin's components as records (``megaseq.records``). Core calls each
+  plugin's implementation separately, once per plugin manager, when the registry is first needed (listing
+  plugins, validating a recipe, building a model), so that a failure is pinned on the plugin that caused it:
+  an exception, a record of the wrong type or a record whose target does not exist makes that plugin
+  ``broken`` (all of its components become unavailable, with the reason in ``megaseq plugins``) and leaves
+  the other plugins alone. They must be cheap and import nothing heavy: they run whenever plugins are listed.
+- **Lifecycle hooks** (``megaseq_step_start``, ``megaseq_step_end``, ``megaseq_checkpoint_save``,
+  ``megaseq_checkpoint_load``) let a plugin keep its own state (an MoE bias, a host-memory pool) without the
+  trainer knowing about it. Every registered plugin's implementation is called, in pluggy's order (the plugin
+  registered last is called first; core's built-ins are registered first). An exception raised by one stops
+  the call and propagates to the trainer, which stops: lifecycle hooks must not fail for recoverable reasons.
 """
 
 from __future__ import annotations
@@ -32,27 +47,50 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def megaseq_attention() -> list[AttentionSpec]:
-    """Attention components (token mixers) this plugin provides."""
+    """The attention components (token mixers) this plugin provides.
+
+    Returns a list of ``megaseq.records.AttentionSpec``; each target resolves to
+    ``build(config, dims: ModelDims, layer_idx: int) -> nn.Module`` implementing ``megaseq.contracts.Attention``.
+    Called once per plugin manager, for every plugin separately; a failure makes this plugin broken.
+    """
 
 
 @hookspec
 def megaseq_ffn() -> list[FFNSpec]:
-    """Dense feed-forward components this plugin provides."""
+    """The dense feed-forward components this plugin provides.
+
+    Returns a list of ``megaseq.records.FFNSpec``; each target resolves to
+    ``build(config, dims: ModelDims, layer_idx: int) -> nn.Module`` implementing
+    ``megaseq.contracts.FeedForward``. Called like :func:`megaseq_attention`.
+    """
 
 
 @hookspec
 def megaseq_moe() -> list[MoESpec]:
-    """Mixture-of-experts strategies this plugin provides."""
+    """The mixture-of-experts strategies this plugin provides.
+
+    Returns a list of ``megaseq.records.MoESpec``; each target resolves to
+    ``build(config, dims: ModelDims, layer_idx: int) -> nn.Module`` implementing ``megaseq.contracts.MoE``
+    (``dims.ep_rank`` / ``dims.ep_size`` say which experts to build). Called like :func:`megaseq_attention`.
+    """
 
 
 @hookspec
 def megaseq_memory_policy() -> list[MemoryPolicySpec]:
-    """Memory policies (recompute, offload, ...) this plugin provides."""
+    """The memory policies (recompute, offload, ...) this plugin provides.
+
+    Returns a list of ``megaseq.records.MemoryPolicySpec``; each target resolves to ``build(config) -> object``
+    implementing ``megaseq.contracts.MemoryPolicy``. Called like :func:`megaseq_attention`.
+    """
 
 
 @hookspec
 def megaseq_rl_algorithm() -> list[RLAlgorithmSpec]:
-    """RL algorithms this plugin provides."""
+    """The RL algorithms this plugin provides.
+
+    Returns a list of ``megaseq.records.RLAlgorithmSpec``; each target resolves to ``build(config) -> object``
+    implementing ``megaseq.contracts.RLAlgorithm``. Called like :func:`megaseq_attention`.
+    """
 
 
 @hookspec
@@ -83,22 +121,42 @@ def megaseq_command() -> list[CommandSpec]:
 
 @hookspec
 def megaseq_step_start(step: StepInfo, model: torch.nn.Module) -> None:
-    """Called before each optimizer step's first micro-batch."""
+    """Called before the first micro-batch of each optimizer step, before any forward of that step.
+
+    ``step``: ``megaseq.train.state.StepInfo`` of the step about to run (``step`` counts from 1; ``tokens``
+    trained before it; ``lr`` it will use; ``total_steps``). ``model``: the whole model (find your modules
+    with ``megaseq.contracts.iter_modules``). Returns nothing. Every plugin's implementation runs, last
+    registered first; an exception stops training.
+    """
 
 
 @hookspec
 def megaseq_step_end(step: StepInfo, model: torch.nn.Module, metrics: dict[str, float]) -> None:
-    """Called after each optimizer step. Update plugin state from the step (e.g. MoE balancing bias),
-    release per-step resources, and add metrics to ``metrics`` (prefix keys with the plugin's name)."""
+    """Called after each optimizer step (after ``optimizer.step()`` and ``zero_grad``), before the step's
+    metrics are logged and before a checkpoint of that step is saved.
+
+    ``step``: ``StepInfo`` of the step just taken (``tokens`` now includes it). ``metrics``: this step's
+    metrics, to which the hook may add scalars (prefix keys with the plugin's name, e.g. ``"moe/max_load"``).
+    Update plugin state from the step here (an MoE balancing bias) and release per-step resources. Returns
+    nothing. Every plugin's implementation runs, last registered first; an exception stops training.
+    """
 
 
 @hookspec
 def megaseq_checkpoint_save(model: torch.nn.Module) -> dict[str, Any] | None:
-    """Plugin state that is not in the model's parameters or buffers, to be checkpointed.
+    """Plugin state that is not in the model's parameters or buffers, to be saved with each checkpoint.
 
-    Return ``{plugin_name: state}`` (tensors, numbers, strings, lists, dicts) or ``None``."""
+    Called once per checkpoint, after the step's ``megaseq_step_end``. Return ``{plugin_name: state}``
+    (tensors, numbers, strings, lists, dicts: what ``torch.save`` stores) or ``None``. The results of all
+    plugins are merged into one dict, so use a key no other plugin uses. An exception stops training.
+    """
 
 
 @hookspec
 def megaseq_checkpoint_load(model: torch.nn.Module, state: dict[str, Any]) -> None:
-    """Restore plugin state; ``state`` is the union of what every plugin returned on save."""
+    """Called when training resumes, after the model's weights and the optimizer are loaded: restore plugin state.
+
+    ``state``: the merged dict every plugin returned from ``megaseq_checkpoint_save`` (take your own key;
+    it is absent when the checkpoint was written without your plugin). Returns nothing. An exception stops
+    the resume.
+    """
