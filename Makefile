@@ -73,7 +73,8 @@ lint: setup
 # A wheel and an sdist of every package in $(DIST), versioned from each package's __about__.py, for installing
 # without the repository: pip install dist/megaseq_core-*.whl dist/megaseq_attn_kda-*.whl
 DIST ?= dist
-dist: setup
+dist:
+	test -x $(VENV)/bin/python || $(MAKE) setup
 	rm -rf $(DIST)
 	set -e; for p in $(PACKAGES) $(EXAMPLES); do (cd $$p && $(CURDIR)/$(VENV)/bin/python -m hatchling build -d $(abspath $(DIST))); done
 	ls $(DIST)

@@ -106,7 +106,7 @@ def test_guide_runs_end_to_end(tmp_path):
                     if words[0] == "cd":
                         cwd = (cwd / words[1]).resolve()
                     elif words[:2] == ["make", "dist"]:
-                        run(["make", "-C", str(REPO), "-o", ".venv/.installed", "dist", f"DIST={scratch / 'dist'}"], REPO)
+                        run(["make", "-C", str(REPO), "dist", f"DIST={scratch / 'dist'}"], REPO)
                     elif words[:2] == ["pip", "install"]:
                         install = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install"]
                         run([*install, "-q", "--no-deps", "--disable-pip-version-check", *words[2:]], cwd)
