@@ -120,7 +120,7 @@ def target_problem(target: str) -> str | None:
     module_name, _, attr = target.partition(":")
     first = attr.split(".")[0]
     if module_name in sys.modules:
-        return None if hasattr(sys.modules[module_name], first) else f"module {module_name} has no {first!r}"
+        return None if hasattr(sys.modules[module_name], first) else f"module {module_name} defines no {first!r}"
     try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError) as exc:  # a parent package is missing or failed to import
