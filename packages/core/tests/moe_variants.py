@@ -136,3 +136,68 @@ class NormalisedRouterMoE(LoopMoE):
 
     def route(self, x: Tensor, indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return super().route(x / x.norm(dim=-1, keepdim=True), indices)
+
+
+class IgnoresGivenIndices(LoopMoE):
+    """``route(x, indices)`` picks its own experts instead of weighting the given ones."""
+
+    def route(self, x: Tensor, indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return super().route(x)
+
+
+class UnnormalisedForward(LoopMoE):
+    """The forward combines with the raw router probabilities, ``route`` renormalises them."""
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        indices = self.select(flat, ctx)
+        weights = self.router(flat).softmax(-1).gather(-1, indices)
+        return self.combine(flat, indices, weights).view_as(x)
+
+
+class _HalfGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return 0.5 * grad
+
+
+class WrongBackwardMoE(LoopMoE):
+    """A hand-written backward (of the identity, on the combined output) with a mistake."""
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        return _HalfGradient.apply(super().forward(x, ctx))
+
+
+class ChunkCappedMoE(LoopMoE):
+    """Scales each chunk's output down when the chunk holds more than 4 tokens (a per-chunk budget): the output
+    depends on ``chunk_tokens``."""
+
+    def combine(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        return super().combine(x, indices, weights * min(1.0, 4 / x.shape[0]))
+
+
+class EvalCountsAsLoad(LoopMoE):
+    """Counts the load of eval-mode forwards too."""
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        out = super().forward(x, ctx)
+        if not self.training:
+            self.last_load = torch.bincount(self.select(x.reshape(-1, x.shape[-1]), ctx).reshape(-1), minlength=self.n_experts)
+        return out
+
+
+class OverflowingRouter(LoopMoE):
+    """Exponentiates sharpened router logits without subtracting their maximum: inf / inf = NaN at large
+    inputs."""
+
+    def route(self, x: Tensor, indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        scores = (10 * self.router(x)).exp()
+        probs = scores / scores.sum(-1, keepdim=True)
+        if indices is None:
+            indices = probs.topk(self.top_k, dim=-1).indices
+        chosen = probs.gather(-1, indices)
+        return indices, chosen / chosen.sum(-1, keepdim=True)

@@ -212,6 +212,7 @@ class MoEConformance(FeedForwardConformance):
         x = (self.inputs() * 50).requires_grad_(True)
         out = module(x, ForwardContext())
         out.square().mean().backward()
-        assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+        assert torch.isfinite(out).all(), "non-finite output at 50x inputs"
+        assert torch.isfinite(x.grad).all(), "non-finite input gradient at 50x inputs"
         for pname, p in module.named_parameters():
             assert p.grad is None or torch.isfinite(p.grad).all(), f"non-finite gradient of {pname}"
