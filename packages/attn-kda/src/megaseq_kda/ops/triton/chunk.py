@@ -11,6 +11,7 @@ every exponent is a difference of them, exact before it is rounded to fp32 (see 
 is in q's dtype, the final state fp32, the gradients in their inputs' dtypes.
 """
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -59,6 +60,13 @@ def make_layout(documents: Documents, heads: int, k_dim: int, v_dim: int, device
     """The launch layout, built once per batch: memoized on ``documents`` (every layer of a forward shares it)."""
     key = ("megaseq_kda.triton_layout", heads, k_dim, v_dim, device)
     return documents.derive(key, lambda: _make_layout(documents.offsets, heads, k_dim, v_dim, device))
+
+
+@functools.lru_cache(maxsize=64)
+def rows_layout(batch: int, seq: int, heads: int, k_dim: int, v_dim: int, device: torch.device) -> Layout:
+    """The launch layout of ``batch`` unpacked rows of ``seq`` tokens: it depends on shapes only, so it is built
+    (and copied to the device, which waits for the device) once per shape, not once per layer."""
+    return _make_layout(tuple(row * seq for row in range(batch + 1)), heads, k_dim, v_dim, device)
 
 
 def _make_layout(edges: tuple[int, ...], heads: int, k_dim: int, v_dim: int, device: torch.device) -> Layout:
@@ -248,10 +256,11 @@ def chunk_kda_triton(
     documents = documents_of(cu_seqlens, batch, seq)
     check_kda_inputs(q, k, v, g, beta, initial_state, documents)
     v_dim = v.shape[-1]
-    if documents is None:  # the rows of the batch, one after another
-        documents = Documents.from_offsets([row * seq for row in range(batch + 1)])
     scale = k_dim**-0.5 if scale is None else scale
-    lay = make_layout(documents, heads, k_dim, v_dim, q.device)
+    if documents is None:  # the rows of the batch, one after another
+        lay = rows_layout(batch, seq, heads, k_dim, v_dim, q.device)
+    else:
+        lay = make_layout(documents, heads, k_dim, v_dim, q.device)
 
     def packed(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(batch * seq, *x.shape[2:]).contiguous()
