@@ -235,10 +235,15 @@ class Candidates:
 
 
 def pooled_candidates(
-    k_idx: torch.Tensor, positions: torch.Tensor, documents: Documents | None, pool: int, dtype: torch.dtype
+    k_idx: torch.Tensor,
+    positions: torch.Tensor,
+    cu_seqlens: torch.Tensor | Documents | None,
+    pool: int,
+    dtype: torch.dtype,
 ) -> Candidates:
     """The candidate blocks of queries at key positions ``positions [B, Tq]`` (means in ``dtype``)."""
     n_keys, device = k_idx.shape[1], k_idx.device
+    documents = None if cu_seqlens is None else as_documents(cu_seqlens, length=n_keys)
     key_positions = torch.arange(n_keys, device=device)
     doc_start = document_starts(documents, n_keys, device)
     doc_end = doc_start.new_full((n_keys,), n_keys) if documents is None else documents.ends(device)
