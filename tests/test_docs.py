@@ -145,7 +145,8 @@ def test_every_hook_is_documented_in_the_guide():
 @pytest.mark.parametrize(
     "suite",
     ["megaseq.testing.attention:AttentionConformance", "megaseq.testing.ffn:FeedForwardConformance",
-     "megaseq.testing.moe:MoEConformance"],
+     "megaseq.testing.moe:MoEConformance", "megaseq.testing.rl:RLAlgorithmConformance",
+     "megaseq.testing.engine:EngineConformance"],
 )
 def test_every_suite_knob_is_documented_in_the_guide(suite):
     from megaseq.records import load_target

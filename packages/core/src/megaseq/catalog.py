@@ -15,6 +15,13 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("attention", "dsa"): "megaseq-attn-dsa",
     ("moe", "chunked"): "megaseq-moe-chunked",
     ("attention", "sliding-window"): "megaseq-sliding-window",
+    ("inference_engine", "cached"): "megaseq-core",
+    ("inference_engine", "vllm"): "megaseq-rl",
+    ("rl_algorithm", "grpo"): "megaseq-rl",
+    ("rl_algorithm", "rloo"): "megaseq-rl",
+    ("rl_algorithm", "dapo"): "megaseq-rl",
+    ("command", "rl"): "megaseq-rl",
+    ("command", "logprob-gap"): "megaseq-rl",
 }
 
 

@@ -7,7 +7,7 @@ when the plugin is registered, not a silent no-op.
 Two families:
 
 - **Registration hooks** (``megaseq_attention``, ``megaseq_ffn``, ``megaseq_moe``, ``megaseq_memory_policy``,
-  ``megaseq_rl_algorithm``) return the plugin's components as records (``megaseq.records``). Core calls each
+  ``megaseq_rl_algorithm``, ``megaseq_inference_engine``, ``megaseq_command``) return the plugin's components as records (``megaseq.records``). Core calls each
   plugin's implementation separately, once per plugin manager, when the registry is first needed (listing
   plugins, validating a recipe, building a model), so that a failure is pinned on the plugin that caused it:
   an exception, a record of the wrong type or a record whose target does not exist makes that plugin
