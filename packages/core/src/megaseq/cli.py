@@ -131,12 +131,16 @@ RUN/checkpoints (never into the checkpoint directory itself)."""
 CORE_COMMANDS = ("train", "eval", "plugins", "data")
 
 
-def plugin_commands() -> dict[str, Any]:
+def plugin_commands(name: str | None = None) -> dict[str, Any]:
     """``{name: Provided}`` of the commands installed plugins add (hook ``megaseq_command``). A plugin command
-    named like a core command is never dispatched: warned about here, core's own command runs."""
+    named like a core command is never dispatched: warned about here, core's own command runs. Asking for
+    ``name`` when two plugins provide it is a one-line error naming both."""
     from megaseq.plugins import get_plugins
 
-    commands = dict(get_plugins().registry["command"])
+    plugins = get_plugins()
+    if name is not None and ("command", name) in plugins.conflicts:
+        plugins.get("command", name)  # raises the conflict's one-line error
+    commands = dict(plugins.registry["command"])
     for name in CORE_COMMANDS:
         if name in commands:
             warnings.warn(f"command {name!r} from {commands.pop(name).plugin.label} is ignored: core's own {name!r} runs", stacklevel=2)
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands: dict[str, Any] = {}
         if not argv or argv[0] not in CORE_COMMANDS:  # a plugin's command, --help, or a mistake
-            commands = plugin_commands()
+            commands = plugin_commands(argv[0] if argv else None)
             if argv and argv[0] in commands:
                 return run_plugin_command(commands[argv[0]], argv[1:])
         args = parser(commands).parse_args(argv)

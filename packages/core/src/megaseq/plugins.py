@@ -171,8 +171,7 @@ class Plugins:
         self.pm.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
         self._registry: dict[str, dict[str, Provided]] | None = None
-        # (kind, name) -> every provider, for names that more than one active plugin provides
-        self.conflicts: dict[tuple[str, str], list[PluginInfo]] = {}
+        self._conflicts: dict[tuple[str, str], list[PluginInfo]] = {}
         from megaseq import builtins
 
         self.register(builtins, name="megaseq.builtins", dist=CORE_DIST, version=CORE_VERSION)
@@ -256,14 +255,14 @@ class Plugins:
                     provided.setdefault((kind, spec.name), []).append(Provided(spec, info))
                     info.components.setdefault(kind, []).append(spec.name)
         registry: dict[str, dict[str, Provided]] = {kind: {} for kind in SPEC_TYPES}
-        self.conflicts = {}
+        self._conflicts = {}
         for (kind, name), providers in provided.items():
             # a plugin that broke during collection keeps none of the components it registered before breaking
             providers = [p for p in providers if p.plugin.status == "active"]
             if len(providers) == 1:
                 registry[kind][name] = providers[0]
             elif providers:
-                self.conflicts[(kind, name)] = [p.plugin for p in providers]
+                self._conflicts[(kind, name)] = [p.plugin for p in providers]
                 for p in providers:
                     others = ", ".join(o.plugin.label for o in providers if o is not p)
                     p.plugin.conflicts.append(f"{kind} {name!r} is also provided by {others}")
@@ -284,7 +283,7 @@ class Plugins:
         return None
 
     def _conflict_message(self, kind: str, name: str) -> str:
-        providers = self.conflicts[(kind, name)]
+        providers = self._conflicts[(kind, name)]
         times = "twice" if len(providers) == 2 else f"{len(providers)} times"
         labels = " and by ".join(f"{i.label} ({i.name})" for i in providers)
         return f"{kind} {name!r} is provided {times}: by {labels}; uninstall all but one or set MEGASEQ_PLUGINS"
@@ -297,6 +296,13 @@ class Plugins:
                 info.conflicts.clear()
             self._registry = self._collect()
         return self._registry
+
+    @property
+    def conflicts(self) -> dict[tuple[str, str], list[PluginInfo]]:
+        """``(kind, name) -> providers`` for every name that more than one active plugin provides (such names
+        are listed but unusable)."""
+        self.registry  # noqa: B018 - conflicts are known only after collection
+        return self._conflicts
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.registry[kind])
