@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import megaseq_moe.plugin
-from megaseq.contracts import ForwardContext, RoutingReplay
+from megaseq.contracts import ContextParallel, ForwardContext, RoutingReplay
 from megaseq.records import ModelDims
 from megaseq.testing import fresh_plugins, registered
 from megaseq.testing.moe import dense_reference
@@ -93,6 +93,12 @@ def test_no_aux_loss_when_off_or_in_eval() -> None:
     make(aux_loss_coef=0.0)(x, ctx)
     make(aux_loss_coef=0.3).eval()(x, ctx)
     assert ctx.losses == {}
+
+
+def test_balance_loss_refuses_context_parallelism() -> None:
+    cp = ContextParallel(group=None, rank=0, world_size=2, seq_len=8)
+    with pytest.raises(ValueError, match="cannot run under context parallelism"):
+        make(aux_loss_coef=0.3)(torch.randn(1, 4, D), ForwardContext(cp=cp))
 
 
 def saved_bytes(module: ChunkedMoE, n_tokens: int) -> int:

@@ -21,26 +21,59 @@ def _one_line_warnings() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megaseq.config import load_recipe
+    from megaseq.config import ParallelConfig, load_recipe
+    from megaseq.distributed.launch import in_torchrun
+    from megaseq.distributed.layout import parse_parallel, resolve_layout
     from megaseq.plugins import get_plugins
-    from megaseq.train.trainer import Trainer
 
     plugins = get_plugins()
-    recipe = load_recipe(args.recipe, plugins, args.set)
+    layout_overrides = [f"parallel.{k}={v}" for k, v in parse_parallel(args.parallel or "").items()]
+    recipe = load_recipe(args.recipe, plugins, [*args.set, *layout_overrides])
+    layout = resolve_layout(recipe, args.workers)
+    recipe = recipe.model_copy(update={"parallel": ParallelConfig(**vars(layout))})
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
-    result = Trainer(recipe, plugins, progress=not args.no_progress).run(mode)
-    assert result.eval is not None
-    print(f"\nheld-out {recipe.data.heldout}, {result.eval['windows']} windows of {recipe.data.seq_len} bases "
-          f"(bits/base by context position):")
-    print(result.eval["table"])
-    print(f"\nwrote {result.out_dir}/eval/heldout.json, heldout_by_position.png; checkpoints in {result.out_dir}/checkpoints")
+    if layout.world_size == 1 and args.address is None and not in_torchrun():
+        from megaseq.train.trainer import Trainer
+
+        result = Trainer(recipe, plugins, progress=not args.no_progress).run(mode)
+        print_eval(result.out_dir)
+        return 0
+
+    from megaseq.distributed.launch import WorkerFailed, preflight, run_torchrun, run_with_ray
+    from megaseq.train import rundir
+
+    preflight(recipe, plugins, layout, args.resume, probe_cp=not in_torchrun())  # torchrun ranks would each probe
+    if in_torchrun():
+        result = run_torchrun(recipe, mode, progress=not args.no_progress)
+        if result is not None:
+            print_eval(result.out_dir)
+        return 0
+    rundir.prepare(recipe.out_dir, mode)  # once, here: restarted workers must not refuse or wipe their own run
+    try:
+        out_dir = run_with_ray(recipe, layout, args.resume, args.address, args.max_failures)
+    except WorkerFailed as exc:
+        print(f"megaseq: error: {exc}", file=sys.stderr)
+        return 1
+    print_eval(out_dir)
     return 0
+
+
+def print_eval(out_dir: Path) -> None:
+    """The held-out table the run wrote (rank 0 of a distributed run writes it)."""
+    from megaseq.eval.positions import format_table
+
+    heldout = json.loads((out_dir / "eval" / "heldout.json").read_text())
+    print(f"\nheld-out {heldout['heldout']}, {heldout['windows']} windows of {heldout['seq_len']} bases "
+          f"(bits/base by context position):")
+    print(format_table(heldout["results"]))
+    print(f"\nwrote {out_dir}/eval/heldout.json, heldout_by_position.png; checkpoints in {out_dir}/checkpoints")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from megaseq.config import apply_overrides, validate_recipe
+    from megaseq.distributed.sharded import read_full_weights
     from megaseq.eval.evaluate import evaluate_heldout
     from megaseq.model import build_model
     from megaseq.plugins import get_plugins
@@ -65,7 +98,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     recipe = validate_recipe(apply_overrides(meta["recipe"], args.set), plugins, source=f"{path}/meta.json")
     device = pick_device(recipe.run.device)
     model = build_model(recipe, plugins).to(device)
-    checkpoint.load_weights(path, model)
+    checkpoint.load_weights(path, model, read_full_weights(path, meta))  # checkpoints of any layout hold every expert
     print(f"evaluating {path} (step {meta['step']}) on {recipe.data.heldout}; writing {out}", file=sys.stderr)
     with torch.no_grad():
         result = evaluate_heldout(model, recipe, device, out_dir=out, baseline=not args.no_baseline, progress=not args.no_progress)
@@ -166,6 +199,12 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     start.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
     start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--parallel", metavar="dp=N,cp=N,ep=N", help="process layout (overrides the recipe's [parallel]): "
+                   "dp x cp workers; ep (dividing dp x cp) shares each MoE layer's experts")
+    t.add_argument("--workers", type=int, metavar="N", help="start N workers with Ray Train (alone: dp=N)")
+    t.add_argument("--address", metavar="HOST:PORT", help="run the workers on this existing Ray cluster")
+    t.add_argument("--max-failures", type=int, default=2, metavar="K",
+                   help="restarts of the worker group from the newest checkpoint after a worker dies (default 2)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint", description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,6 +1,6 @@
 """Recipes: TOML files that compose a run from components, validated before anything is built.
 
-Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, and one section per component used,
+Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, ``[parallel]``, and one section per component used,
 ``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory.NAME]``, validated by that component's own
 schema. Every mistake is one line naming the file, the key path and what is allowed.
 """
@@ -72,7 +72,9 @@ class ModelConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(200, ge=1)
-    batch_size: int = Field(8, ge=1, description="windows per micro-batch")
+    batch_size: int = Field(
+        8, ge=1, description="windows per micro-batch, over all data-parallel ranks (each reads its share)"
+    )
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
@@ -87,6 +89,11 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     keep_checkpoints: int = Field(2, ge=0, description="newest checkpoints kept, older ones deleted; 0 = keep all")
     memory_policies: list[str] = Field([], description="memory policy names applied in order")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="when the loss, an auxiliary loss or the gradient norm is not finite: stop before the update, "
+        "or skip the update (weights and optimizer state untouched) and go on",
+    )
     trainable: list[str] | None = Field(
         None, description="glob patterns of parameter names to train, the rest frozen (e.g. DSA warm-up: ['*.indexer.*']); None = all"
     )
@@ -99,6 +106,14 @@ class EvalConfig(Section):
     first_bucket: int = Field(1024, ge=1, description="end of the first context-position bucket")
 
 
+class ParallelConfig(Section):
+    """The process layout (``megaseq.distributed.layout``): workers = dp x cp; ep divides dp x cp."""
+
+    dp: int = Field(1, ge=1, description="data-parallel replicas, each reading its share of train.batch_size")
+    cp: int = Field(1, ge=1, description="context-parallel ranks sharing each window (zig-zag shards)")
+    ep: int = Field(1, ge=1, description="expert-parallel ranks sharing each MoE layer's experts")
+
+
 class Recipe(Section):
     """A validated recipe. ``components[kind][name]`` holds each used component's validated config."""
 
@@ -107,6 +122,7 @@ class Recipe(Section):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    parallel: ParallelConfig = ParallelConfig()
     components: dict[str, dict[str, Any]] = Field(default_factory=dict)
     source: str = "<recipe>"
 
@@ -185,7 +201,7 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         err = exc.errors()[0]
         top = err["loc"][0] if err["loc"] else ""
         if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
-            allowed = ", ".join(["run", "data", "model", "train", "eval", *COMPONENT_SECTIONS])
+            allowed = ", ".join(["run", "data", "model", "train", "eval", "parallel", *COMPONENT_SECTIONS])
             raise ConfigError(f"{source}: [{top}]: unknown section; allowed: {allowed}") from None
         msg = _validation_message(source, "", exc)
         section = Recipe.model_fields.get(str(top))

@@ -110,7 +110,8 @@ class ForwardContext:
     ``routing``: MoE routing record/replay, or ``None``.
     ``ep_group``: the expert-parallel process group (experts sharded as ``ModelDims.ep_rank/ep_size``), or ``None``.
     ``losses``: auxiliary losses (already weighted) that the trainer adds to the LM loss and logs by name.
-    ``metrics``: scalars a component wants logged for this step.
+    ``metrics``: scalars a component wants logged for this step (``log``); ``metric_counts``: how many values
+    each holds the mean of.
     """
 
     cu_seqlens: Tensor | None = None
@@ -119,6 +120,7 @@ class ForwardContext:
     ep_group: Any | None = None
     losses: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    metric_counts: dict[str, int] = field(default_factory=dict)
     _documents: Documents | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -138,8 +140,14 @@ class ForwardContext:
         self.losses[name] = self.losses[name] + value if name in self.losses else value
 
     def log(self, name: str, value: float | Tensor) -> None:
-        """Report a scalar metric; later values with the same name are averaged by the trainer's logger."""
-        self.metrics[name] = float(value)
+        """Report a scalar metric, a mean over this forward's local tokens (e.g. per token of this rank's
+        shard). Values reported under one name (e.g. once per layer) are averaged: ``metrics[name]`` is their
+        mean. The trainer logs, per step, the mean over every value reported under the name, in every
+        micro-batch and on every rank; use per-layer names to see layers apart."""
+        n = self.metric_counts.get(name, 0) + 1
+        mean = self.metrics.get(name, 0.0)
+        self.metrics[name] = mean + (float(value) - mean) / n
+        self.metric_counts[name] = n
 
 
 @runtime_checkable

@@ -106,6 +106,9 @@ class ChunkedMoE(nn.Module):
             self.last_load = sum_over(torch.bincount(indices.reshape(-1), minlength=self.n_experts), group)
             self.step_load += self.last_load
         with_aux = self.training and self.aux_loss_coef > 0
+        if with_aux and ctx.cp is not None:
+            # the sequence-level balance loss needs each sequence's whole counts; CP shares would not add up
+            raise ValueError("chunked MoE: aux_loss_coef > 0 cannot run under context parallelism; set it to 0 (bias balancing still works)")
         segments, n_segments = self._segments(batch, length, ctx, x.device) if with_aux else (None, 0)
         out, affinity_sums = _ChunkedMoEFunction.apply(
             self, tokens, indices, segments, n_segments, group, *self._params()

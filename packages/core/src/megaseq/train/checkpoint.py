@@ -43,6 +43,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,11 +262,17 @@ def _shape(shape: Any) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def weight_mismatch(path: Path, model: torch.nn.Module) -> str | None:
-    """What differs between the checkpoint's tensors and the model's (shapes, missing, unexpected), or None."""
+def weight_mismatch(path: Path, model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> str | None:
+    """What differs between the checkpoint's tensors and the model's (shapes, missing, unexpected), or None.
+
+    ``weights``: the tensors to compare (read from a sharded checkpoint, ``megaseq.distributed.sharded``);
+    default ``model.safetensors``."""
     state = model.state_dict()
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    if weights is not None:
+        stored = {name: tuple(t.shape) for name, t in weights.items()}
+    else:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     # save_model keeps one name of tensors that share memory (tied embedding and head): the others are not missing
     saved_storage = {state[n].untyped_storage().data_ptr() for n in stored if n in state}
     shapes = [f"{n} {_shape(stored[n])} -> {_shape(t.shape)}" for n, t in state.items() if n in stored and stored[n] != tuple(t.shape)]
@@ -279,12 +286,16 @@ def weight_mismatch(path: Path, model: torch.nn.Module) -> str | None:
     return "; ".join(parts) or None
 
 
-def load_weights(path: Path, model: torch.nn.Module) -> None:
-    """Load the weights into ``model``; a checkpoint of another shape is a one-line CheckpointError."""
-    mismatch = weight_mismatch(path, model)
+def load_weights(path: Path, model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Load the weights (``weights`` read from ``path``, default its ``model.safetensors``) into ``model``; a
+    checkpoint of another shape is a one-line CheckpointError."""
+    mismatch = weight_mismatch(path, model, weights)
     if mismatch:
         raise CheckpointError(f"{path}: does not fit the model: {mismatch}")
-    load_model(model, str(path / "model.safetensors"), strict=True)
+    if weights is None:
+        load_model(model, str(path / "model.safetensors"), strict=True)
+    else:
+        model.load_state_dict(weights, strict=True)
 
 
 def load_state(path: Path) -> dict[str, Any]:
@@ -302,8 +313,16 @@ class Resumed:
     warning: str | None  # one line: damaged checkpoints skipped and set aside, or ``latest`` disagreeing
 
 
-def load_for_resume(root: Path, model: torch.nn.Module, recipe: dict[str, Any]) -> Resumed | None:
+def load_for_resume(
+    root: Path,
+    model: torch.nn.Module,
+    recipe: dict[str, Any],
+    read_weights: Callable[[Path, dict[str, Any]], dict[str, torch.Tensor]] | None = None,
+) -> Resumed | None:
     """Load the weights of the newest verified checkpoint under ``root`` into ``model``; None if there is none.
+
+    ``read_weights(path, meta)``: this process's tensors of a checkpoint (``megaseq.distributed.sharded``
+    joins and cuts expert blocks); default ``model.safetensors``.
 
     Damaged newer checkpoints are renamed ``*.damaged`` and reported in ``warning``. One-line CheckpointErrors: no usable checkpoint among several damaged ones,
     a model that does not fit (naming the tensors and the recipe keys that changed), non-finite weights.
@@ -321,14 +340,15 @@ def load_for_resume(root: Path, model: torch.nn.Module, recipe: dict[str, Any]) 
         warning += " (the damaged ones are renamed *.damaged)"
     meta = read_meta(path)
     changes = recipe_changes(meta["recipe"], recipe)
-    mismatch = weight_mismatch(path, model)
+    weights = read_weights(path, meta) if read_weights is not None else None
+    mismatch = weight_mismatch(path, model, weights)
     if mismatch:
         shaping = [c for c in changes if c.split(".")[0] in ("model", "attention", "ffn", "moe", "memory")]
         raise CheckpointError(
             f"{path}: the recipe's model does not fit this checkpoint ({', '.join(shaping) or 'no recipe key changed'}): "
             f"{mismatch}; resume with the checkpoint's values or start over with --overwrite"
         )
-    load_weights(path, model)
+    load_weights(path, model, weights)
     not_finite = [n for n, v in model.state_dict().items() if v.is_floating_point() and not v.isfinite().all()]
     if not_finite:
         raise CheckpointError(

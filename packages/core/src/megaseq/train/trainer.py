@@ -1,7 +1,15 @@
 """The training loop: read top to bottom.
 
-One optimizer step = ``grad_accum`` micro-batches of ``batch_size`` genome windows. Plugins see the loop
-only through lifecycle hooks (step start/end, checkpoint save/load) and the forward context.
+One optimizer step = ``grad_accum`` micro-batches of ``batch_size`` genome windows (the global batch: under
+data parallelism each rank reads its share). Plugins see the loop only through lifecycle hooks (step
+start/end, checkpoint save/load) and the forward context. Parallelism is set up before the loop
+(``megaseq.distributed``): the loop asks its ``Parallel`` for this rank's part of a batch, the forward
+context, the gradient sums and the norm; in one process those are identities. Every rank runs the whole
+loop (hooks included); rank 0 alone logs, evaluates and publishes checkpoints.
+
+Before every update the loss, the auxiliary losses and the gradient norm are checked (the reduced, global
+values; the verdict is agreed over ranks): a non-finite step stops the run or is skipped
+(``train.on_nonfinite``), so non-finite weights are never written.
 
 Everything checkable is checked before the first step (data, held-out data, device, the run directory, the
 checkpoint resumed from). Everything logged for a step is logged before that step's checkpoint is saved,
@@ -16,6 +24,7 @@ import contextlib
 import fnmatch
 import math
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +40,9 @@ from megaseq.contracts import ForwardContext
 from megaseq.data.errors import DataError
 from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
+from megaseq.distributed.experts import build_layout_model, layout_expert_dims
+from megaseq.distributed.groups import Parallel
+from megaseq.distributed.sharded import local_optimizer_state, read_local_weights, write_shard
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
 from megaseq.model import LanguageModel, build_model, chunked_token_losses, describe
@@ -40,6 +52,7 @@ from megaseq.train.interrupt import Interrupted, StopRequests
 from megaseq.train.metrics import MetricsLogger, peak_memory_gib
 from megaseq.train.schedule import lr_factor
 from megaseq.train.state import StepInfo
+from megaseq.train.totals import StepTotals
 
 
 @dataclass
@@ -109,33 +122,52 @@ def data_windows(recipe: Recipe, which: str) -> GenomeWindows:
     return windows
 
 
-def check_finite(step: int, loss: float, grad_norm: float) -> None:
-    """The non-finite rule: a step whose loss or gradient norm is not finite stops the run (one line, exit 2)."""
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise TrainingDiverged(
-            f"step {step}: loss {loss}, gradient norm {grad_norm}: training diverged, stopped before saving "
-            f"(the checkpoints on disk are intact); lower train.lr or raise train.warmup_steps and --resume"
-        )
+def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) -> TrainingDiverged:
+    """The one-line stop of the non-finite rule (``train.on_nonfinite = "stop"``)."""
+    bad_aux = {k: v for k, v in aux.items() if not math.isfinite(v)}
+    return TrainingDiverged(
+        f"step {step}: loss {loss}, gradient norm {grad_norm}: training diverged"
+        + (f" (auxiliary losses {bad_aux})" if bad_aux else "")
+        + ", stopped before the update (the checkpoints on disk are intact); lower train.lr or raise "
+        "train.warmup_steps and --resume, or skip such steps with train.on_nonfinite = 'skip'"
+    )
 
 
-def lm_loss(model: LanguageModel, batch: Batch, ctx: ForwardContext, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean weighted next-token loss (nats) and the per-token losses."""
+def lm_loss(
+    model: LanguageModel, batch: Batch, ctx: ForwardContext, chunk: int, total_weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted next-token loss (nats) and the per-token losses. The weighted sum is divided by
+    ``total_weight`` (default: this batch's weight, i.e. the mean); a rank holding part of a larger batch
+    passes that batch's weight and gets its share of the mean."""
     hidden = model(batch.inputs, ctx)
     token_losses = chunked_token_losses(hidden, model.head_weight, batch.targets, chunk)
-    return (token_losses * batch.weights).sum() / batch.weights.sum(), token_losses
+    weight = batch.weights.sum() if total_weight is None else total_weight
+    return (token_losses * batch.weights).sum() / weight, token_losses
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, plugins: Plugins, *, progress: bool = True, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        plugins: Plugins,
+        *,
+        parallel: Parallel | None = None,
+        progress: bool = True,
+        tensorboard: bool = True,
+    ) -> None:
         self.recipe = recipe
         self.plugins = plugins
-        self.progress = progress
+        self.parallel = parallel or Parallel()
+        self.progress = progress and self.parallel.is_main
         self.out_dir = recipe.out_dir
         self.device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)
         self.train_windows = data_windows(recipe, "train")
         data_windows(recipe, "heldout")  # a bad data.heldout fails now, not after training
-        self.model = build_model(recipe, plugins).to(self.device)
+        p = self.parallel
+        self.model = build_layout_model(recipe, plugins, p.ep_rank, p.layout.ep).to(self.device)
+        self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
+        self.expert_params = {param for name, param in self.model.named_parameters() if name in self.expert_dims}
         self.policies = [
             plugins.get("memory_policy", name).load()(recipe.component("memory_policy", name))
             for name in recipe.train.memory_policies
@@ -148,6 +180,8 @@ class Trainer:
         self.sampler = WindowSampler(len(self.train_windows), recipe.train.batch_size, recipe.run.seed)
         self.step = 0
         self.tokens = 0
+        self.skipped_steps = 0
+        self.checkpoint_meta: dict[str, Any] = {}  # more for every checkpoint's meta.json (e.g. the launch)
         self.tensorboard = tensorboard
         self.notes: list[str] = []  # what resuming changed or found, for the run header
 
@@ -157,17 +191,45 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def save(self) -> Path:
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_param_names": checkpoint.optimizer_param_names(self.optimizer, self.model),
+        """Write a checkpoint; every rank calls this (each writes its files, rank 0 publishes them)."""
+        p = self.parallel
+        if not all(bool(torch.isfinite(param).all()) for param in self.model.parameters()):
+            raise TrainingDiverged(f"step {self.step}: the weights are not finite; no checkpoint written")
+        if p.is_main:
+            checkpoint.staging_dir(self.checkpoint_root, self.step)
+        p.barrier()
+        staged = checkpoint.staging_dir(self.checkpoint_root, self.step)
+        run_state = {
             "sampler": self.sampler.state_dict(),
             "rng": checkpoint.rng_state(),
             "tokens": self.tokens,
+            "skipped_steps": self.skipped_steps,
             "plugins": self.plugins.hooks.checkpoint_save(self.model),
         }
-        meta = {"tokens": self.tokens, "recipe": self.recipe.to_dict(), "plugins": self.plugins.active()}
-        path = checkpoint.save_checkpoint(self.checkpoint_root, self.step, self.model, state, meta)
-        checkpoint.prune(self.checkpoint_root, self.recipe.train.keep_checkpoints)
+        written = write_shard(
+            staged,
+            self.model,
+            self.optimizer,
+            checkpoint.optimizer_param_names(self.optimizer, self.model),
+            run_state if p.is_main else None,
+            self.expert_dims,
+            p.ep_rank,
+            writes_experts=p.expert_dp_rank == 0,  # one copy of each expert block
+        )
+        described = p.gather_on_main(checkpoint.file_entries(staged, written))  # every rank hashes its own files
+        path = self.checkpoint_root / checkpoint.step_name(self.step)
+        if p.is_main:
+            meta = {
+                "tokens": self.tokens,
+                "recipe": self.recipe.to_dict(),
+                "plugins": self.plugins.active(),
+                "layout": vars(p.layout),
+                "expert_dims": self.expert_dims,
+                **self.checkpoint_meta,
+            }
+            path = checkpoint.commit(self.checkpoint_root, self.step, meta, {k: v for d in described for k, v in d.items()})
+            checkpoint.prune(self.checkpoint_root, self.recipe.train.keep_checkpoints)
+        p.barrier()
         return path
 
     def resume(self) -> bool:
@@ -176,15 +238,31 @@ class Trainer:
         The checks and the weights are ``checkpoint.load_for_resume``'s; recipe changes (a new ``train.lr``,
         ``train.steps``, ...) take effect and are listed in the run header.
         """
-        self.notes += [f"removed {name}, left by an interrupted save" for name in checkpoint.remove_leftovers(self.checkpoint_root)]
-        resumed = checkpoint.load_for_resume(self.checkpoint_root, self.model, self.recipe.to_dict())
+        p = self.parallel
+        if p.is_main:
+            self.notes += [f"removed {name}, left by an interrupted save" for name in checkpoint.remove_leftovers(self.checkpoint_root)]
+
+        def load() -> checkpoint.Resumed | None:
+            return checkpoint.load_for_resume(
+                self.checkpoint_root,
+                self.model,
+                self.recipe.to_dict(),
+                lambda path, meta: read_local_weights(path, meta, self.expert_dims, p.ep_rank, p.layout.ep),
+            )
+
+        # rank 0 first: it sets damaged checkpoints aside, so that the others find the same newest good one
+        resumed = load() if p.is_main else None
+        p.barrier()
+        if not p.is_main:
+            resumed = load()
         if resumed is None:
             return False
-        if resumed.warning:
+        if resumed.warning and p.is_main:
             print(f"megaseq: warning: {resumed.warning}", file=sys.stderr)
         state = resumed.state
         names = checkpoint.optimizer_param_names(self.optimizer, self.model)
-        carried = checkpoint.load_optimizer(self.optimizer, state["optimizer"], state["optimizer_param_names"], names)
+        saved, saved_names = local_optimizer_state(resumed.path, resumed.meta, state, self.expert_dims, p.ep_rank, p.layout.ep)
+        carried = checkpoint.load_optimizer(self.optimizer, saved, saved_names, names)
         set_hyperparameters(self.optimizer, self.recipe)
         sampler = state["sampler"]
         window_order_kept = (sampler["n_windows"], sampler["seed"]) == (self.sampler.n_windows, self.sampler.seed)
@@ -192,6 +270,7 @@ class Trainer:
             self.sampler.load_state_dict(sampler)
         checkpoint.set_rng_state(state["rng"])
         self.tokens = state["tokens"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         self.step = resumed.meta["step"]
         self.plugins.hooks.checkpoint_load(self.model, state["plugins"])
 
@@ -205,56 +284,63 @@ class Trainer:
         return True
 
     # -- the loop -----------------------------------------------------------------------------------
-    def _micro_batch(self, ctx: ForwardContext) -> tuple[torch.Tensor, int]:
-        batch = batch_to(self.train_windows.batch(self.sampler.next_indices()), self.device)
-        t = self.recipe.train
+    def _micro_batch(self, totals: StepTotals) -> None:
+        """Forward and backward of this rank's part of one global micro-batch; what it saw goes to ``totals``."""
+        t, p = self.recipe.train, self.parallel
+        whole = self.train_windows.batch(self.sampler.next_indices())
+        batch = batch_to(p.local_batch(whole), self.device)
+        ctx = p.forward_context(self.recipe.data.seq_len)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16)
         with contextlib.ExitStack() as stack:
             for policy in self.policies:
                 stack.enter_context(policy.forward_context())
             with autocast:
-                loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk)
-            total = loss + sum(ctx.losses.values())
+                loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
+            total = loss + sum(ctx.losses.values()) / p.layout.dp
             (total / t.grad_accum).backward()
-        return loss.detach(), batch.inputs.numel()
+        totals.add(loss.detach(), batch.inputs.numel(), ctx)
 
     def train_step(self) -> dict[str, float]:
-        t = self.recipe.train
+        t, p = self.recipe.train, self.parallel
         lr = t.lr * lr_factor(self.step, t.warmup_steps, t.steps, t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         info = StepInfo(step=self.step + 1, total_steps=t.steps, tokens=self.tokens, lr=lr)
         self.plugins.hooks.step_start(info, self.model)
         started = time.perf_counter()
-        losses, aux, metrics = [], {}, {}
+        totals = StepTotals()
         for _ in range(t.grad_accum):
-            ctx = ForwardContext()
-            loss, n_tokens = self._micro_batch(ctx)
-            losses.append(loss)
-            self.tokens += n_tokens
-            for name, value in ctx.losses.items():
-                aux[name] = aux.get(name, 0.0) + float(value.detach()) / t.grad_accum
-            for name, value in ctx.metrics.items():
-                metrics[name] = metrics.get(name, 0.0) + value / t.grad_accum
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-        self.optimizer.step()
+            self._micro_batch(totals)
+        loss, tokens, aux, metrics = totals.reduce(p.sum, p.layout.dp, t.grad_accum)
+        params = [param for param in self.model.parameters() if param.requires_grad]
+        p.reduce_gradients(params, self.expert_params)
+        grad_norm = float(p.grad_norm(params, self.expert_params))
+        finite = all(math.isfinite(v) for v in (loss, grad_norm, *aux.values()))
+        agreed = p.max(torch.tensor([float(not finite), peak_memory_gib(self.device)], dtype=torch.float64))
+        if agreed[0] == 0:
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
+            self.optimizer.step()
+        elif t.on_nonfinite == "stop":
+            raise diverged(self.step + 1, loss, grad_norm, aux)
+        else:
+            self.skipped_steps += 1  # weights and optimizer state untouched; the windows are consumed
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.tokens += tokens
         elapsed = time.perf_counter() - started
-        loss = float(torch.stack(losses).mean())
         metrics.update(
             {
                 "loss": loss,
                 "bits_per_base": loss / np.log(2),
                 "lr": info.lr,
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": t.grad_accum * t.batch_size * self.recipe.data.seq_len / elapsed,
-                "peak_mem_gib": peak_memory_gib(self.device),
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens / elapsed,
+                "peak_mem_gib": float(agreed[1]),
+                **({"skipped_steps": self.skipped_steps} if t.on_nonfinite == "skip" else {}),
                 **{f"aux/{k}": v for k, v in aux.items()},
             }
         )
-        check_finite(self.step, loss, metrics["grad_norm"])
         self.plugins.hooks.step_end(StepInfo(self.step, t.steps, self.tokens, info.lr), self.model, metrics)
         return metrics
 
@@ -270,19 +356,25 @@ class Trainer:
 
     def run(self, mode: rundir.StartMode = "new") -> TrainResult:
         """Train to ``train.steps`` in the run directory, started as ``mode``: "new", "resume" or "overwrite"."""
-        t = self.recipe.train
-        rundir.prepare(self.out_dir, mode)
+        t, p = self.recipe.train, self.parallel
+        if p.is_main:
+            rundir.prepare(self.out_dir, mode)
+        p.barrier()
         if mode == "resume":
             if not self.resume():
                 self.notes.append(f"no checkpoint in {self.checkpoint_root} yet: starting at step 0")
-            rundir.truncate_metrics(self.out_dir, self.step)
-        print(self.header(), file=sys.stderr)
-        logger = MetricsLogger(self.out_dir, self.tensorboard, purge_step=self.step + 1 if mode == "resume" else None)
+            if p.is_main:
+                rundir.truncate_metrics(self.out_dir, self.step)
+        if p.is_main:
+            print(self.header(), file=sys.stderr)
+            logger = MetricsLogger(self.out_dir, self.tensorboard, purge_step=self.step + 1 if mode == "resume" else None)
+        else:
+            logger = _NoLogger()
         losses: list[float] = []
         result_eval = saved_at = None
         bar = tqdm(total=t.steps, initial=self.step, disable=not self.progress, desc="train", file=sys.stderr)
         with contextlib.closing(logger), StopRequests() as stop:
-            while self.step < t.steps and stop.requested is None:
+            while self.step < t.steps and not p.any(stop.requested is not None):
                 metrics = self.train_step()
                 losses.append(metrics["loss"])
                 bar.update(1)
@@ -293,22 +385,49 @@ class Trainer:
                     logger.log(self.step, metrics)
                 if self.step == t.steps:
                     result_eval = self.eval(baseline=True, write=True)
-                    logger.log(self.step, result_eval["flat"])
-                elif t.eval_every and self.step % t.eval_every == 0 and stop.requested is None:
-                    logger.log(self.step, self.eval(baseline=False)["flat"])
+                    logger.log(self.step, result_eval["flat"] if result_eval else {})
+                elif t.eval_every and self.step % t.eval_every == 0:
+                    evaluated = self.eval(baseline=False)
+                    logger.log(self.step, evaluated["flat"] if evaluated else {})
                 if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.steps:
                     self.save()
                     saved_at = self.step
             bar.close()
-            if self.step < t.steps:  # a signal asked to stop
-                assert stop.requested is not None
+            if self.step < t.steps:  # a signal asked to stop (on some rank: all stop at the same step)
                 saved = self.save() if saved_at != self.step else self.checkpoint_root / checkpoint.step_name(self.step)
-                raise Interrupted(stop.requested, f"stopped after step {self.step}; saved {saved}; continue with --resume")
-        if result_eval is None:  # the checkpoint resumed from was already at train.steps
-            print(f"megaseq: the run was already at step {self.step} of {t.steps}; evaluating it", file=sys.stderr)
+                signum = stop.requested or signal.SIGTERM
+                raise Interrupted(signum, f"stopped after step {self.step}; saved {saved}; continue with --resume")
+        if result_eval is None and self.step == t.steps and not losses:  # resumed at train.steps already
+            if p.is_main:
+                print(f"megaseq: the run was already at step {self.step} of {t.steps}; evaluating it", file=sys.stderr)
             result_eval = self.eval(baseline=True, write=True)
         return TrainResult(self.out_dir, self.step, losses, result_eval)
 
-    def eval(self, baseline: bool, write: bool = False) -> dict[str, Any]:
-        out_dir = self.out_dir / "eval" if write else None
-        return evaluate_heldout(self.model, self.recipe, self.device, out_dir, baseline=baseline, progress=self.progress)
+    def eval(self, baseline: bool, write: bool = False) -> dict[str, Any] | None:
+        """Held-out evaluation of the whole model on rank 0 (``None`` on the other ranks, which wait)."""
+        model = self._whole_model() if self.parallel.layout.ep > 1 else self.model
+        result = None
+        if model is not None and self.parallel.is_main:
+            out_dir = self.out_dir / "eval" if write else None
+            result = evaluate_heldout(model, self.recipe, self.device, out_dir, baseline=baseline, progress=self.progress)
+        self.parallel.barrier()
+        return result
+
+    def _whole_model(self) -> LanguageModel | None:
+        """On rank 0, a one-rank copy of the model holding every expert (the blocks gathered over EP)."""
+        full = self.parallel.gather_experts(self.model.state_dict(), self.expert_dims)
+        if not self.parallel.is_main:
+            return None
+        whole = build_model(self.recipe, self.plugins).to(self.device)
+        whole.load_state_dict(full)
+        return whole
+
+
+class _NoLogger:
+    """What ranks other than 0 log to: nothing (rank 0 logs the reduced metrics once)."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

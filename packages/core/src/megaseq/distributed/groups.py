@@ -1,0 +1,208 @@
+"""This process's place in the layout, its process groups, and the few collectives the trainer needs.
+
+The groups come from megatron-core's ``parallel_state`` (tensor and pipeline parallelism 1; its rank order
+puts the ``cp`` ranks of a replica next to each other and cuts expert-parallel groups from consecutive
+ranks). ``torch.distributed`` must already be initialised by the launcher (Ray Train, torchrun, or
+``megaseq.testing.distributed.run_gloo``). ``Parallel()`` is the single process: no group, no collective,
+no import of torch.distributed machinery or megatron-core.
+
+What the trainer asks of a ``Parallel``, and why each rule makes every layout equal the single process:
+
+- ``local_batch``: each data-parallel rank keeps its contiguous share of the global micro-batch's windows,
+  each context-parallel rank the zig-zag shard of them. The loss is normalised by the weight of the
+  global micro-batch, so the shares of all ranks add up to the single-process loss.
+- ``reduce_gradients``: gradients are summed over all ranks (data, context and expert parallel alike: an
+  expert-parallel group is made of data/context ranks, so the router and shared experts see every token
+  once), except expert-sharded parameters, which already received every token of their expert-parallel
+  group through the dispatch and are summed over the expert-data-parallel group only.
+- ``grad_norm``: the norm of the whole model's gradient: replicated parameters counted once, expert
+  blocks summed over the expert-parallel group.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megaseq.contracts import ContextParallel, ForwardContext
+from megaseq.data.windows import Batch
+from megaseq.distributed.layout import Layout
+from megaseq.errors import UserError
+from megaseq.parallel import zigzag_shard
+from megaseq.records import ModelDims
+
+EXTRA_HINT = "pip install 'megaseq-core[distributed]' (megatron-core and ray[train])"
+
+
+@dataclass
+class Parallel:
+    layout: Layout = field(default_factory=Layout)
+    rank: int = 0
+    dp_rank: int = 0
+    cp_rank: int = 0
+    ep_rank: int = 0
+    expert_dp_rank: int = 0
+    world_group: Any = None
+    cp_group: Any = None
+    ep_group: Any = None
+    expert_dp_group: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.layout.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- what components are handed ---------------------------------------------------------------------
+    def model_dims(self, dims: ModelDims) -> ModelDims:
+        return replace(dims, ep_rank=self.ep_rank, ep_size=self.layout.ep)
+
+    def forward_context(self, seq_len: int) -> ForwardContext:
+        cp = None
+        if self.layout.cp > 1:
+            cp = ContextParallel(group=self.cp_group, rank=self.cp_rank, world_size=self.layout.cp, seq_len=seq_len)
+        return ForwardContext(cp=cp, ep_group=self.ep_group if self.layout.ep > 1 else None)
+
+    def local_batch(self, batch: Batch) -> Batch:
+        """This rank's part of a global micro-batch: its data-parallel share of the windows, zig-zag sharded."""
+        share = batch.inputs.shape[0] // self.layout.dp
+        rows = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        parts = [t[rows] for t in (batch.inputs, batch.targets, batch.weights)]
+        if self.layout.cp > 1:
+            parts = [zigzag_shard(t, self.cp_rank, self.layout.cp, dim=1) for t in parts]
+        return Batch(*parts)
+
+    # -- collectives (identities in one process) --------------------------------------------------------
+    def sum(self, t: Tensor) -> Tensor:
+        """``t`` summed over all ranks (in place)."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.world_group)
+        return t
+
+    def max(self, t: Tensor) -> Tensor:
+        """``t`` maximised over all ranks (in place)."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world_group)
+        return t
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank (every rank gets the same answer)."""
+        return bool(self.max(torch.tensor([float(flag)]))[0] > 0)
+
+    def gather_on_main(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on rank 0; ``[]`` elsewhere."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.layout.world_size if self.is_main else []
+        dist.gather_object(obj, gathered if self.is_main else None, dst=0, group=self.world_group)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.world_group)
+
+    def reduce_gradients(self, params: list[nn.Parameter], experts: set[nn.Parameter]) -> None:
+        """Sum gradients over ranks (module docstring). A parameter that no rank has a gradient for keeps
+        ``grad = None``, as in one process (the optimizer then leaves it alone)."""
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        replicated = [p for p in params if p not in experts]
+        sharded = [p for p in params if p in experts]
+        for group, members in ((self.world_group, replicated), (self.expert_dp_group, sharded)):
+            if not members or dist.get_world_size(group) == 1:
+                continue
+            present = torch.tensor([p.grad is not None for p in members], dtype=torch.float32)
+            flat = torch.cat([present, *(_grad_or_zeros(p).reshape(-1).float() for p in members)])
+            dist.all_reduce(flat, group=group)
+            offset = len(members)
+            for i, p in enumerate(members):
+                n = p.numel()
+                if flat[i] > 0:
+                    p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+                offset += n
+
+    def grad_norm(self, params: Iterable[nn.Parameter], experts: set[nn.Parameter]) -> Tensor:
+        """The 2-norm of the whole model's gradient (fp32), equal on every rank."""
+        squares = torch.zeros(2)
+        for p in params:
+            if p.grad is not None:
+                squares[int(p in experts)] += p.grad.detach().float().pow(2).sum()
+        if self.distributed and self.layout.ep > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(squares[1:], group=self.ep_group)
+        return squares.sum().sqrt()
+
+    def gather_experts(self, state: Mapping[str, Tensor], dims: Mapping[str, int]) -> dict[str, Tensor]:
+        """The whole model's state from this rank's: expert blocks gathered over the expert-parallel group."""
+        if self.layout.ep == 1:
+            return dict(state)
+        import torch.distributed as dist
+
+        full = dict(state)
+        for name, dim in dims.items():
+            blocks = [torch.empty_like(state[name]) for _ in range(self.layout.ep)]
+            dist.all_gather(blocks, state[name].contiguous(), group=self.ep_group)
+            full[name] = torch.cat(blocks, dim=dim)
+        return full
+
+
+def _grad_or_zeros(p: nn.Parameter) -> Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def import_parallel_state() -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # megatron-core warns at import that Transformer Engine / Apex are absent
+            from megatron.core import parallel_state
+    except ImportError:
+        raise UserError(f"a distributed layout needs megatron-core: {EXTRA_HINT}") from None
+    return parallel_state
+
+
+def init_process_groups(layout: Layout) -> Parallel:
+    """Create the layout's groups with megatron-core's ``parallel_state`` on the running ``torch.distributed``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("init_process_groups: torch.distributed is not initialised (start workers with a launcher)")
+    if dist.get_world_size() != layout.world_size:
+        raise UserError(
+            f"parallel {layout}: dp x cp = {layout.world_size} ranks, but {dist.get_world_size()} processes were started"
+        )
+    ps = import_parallel_state()
+    ps.initialize_model_parallel(context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep)
+    return Parallel(
+        layout=layout,
+        rank=dist.get_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        expert_dp_rank=ps.get_expert_data_parallel_rank(),
+        world_group=dist.group.WORLD,
+        cp_group=ps.get_context_parallel_group(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        expert_dp_group=ps.get_expert_data_parallel_group(),
+    )
+
+
+def destroy_process_groups() -> None:
+    import_parallel_state().destroy_model_parallel()

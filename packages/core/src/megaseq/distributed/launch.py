@@ -1,0 +1,242 @@
+"""Starting the workers of a distributed run: Ray Train, or torchrun.
+
+Ray (``--workers N``, optionally ``--address`` of a running cluster): a ``TorchTrainer`` starts N workers
+(gloo on CPU, nccl on CUDA; Ray initialises ``torch.distributed``), restarts the whole group when a
+worker dies (``--max-failures``), and the restarted workers resume from the newest checkpoint of the run
+directory that this launch wrote (each checkpoint's ``meta.json`` names its launch, so an older run's
+checkpoints are never mistaken for this one's). Locally, Ray is told that the machine has at least N
+logical CPUs: a worker needs one, and Ray waits forever for workers it cannot place.
+
+torchrun: ``torchrun --nproc-per-node N -m megaseq.cli train RECIPE --parallel ...`` runs the same worker
+code with the process group from torchrun's environment.
+
+Every check that can fail (the layout, the recipe's components under it, the checkpoint to resume, the
+cluster's address and size) runs in the launching process before any worker starts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from megaseq.config import Recipe, validate_recipe
+from megaseq.distributed.experts import layout_expert_dims
+from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups
+from megaseq.distributed.layout import Layout, check_layout
+from megaseq.errors import UserError
+from megaseq.plugins import Plugins, get_plugins
+from megaseq.train import checkpoint
+from megaseq.train.trainer import Trainer, TrainResult
+
+
+def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, probe_cp: bool = True) -> None:
+    """Everything about a layout that can be checked before a worker starts (``probe_cp``: also run each
+    component under context parallelism, see :func:`check_context_parallel`)."""
+    check_layout(recipe, layout)
+    layout_expert_dims(recipe, plugins, layout.ep)  # builds the model on the meta device: components may refuse
+    if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
+        check_resharding(path, recipe, plugins)
+    if probe_cp and layout.cp > 1:
+        check_context_parallel(recipe, layout.cp)
+
+
+def check_context_parallel(recipe: Recipe, cp: int) -> None:
+    """Each of the recipe's components, alone, runs a forward and backward under ``cp`` context-parallel
+    ranks (local gloo processes, a short random input): a component that cannot (the contract lets it
+    refuse with a ``ValueError``) is one line now instead of a failure of every worker later."""
+    from megaseq.testing.distributed import run_gloo
+
+    refusal = run_gloo(cp, _probe_context_parallel, recipe.to_dict(), recipe.source, timeout=300)[0]
+    if refusal is not None:
+        raise UserError(f"{recipe.source}: parallel cp={cp}: {refusal}")
+
+
+def _probe_context_parallel(rank: int, world: int, raw: dict[str, Any], source: str) -> str | None:
+    import torch
+    import torch.distributed as dist
+
+    from megaseq.contracts import ContextParallel, ForwardContext
+    from megaseq.distributed.experts import model_dims
+    from megaseq.parallel import zigzag_shard
+
+    plugins = get_plugins()
+    recipe = validate_recipe(raw, plugins, source=source)
+    m = recipe.model
+    used = {("attention", m.attention_of(i)): i for i in range(m.n_layers)} | {m.ffn_of(i): i for i in range(m.n_layers)}
+    length = 2 * world * 16
+    cp = ContextParallel(group=dist.group.WORLD, rank=rank, world_size=world, seq_len=length)
+    for (kind, name), layer in sorted(used.items()):
+        torch.manual_seed(0)
+        module = plugins.get(kind, name).load()(recipe.component(kind, name), model_dims(recipe), layer)
+        x = zigzag_shard(torch.randn(1, length, m.d_model), rank, world).requires_grad_(True)
+        ctx = ForwardContext(cp=cp)
+        try:
+            out = module(x, ctx)
+            (out.sum() + sum(ctx.losses.values(), torch.zeros(()))).backward()
+        except (ValueError, NotImplementedError) as exc:
+            return f"{kind} {name!r} cannot run under context parallelism: {exc}"
+    return None
+
+
+def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:
+    """The checkpoint's whole-model tensors must be the recipe's whole model's, so any layout can cut them."""
+    from safetensors import safe_open
+
+    from megaseq.distributed.experts import build_on_meta
+
+    meta = checkpoint.read_meta(path)
+    saved_ep = int(meta.get("layout", {}).get("ep", 1))
+    shapes: dict[str, list[int]] = {}
+    files = [path / "model.safetensors"] + [path / "experts" / f"ep{r}.safetensors" for r in range(saved_ep if saved_ep > 1 else 0)]
+    for file in files:
+        if not file.exists():
+            raise UserError(f"{path}: checkpoint saved with ep={saved_ep} lacks {file.name}; it cannot be re-sharded")
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                shape = list(f.get_slice(name).get_shape())
+                if name in shapes:
+                    shapes[name][meta["expert_dims"][name]] += shape[meta["expert_dims"][name]]
+                else:
+                    shapes[name] = shape
+    expected = {n: list(t.shape) for n, t in build_on_meta(recipe, plugins, 1).state_dict().items()}
+    for name in sorted(set(expected) | set(shapes)):
+        if shapes.get(name) != expected.get(name):
+            raise UserError(
+                f"{path}: cannot resume {recipe.source} from it: {name} is {shapes.get(name)} in the checkpoint "
+                f"and {expected.get(name)} in the recipe's model (the model changed, not only the layout)"
+            )
+
+
+# -- the worker (both launchers) ------------------------------------------------------------------------------
+def run_worker(raw: dict[str, Any], source: str, mode: str, progress: bool, launch: str | None = None) -> TrainResult:
+    """One worker of a distributed run; ``torch.distributed`` is initialised (by Ray or torchrun).
+    ``launch`` identifies the launch in the checkpoints it writes (how restarted workers find theirs)."""
+    import torch
+
+    plugins = get_plugins()
+    recipe = validate_recipe(raw, plugins, source=source)
+    layout = Layout.of(recipe)
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)))
+    torch.set_num_threads(threads)  # the workers of one machine share its cores
+    parallel = init_process_groups(layout)
+    try:
+        trainer = Trainer(recipe, plugins, parallel=parallel, progress=progress)
+        if launch is not None:
+            trainer.checkpoint_meta["launch"] = launch
+        return trainer.run(mode)
+    finally:
+        destroy_process_groups()
+
+
+def run_torchrun(recipe: Recipe, mode: str, progress: bool) -> TrainResult | None:
+    """Inside a torchrun worker: join its process group, train; rank 0 returns the result."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        result = run_worker(recipe.to_dict(), recipe.source, mode, progress)
+    finally:
+        dist.destroy_process_group()
+    return result if result.eval is not None else None
+
+
+def in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+# -- Ray ----------------------------------------------------------------------------------------------------
+def _ray_worker(config: dict[str, Any]) -> None:
+    import logging
+
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    out_dir = Path(config["recipe"]["run"]["out_dir"].replace("{name}", config["recipe"]["run"]["name"]))
+    newest = checkpoint.newest_verified(out_dir / "checkpoints").path
+    # A restarted worker group (a worker died) resumes from the newest checkpoint this launch wrote. The
+    # launcher prepared the run directory (refused or wiped it): without --resume, all in it is this launch's.
+    ours = newest is not None and checkpoint.read_meta(newest).get("launch") == config["launch"]
+    mode = "resume" if config["resume"] or ours else "overwrite"
+    run_worker(config["recipe"], config["source"], mode, progress=False, launch=config["launch"])
+
+
+def check_address(address: str) -> None:
+    """An unreachable ``host:port`` is one line, not a long wait inside Ray."""
+    if address in ("auto", "local") or address.startswith("ray://"):
+        target = address.removeprefix("ray://")
+        if target in ("auto", "local"):
+            return
+    else:
+        target = address
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--address {address!r}: expected HOST:PORT of a Ray cluster's head, ray://HOST:PORT, or auto")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass
+    except OSError as exc:
+        raise UserError(f"--address {address}: cannot reach a Ray cluster there ({exc.strerror or exc})") from None
+
+
+def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | None, max_failures: int) -> Path:
+    """Train with ``layout.world_size`` Ray workers; returns the run directory."""
+    if address is not None:
+        check_address(address)
+    try:
+        import ray
+        import ray.train
+        from ray.train.torch import TorchConfig, TorchTrainer
+    except ImportError:
+        raise UserError(f"--workers needs Ray Train: {EXTRA_HINT}") from None
+    import torch
+
+    workers = layout.world_size
+    use_gpu = recipe.run.device == "cuda" or (recipe.run.device == "auto" and torch.cuda.is_available())
+    init = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
+    try:
+        ray.init(**init, include_dashboard=False, log_to_driver=True, logging_level="ERROR", configure_logging=True)
+    except ConnectionError as exc:
+        raise UserError(f"--address {address}: {str(exc).splitlines()[0]}") from None
+    try:
+        available = ray.cluster_resources()
+        need = {"CPU": workers, **({"GPU": workers} if use_gpu else {})}
+        for resource, amount in need.items():
+            if available.get(resource, 0) < amount:
+                raise UserError(
+                    f"{workers} workers need {amount} {resource}s; the Ray cluster{f' at {address}' if address else ''} "
+                    f"has {available.get(resource, 0):g}"
+                )
+        out = recipe.out_dir.resolve()
+        trainer = TorchTrainer(
+            _ray_worker,
+            train_loop_config={"recipe": recipe.to_dict(), "source": recipe.source, "resume": resume, "launch": uuid.uuid4().hex},
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": 1}),
+            run_config=ray.train.RunConfig(
+                name="ray",
+                storage_path=str(out),
+                failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            ),
+        )
+        try:
+            trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            raise WorkerFailed(exc) from None
+    finally:
+        ray.shutdown()
+    return out
+
+
+class WorkerFailed(RuntimeError):
+    """The workers failed more often than ``--max-failures`` allows."""
+
+    def __init__(self, error: BaseException) -> None:
+        lines = [line for line in str(error).strip().splitlines() if line.strip()]
+        super().__init__(f"training workers failed: {lines[-1] if lines else type(error).__name__}")
+
+
+__all__ = ["WorkerFailed", "in_torchrun", "preflight", "run_torchrun", "run_with_ray", "run_worker"]

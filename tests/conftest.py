@@ -1,0 +1,51 @@
+"""Shared recipes of the cross-package tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+# The GLM-5.3-Flash layer structure (kda, kda, kda, dsa; dense first layer, then chunked MoE) at tiny
+# width, on the DNA excerpts shipped inside megaseq-core: seconds per step on one core.
+HYBRID: dict[str, Any] = {
+    "run": {"name": "hybrid", "device": "cpu"},
+    "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 96},
+    "model": {"d_model": 32, "n_layers": 4, "layer_pattern": ["kda", "kda", "kda", "dsa"], "moe": "chunked", "dense_layers": 1},
+    "attention": {
+        "kda": {"n_heads": 2, "head_dim": 16},
+        "dsa": {"n_heads": 2, "head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 16, "index_heads": 2, "index_dim": 8, "topk": 16, "index_pool": 4},
+    },
+    "moe": {"chunked": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "chunk_tokens": 40}},
+    "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64},
+    "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+}
+
+
+def to_toml(raw: dict[str, Any]) -> str:
+    """A recipe dict (tables of tables of plain values) as TOML; JSON scalars and arrays are valid TOML."""
+    lines: list[str] = []
+
+    def table(name: str, values: dict[str, Any]) -> None:
+        plain = {k: v for k, v in values.items() if not isinstance(v, dict)}
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {json.dumps(v)}" for k, v in plain.items())
+        for k, v in values.items():
+            if isinstance(v, dict):
+                table(f"{name}.{k}", v)
+
+    for name, values in raw.items():
+        table(name, values)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def hybrid() -> dict[str, Any]:
+    return HYBRID
+
+
+@pytest.fixture(scope="session")
+def recipe_toml():
+    """``recipe_toml(raw) -> str``: a recipe dict as TOML text, for tests that run the CLI."""
+    return to_toml

@@ -1,0 +1,91 @@
+"""Whole training runs under data, context and expert parallelism equal the single process.
+
+The hybrid recipe (kda, dsa, chunked MoE) at tiny width, two optimizer steps, on gloo ranks: CP=2, DP=2
+(same global batch), EP=2 (over the DP ranks) and dp=2 x cp=2 x ep=2 on 4 processes must log the same loss,
+tokens, gradient norm and metrics and reach the same weights as one process (fp32, 1e-5). One process
+launch per world size serves every layout of that size. A checkpoint saved with ep=2 resumes in one
+process (ep=1) exactly where the single process is after the same steps, and ``megaseq eval`` reads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
+
+from megaseq.cli import main
+from megaseq.distributed.layout import Layout
+from megaseq.testing.distributed import run_gloo
+from megaseq.testing.layouts import assert_same_run, single_trainer, train_single, train_under_layouts
+
+RTOL = 1e-5
+# the MoE's busiest expert-parallel rank over the mean: 1 by definition with one rank
+EP_METRICS = frozenset({"moe/rank_max_over_mean"})
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEGASEQ_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, hybrid):
+    """The one-process run: its first two steps, then its third."""
+    trainer = single_trainer(hybrid, tmp_path_factory.mktemp("single"))
+    return train_single(trainer, 2), train_single(trainer, 1)
+
+
+def _check(results, layouts, expected):
+    for result, layout in zip(results, layouts, strict=True):
+        assert_same_run(result, expected, RTOL, str(layout), EP_METRICS if layout.ep > 1 else frozenset())
+
+
+def test_two_ranks_cp_dp_ep_equal_one_and_ep_checkpoint_resumes_on_one(tmp_path, hybrid, single, capsys):
+    first_two, third = single
+    layouts = [Layout(cp=2), Layout(dp=2), Layout(dp=2, ep=2)]
+    ranks = run_gloo(2, train_under_layouts, hybrid, layouts, str(tmp_path), 2, True)
+    _check(ranks[0], layouts, first_two)
+    assert any(k.startswith("moe/") for k in first_two["metrics"][0]) and "dsa_indexer_kl" in first_two["metrics"][0]
+
+    saved = Path(ranks[0][2]["checkpoint"])  # dp=2, ep=2: experts in two blocks
+    assert sorted(p.name for p in (saved / "experts").iterdir()) == ["ep0.pt", "ep0.safetensors", "ep1.pt", "ep1.safetensors"]
+    resumed = single_trainer(hybrid, saved.parents[1])
+    assert resumed.resume() and resumed.step == 2
+    assert_same_run(train_single(resumed, 1), third, RTOL, "ep=2 checkpoint resumed with ep=1")
+
+    assert main(["eval", str(saved), "--no-baseline"]) == 0
+    assert "step 2: held-out" in capsys.readouterr().out
+
+
+def test_four_ranks_dp_cp_ep_equal_one(tmp_path, hybrid, single):
+    layouts = [Layout(dp=2, cp=2, ep=2)]
+    _check(run_gloo(4, train_under_layouts, hybrid, layouts, str(tmp_path), 2)[0], layouts, single[0])
+
+
+def test_impossible_hybrid_layouts_and_foreign_checkpoints_are_one_line_exit_2(tmp_path, hybrid, recipe_toml, capsys):
+    recipe = tmp_path / "hybrid.toml"
+    recipe.write_text(recipe_toml({**hybrid, "run": {**hybrid["run"], "out_dir": str(tmp_path / "run")}}))
+    assert main(["train", str(recipe), "--workers", "4", "--parallel", "dp=4,ep=4", "--set", "train.batch_size=4",
+                 "--set", "moe.chunked.n_experts=6"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel ep=4: n_experts (6) must be a multiple of the expert-parallel size (4)" in err and err.count("\n") == 1
+
+    assert main(["train", str(recipe), "--workers", "2", "--parallel", "cp=2", "--set", "moe.chunked.aux_loss_coef=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel cp=2: moe 'chunked' cannot run under context parallelism: chunked MoE: aux_loss_coef > 0" in err
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()
+
+    trained = tmp_path / "trained"
+    trainer = single_trainer(hybrid, trained)
+    train_single(trainer, 1)
+    trainer.save()
+    capsys.readouterr()
+    recipe.write_text(recipe_toml({**hybrid, "run": {**hybrid["run"], "out_dir": str(trained)}}))
+    assert main(["train", str(recipe), "--workers", "2", "--resume", "--set", "moe.chunked.n_experts=8"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "the model changed, not only the layout" in err and err.count("\n") == 1
