@@ -216,9 +216,11 @@ def test_non_finite_weights_stop_in_one_line(run, capsys):
         trainer.model.embed.weight[0, 0] = float("nan")
     with pytest.raises(UserError, match=r"^step 1: loss nan, gradient norm nan: training diverged"):
         trainer.train_step()
-    # the same weights in a checkpoint: resuming from it is one line, exit 2, before any step
-    trainer.step = 5
-    trainer.save()
+    # the same weights in a checkpoint (the trainer never writes one: this writes it directly): resuming
+    # from it is one line, exit 2, before any step
+    from megaseq.train import checkpoint
+
+    checkpoint.save_checkpoint(trainer.checkpoint_root, 5, trainer.model, {}, {"recipe": recipe.to_dict()})
     capsys.readouterr()
     assert train(run, "--resume", steps=6) == 2
     err = capsys.readouterr().err

@@ -32,9 +32,13 @@ from megaseq.train import checkpoint
 from megaseq.train.trainer import Trainer, TrainResult
 
 
-def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, probe_cp: bool = True) -> None:
+def preflight(
+    recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, address: str | None = None, probe_cp: bool = True
+) -> None:
     """Everything about a layout that can be checked before a worker starts (``probe_cp``: also run each
     component under context parallelism, see :func:`check_context_parallel`)."""
+    if address is not None:
+        check_address(address)
     check_layout(recipe, layout)
     layout_expert_dims(recipe, plugins, layout.ep)  # builds the model on the meta device: components may refuse
     if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
@@ -184,8 +188,6 @@ def check_address(address: str) -> None:
 
 def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | None, max_failures: int) -> Path:
     """Train with ``layout.world_size`` Ray workers; returns the run directory."""
-    if address is not None:
-        check_address(address)
     try:
         import ray
         import ray.train
