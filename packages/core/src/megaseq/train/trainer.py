@@ -347,7 +347,8 @@ class Trainer:
     def header(self) -> str:
         plugins = ", ".join(f"{p['dist']} {p['version']}" for p in self.plugins.active())
         return "\n".join([
-            f"megaseq run {self.recipe.run.name!r} from {self.recipe.source} on {self.device}",
+            f"megaseq run {self.recipe.run.name!r} from {self.recipe.source} on {self.device}"
+            + (f" x {self.parallel.layout.world_size} workers ({self.parallel.layout})" if self.parallel.distributed else ""),
             f"  plugins: {plugins}",
             f"  model: {describe(self.model)}",
             f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases; out: {self.out_dir}",
