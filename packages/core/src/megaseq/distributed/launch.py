@@ -151,7 +151,7 @@ def run_torchrun(recipe: Recipe, mode: str, progress: bool) -> TrainResult | Non
 
 
 def in_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    return "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun in every worker it starts
 
 
 # -- Ray ----------------------------------------------------------------------------------------------------
