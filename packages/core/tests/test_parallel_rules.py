@@ -76,10 +76,12 @@ def test_impossible_layouts_are_one_line_exit_2_before_any_worker(tmp_path, caps
 def test_without_the_extra_a_layout_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     recipe = tmp_path / "r.toml"
     recipe.write_text(TINY.format(out=tmp_path / "run"))
-    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: importing it raises ImportError
+    for name in ("ray", "ray.train", "ray.train.torch"):  # as if not installed: importing them raises ImportError
+        monkeypatch.setitem(sys.modules, name, None)
     assert main(["train", str(recipe), "--workers", "2"]) == 2
     assert "--workers needs Ray Train: pip install 'megaseq-core[distributed]'" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "megatron", None)
+    for name in ("megatron", "megatron.core"):
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(UserError, match=r"needs megatron-core: pip install 'megaseq-core\[distributed\]'"):
         import_parallel_state()
 
