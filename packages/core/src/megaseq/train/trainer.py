@@ -42,6 +42,7 @@ from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
 from megaseq.distributed.experts import build_layout_model, layout_expert_dims
 from megaseq.distributed.groups import Parallel
+from megaseq.distributed.layout import Layout, check_layout
 from megaseq.distributed.sharded import local_optimizer_state, read_local_weights, write_shard
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
@@ -158,6 +159,9 @@ class Trainer:
         self.recipe = recipe
         self.plugins = plugins
         self.parallel = parallel or Parallel()
+        if self.parallel.layout != Layout.of(recipe):
+            raise ValueError(f"the process groups are laid out as {self.parallel.layout}, the recipe as {Layout.of(recipe)}")
+        check_layout(recipe, self.parallel.layout)  # e.g. a batch that does not split evenly would lose windows
         self.progress = progress and self.parallel.is_main
         self.out_dir = recipe.out_dir
         self.device = pick_device(recipe.run.device)
