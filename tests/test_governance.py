@@ -107,7 +107,7 @@ def test_no_citation_of_documents_outside_the_repository():
 
 
 # import name -> distribution name, where they differ
-DISTRIBUTION_OF = {"fla": "fla-core", "flash_attn": "flash-attn", "megaseq": "megaseq-core"}
+DISTRIBUTION_OF = {"fla": "fla-core", "flash_attn": "flash-attn", "megaseq": "megaseq-core", "megatron": "megatron-core"}
 
 
 @pytest.mark.parametrize("package", PACKAGES + EXAMPLES, ids=lambda p: p.name)
