@@ -124,7 +124,7 @@ class CountingPolicy:
         self.applied = True
 
     @contextlib.contextmanager
-    def forward_context(self):
+    def step(self):
         self.entered += 1
         yield
 
@@ -133,12 +133,12 @@ def test_lifecycle_hooks_and_memory_policy(tmp_path):
     plugins = fresh_plugins()
     recorder = Recorder()
     with registered(recorder, plugins, name="recorder"):
-        recipe = tiny(tmp_path, plugins, steps=2, grad_accum=2, memory_policies=["count-forwards"])
+        recipe = tiny(tmp_path, plugins, steps=2, grad_accum=2, memory_policy=["count-forwards"])
         trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
         trainer.run()
         assert recorder.calls == ["start1", "end1", "start2", "end2"]
         policy = CountingPolicy.instances[-1]
-        assert policy.applied and policy.entered == 4  # 2 steps x 2 micro-batches
+        assert policy.applied and policy.entered == 2  # once per step, around both micro-batches
         again = Trainer(recipe, plugins, progress=False, tensorboard=False)
         assert again.resume()
         assert recorder.restored == {"calls": 4}

@@ -28,7 +28,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     plugins = get_plugins()
     layout_overrides = [f"parallel.{k}={v}" for k, v in parse_parallel(args.parallel or "").items()]
-    recipe = load_recipe(args.recipe, plugins, [*args.set, *layout_overrides])
+    recipe = load_recipe(args.recipe, plugins, [*args.set, *layout_overrides, *memory_policy_override(args.memory_policy)])
     layout = resolve_layout(recipe, args.workers)
     recipe = recipe.model_copy(update={"parallel": ParallelConfig(**vars(layout))})
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
@@ -67,6 +67,40 @@ def print_eval(out_dir: Path) -> None:
           f"(bits/base by context position):")
     print(format_table(heldout["results"]))
     print(f"\nwrote {out_dir}/eval/heldout.json, heldout_by_position.png; checkpoints in {out_dir}/checkpoints")
+
+
+def memory_policy_override(value: str | None) -> list[str]:
+    """``--memory-policy auto|none|NAMES`` as a recipe override of ``train.memory_policy``."""
+    if value is None:
+        return []
+    from megaseq.memory.plan import parse_policy_argument
+
+    parsed = parse_policy_argument(value)
+    return [f"train.memory_policy={json.dumps([] if parsed == 'none' else parsed)}"]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megaseq.config import load_recipe
+    from megaseq.memory.plan import Layout, Machine, parse_policy_argument, plan
+    from megaseq.plugins import get_plugins
+
+    policies = parse_policy_argument(args.memory_policy)
+    plugins = get_plugins()
+    overrides = list(args.set)
+    if isinstance(policies, list):
+        overrides += memory_policy_override(args.memory_policy)
+    recipe = load_recipe(args.recipe, plugins, overrides)
+    # the recipe's [parallel] layout, with --parallel's dimensions (also tp and etp, for planning) on top
+    layout = Layout.parse(args.parallel, base=Layout(dp=recipe.parallel.dp, cp=recipe.parallel.cp, ep=recipe.parallel.ep))
+    kind = "cuda" if recipe.run.device == "cuda" else "cpu"
+    if recipe.run.device == "auto":
+        import torch
+
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    machine = Machine.detect(kind, args.device_mem, args.host_mem)
+    result = plan(recipe, plugins, seq_len=args.seq_len, layout=layout, machine=machine, policies=policies)
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.table())
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -161,7 +195,7 @@ Writes heldout.json and heldout_by_position.png to --out, by default RUN/eval/st
 RUN/checkpoints (never into the checkpoint directory itself)."""
 
 
-CORE_COMMANDS = ("train", "eval", "plugins", "data")
+CORE_COMMANDS = ("train", "eval", "plugins", "data", "plan")
 
 
 def plugin_commands(name: str | None = None) -> dict[str, Any]:
@@ -205,7 +239,24 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     t.add_argument("--address", metavar="HOST:PORT", help="run the workers on this existing Ray cluster")
     t.add_argument("--max-failures", type=int, default=2, metavar="K",
                    help="restarts of the worker group from the newest checkpoint after a worker dies (default 2)")
+    t.add_argument("--memory-policy", metavar="auto|none|NAMES",
+                   help="memory policies (train.memory_policy): auto = what `megaseq plan` proposes, none, or names")
     t.set_defaults(func=cmd_train)
+
+    mp = sub.add_parser("plan", help="plan memory (policies, peak per device)",
+                        description="Predict a recipe's peak memory per device under each memory-policy set and "
+                        "propose the cheapest set that fits.")
+    mp.add_argument("recipe", help="path to a TOML recipe")
+    mp.add_argument("--seq-len", type=int, help="tokens per sequence (default: the recipe's data.seq_len)")
+    mp.add_argument("--parallel", metavar="dp=..,cp=..,ep=..,tp=..",
+                    help="ranks per dimension, over the recipe's [parallel] (also tp and etp, planned only)")
+    mp.add_argument("--device-mem", type=float, metavar="GiB", help="memory per device (default: this machine's RAM or GPU)")
+    mp.add_argument("--host-mem", type=float, metavar="GiB", help="host memory per device for offloading (default: unlimited)")
+    mp.add_argument("--memory-policy", default="auto", metavar="auto|none|NAMES",
+                    help="auto (default): every candidate set; none; or the names of the set to plan")
+    mp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
+    mp.add_argument("--json", action="store_true", help="one JSON object")
+    mp.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint", description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest good checkpoint)")

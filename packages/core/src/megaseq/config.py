@@ -1,7 +1,7 @@
 """Recipes: TOML files that compose a run from components, validated before anything is built.
 
 Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, ``[parallel]``, and one section per component used,
-``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory.NAME]``, validated by that component's own
+``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory_policy.NAME]``, validated by that component's own
 schema. Every mistake is one line naming the file, the key path and what is allowed.
 """
 
@@ -18,7 +18,7 @@ from megaseq.errors import ConfigError
 from megaseq.plugins import Plugins
 from megaseq.records import ComponentConfig
 
-COMPONENT_SECTIONS = {"attention": "attention", "ffn": "ffn", "moe": "moe", "memory": "memory_policy"}
+COMPONENT_SECTIONS = {"attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy"}
 
 
 class Section(BaseModel):
@@ -88,7 +88,11 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0, description="steps between held-out evals during training; 0 = only at the end")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     keep_checkpoints: int = Field(2, ge=0, description="newest checkpoints kept, older ones deleted; 0 = keep all")
-    memory_policies: list[str] = Field([], description="memory policy names applied in order")
+    memory_policy: list[str] | Literal["auto"] = Field(
+        [],
+        description="memory policies applied in order, each configured in [memory_policy.NAME]; 'auto': the set "
+        "`megaseq plan` proposes for this recipe and machine",
+    )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop",
         description="when the loss, an auxiliary loss or the gradient norm is not finite: stop before the update, "
@@ -221,9 +225,15 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         kind, name = model.ffn_of(layer)
         used[kind].add(name)
         where.setdefault((kind, name), "model.moe" if kind == "moe" else "model.ffn")
-    for i, name in enumerate(recipe.train.memory_policies):
-        used["memory_policy"].add(name)
-        where.setdefault(("memory_policy", name), f"train.memory_policies[{i}]")
+    if recipe.train.memory_policy == "auto":
+        # the planner may pick any installed policy: a section for one of them is a base it starts from
+        for name in component_raw["memory_policy"] if isinstance(component_raw["memory_policy"], dict) else ():
+            used["memory_policy"].add(name)
+            where.setdefault(("memory_policy", name), f"[memory_policy.{name}] with train.memory_policy = 'auto'")
+    else:
+        for i, name in enumerate(recipe.train.memory_policy):
+            used["memory_policy"].add(name)
+            where.setdefault(("memory_policy", name), f"train.memory_policy[{i}]")
 
     components: dict[str, dict[str, Any]] = {kind: {} for kind in COMPONENT_SECTIONS.values()}
     for section, kind in COMPONENT_SECTIONS.items():
@@ -232,7 +242,7 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
             raise ConfigError(f"{source}: [{section}] must be a table of [{section}.NAME] tables")
         for name in sorted(set(tables) - used[kind]):
             users = {"attention": "model.layer_pattern", "ffn": "model.ffn", "moe": "model.moe",
-                     "memory_policy": "train.memory_policies"}[kind]
+                     "memory_policy": "train.memory_policy"}[kind]
             raise ConfigError(f"{source}: [{section}.{name}] is configured but not used by {users}")
         for name in sorted(used[kind]):
             provided = plugins.get(kind, name, where=f"{source}: {where[(kind, name)]}")

@@ -18,6 +18,7 @@ Example: a minimal attention component (see docs/writing-a-plugin.md for the pac
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -97,6 +98,18 @@ class RoutingReplay:
         return out
 
 
+def recomputing() -> bool:
+    """True while autograd's backward pass is running the calling code.
+
+    A forward that runs then is a re-run for activation recomputation (megaseq's recompute policy,
+    ``torch.utils.checkpoint`` reentrant or not, or any other wrapper that re-runs a forward in backward).
+    Such a re-run must not repeat the first forward's side effects: :class:`ForwardContext` drops its losses
+    and metrics by itself, and a component that updates its own state in forward (e.g. load counters)
+    skips the update when ``ctx.recomputing`` is true.
+    """
+    return torch._C._current_graph_task_id() != -1  # -1 outside the autograd engine
+
+
 @dataclass
 class ForwardContext:
     """Shared state of one forward pass, handed to every component.
@@ -112,6 +125,12 @@ class ForwardContext:
     ``losses``: auxiliary losses (already weighted) that the trainer adds to the LM loss and logs by name.
     ``metrics``: scalars a component wants logged for this step (``log``); ``metric_counts``: how many values
     each holds the mean of.
+
+    Recomputation: while a forward is re-run during backward (see :func:`recomputing`), :meth:`add_loss`
+    and :meth:`log` do nothing, because the first forward already recorded the same values and its losses
+    already carry their gradients. So any recompute wrapper, written with ``torch.utils.checkpoint`` or by
+    hand, counts auxiliary losses and metrics once. A wrapper that re-runs a forward and differentiates the
+    re-run's losses itself passes :meth:`for_recomputation`'s context, which does record them.
     """
 
     cu_seqlens: Tensor | None = None
@@ -122,6 +141,7 @@ class ForwardContext:
     metrics: dict[str, float] = field(default_factory=dict)
     metric_counts: dict[str, int] = field(default_factory=dict)
     _documents: Documents | None = field(default=None, init=False, repr=False, compare=False)
+    _records_in_backward: bool = field(default=False, repr=False, compare=False)
 
     @property
     def documents(self) -> Documents | None:
@@ -135,19 +155,53 @@ class ForwardContext:
             self._documents = Documents(self.cu_seqlens)
         return self._documents
 
+    @property
+    def recomputing(self) -> bool:
+        """True while this forward is a re-run for activation recomputation (see :func:`recomputing`)."""
+        return recomputing()
+
     def add_loss(self, name: str, value: Tensor) -> None:
-        """Add an auxiliary loss; losses with the same name (e.g. one per layer) are summed."""
+        """Add an auxiliary loss; losses with the same name (e.g. one per layer) are summed.
+        Ignored during recomputation (see the class docstring)."""
+        if self.recomputing and not self._records_in_backward:
+            return
         self.losses[name] = self.losses[name] + value if name in self.losses else value
 
     def log(self, name: str, value: float | Tensor) -> None:
         """Report a scalar metric, a mean over this forward's local tokens (e.g. per token of this rank's
         shard). Values reported under one name (e.g. once per layer) are averaged: ``metrics[name]`` is their
         mean. The trainer logs, per step, the mean over every value reported under the name, in every
-        micro-batch and on every rank; use per-layer names to see layers apart."""
+        micro-batch and on every rank; use per-layer names to see layers apart. Ignored during recomputation
+        (see the class docstring)."""
+        if self.recomputing and not self._records_in_backward:
+            return
         n = self.metric_counts.get(name, 0) + 1
         mean = self.metrics.get(name, 0.0)
         self.metrics[name] = mean + (float(value) - mean) / n
         self.metric_counts[name] = n
+
+    def fork(self) -> ForwardContext:
+        """The same context (documents, context parallelism, routing, groups) with empty losses and metrics:
+        for running part of a forward separately and merging its results with :meth:`merge`."""
+        out = dataclasses.replace(self, losses={}, metrics={}, metric_counts={})
+        out._documents = self._documents  # the layout is the same: built once per batch
+        return out
+
+    def for_recomputation(self) -> ForwardContext:
+        """A :meth:`fork` that records losses and metrics also inside backward: the context a recompute
+        implementation re-runs a forward with when it differentiates that re-run's losses itself."""
+        out = self.fork()
+        out._records_in_backward = True
+        return out
+
+    def merge(self, other: ForwardContext) -> None:
+        """Add ``other``'s losses and metrics (from a :meth:`fork`) to this context, each metric with the
+        number of values it is the mean of."""
+        for name, value in other.losses.items():
+            self.add_loss(name, value)
+        for name, value in other.metrics.items():
+            for _ in range(other.metric_counts.get(name, 1)):
+                self.log(name, value)
 
 
 @runtime_checkable
@@ -208,16 +262,76 @@ class MoE(FeedForward, Protocol):
 
 @runtime_checkable
 class MemoryPolicy(Protocol):
-    """Trades compute or host memory for device memory (recompute, offload, tiling).
+    """Trades compute, host memory or disk for device memory: recomputation, offloading, sequence tiling.
 
-    ``apply`` is called once on the built model before the optimizer is made (it may wrap modules);
-    ``forward_context`` is entered around each micro-batch's forward and backward (e.g. to install
-    saved-tensor hooks). Per-step resources are released in the plugin's ``megaseq_step_end`` hook.
+    Built by its record's target as ``build(config)``; a recipe switches policies on with
+    ``train.memory_policy = ["name", ...]`` (applied in that order) and configures each in
+    ``[memory_policy.NAME]``. The trainer then calls:
+
+    - ``apply(model)`` once, after the model is built and before the optimizer exists. Find the layers to act
+      on with ``megaseq.memory.model_layers(model)`` (each with its index, its components' kinds and names,
+      and the block, attention and feed-forward modules) and change how they run with
+      ``Layer.wrap(part, wrapper)``, which keeps parameter names (checkpoints, ``train.trainable``) as they are.
+      A policy that finds nothing to act on raises ``megaseq.errors.UserError`` (one line).
+    - ``step()`` around the forwards and backwards of every optimizer step (all its micro-batches): a context
+      manager that acquires what the step needs (saved-tensor hooks, a host-memory pool, a scratch file)
+      and, when the block exits, normally or by an exception, releases all of it. Nothing outlives a step,
+      so a policy needs no global state and no lifecycle hook.
+
+    Correct means invisible: with the policy, the loss, every gradient, the auxiliary losses and the metrics
+    equal those without it (bitwise where the order of operations is unchanged), also under context
+    parallelism. Recomputation gets auxiliary losses and metrics right by construction: a forward re-run in
+    backward does not record them again (``ForwardContext.recomputing``). ``megaseq.testing.memory_policy.
+    MemoryPolicyConformance`` is the executable form of this contract.
     """
 
     def apply(self, model: torch.nn.Module) -> None: ...
 
-    def forward_context(self) -> AbstractContextManager[None]: ...
+    def step(self) -> AbstractContextManager[None]: ...
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tokens ``[start, stop)`` of a sequence of ``seq_len`` tokens run as one tile (see :class:`SequenceTiling`)."""
+
+    start: int
+    stop: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= self.seq_len:
+            raise ValueError(f"tile [{self.start}, {self.stop}) is not a non-empty part of [0, {self.seq_len})")
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@runtime_checkable
+class SequenceTiling(Protocol):
+    """Optional capability: run one sequence as consecutive tiles, carrying what later tiles need.
+
+    An attention component opts in by implementing ``forward_tile``; memory policies then recompute a long
+    sequence tile by tile, so nothing of full length is ever held inside a layer. Feed-forward components
+    (kind ``ffn``) tile over tokens without opting in: their output is per token. MoE layers chunk tokens
+    themselves (``MoE.chunk_tokens``) and are not tiled from outside.
+
+    ``forward_tile(x, ctx, tile, history) -> (out, carry)``: ``x`` holds the tokens ``[tile.start,
+    tile.stop)`` of every row, ``ctx`` describes the whole sequence (``cu_seqlens`` are global boundaries),
+    ``history`` lists the ``carry`` tuples that the earlier tiles returned, in order (empty for the first
+    tile). ``out`` must equal the full forward's output at those tokens, in values and in gradients, where
+    gradients reach earlier tiles through ``history``: so ``carry`` is a tuple of tensors that stay connected
+    to the autograd graph (KDA: the recurrent state and the convolution's last inputs; softmax and sparse
+    attention: this tile's keys and values). Tile lengths are arbitrary (not multiples of any chunk) and
+    documents cross tile boundaries. Auxiliary losses are this tile's share (shares add up to the full
+    loss, as under context parallelism); metrics are per-token means over the tile (the caller combines
+    tiles weighted by their lengths). Tiling is for training forwards: no cache, no context parallelism.
+    ``megaseq.testing.tiling.SequenceTilingConformance`` checks all of this.
+    """
+
+    def forward_tile(
+        self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]: ...
 
 
 @runtime_checkable
@@ -281,5 +395,8 @@ __all__ = [
     "ModelDims",
     "RLAlgorithm",
     "RoutingReplay",
+    "SequenceTiling",
+    "Tile",
     "iter_modules",
+    "recomputing",
 ]

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from megaseq.config import Recipe
-from megaseq.contracts import ForwardContext
+from megaseq.contracts import ForwardContext, Tile
 from megaseq.plugins import Plugins
 from megaseq.records import ModelDims
 
@@ -36,16 +36,39 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, attention: nn.Module, ffn: nn.Module, d_model: int, norm: str, eps: float) -> None:
+    """A pre-norm residual block: ``h = x + attention(norm(x))``, ``y = h + ffn(norm(h))``.
+
+    ``names``: the recipe's component names, ``(attention name, ffn kind, ffn name)``, e.g.
+    ``("kda", "moe", "chunked")``, so that memory policies can pick layers by component
+    (``megaseq.memory.model_layers``).
+    """
+
+    def __init__(
+        self, attention: nn.Module, ffn: nn.Module, d_model: int, norm: str, eps: float,
+        names: tuple[str, str, str] = ("", "", ""),
+    ) -> None:
         super().__init__()
         self.attn_norm = make_norm(norm, d_model, eps)
         self.attention = attention
         self.ffn_norm = make_norm(norm, d_model, eps)
         self.ffn = ffn
+        self.names = names
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: Any | None = None) -> Tensor:
-        x = x + self.attention(self.attn_norm(x), ctx, cache)
-        return x + self.ffn(self.ffn_norm(x), ctx)
+        return self.feed(self.mix(x, ctx, cache), ctx)
+
+    def mix(self, x: Tensor, ctx: ForwardContext, cache: Any | None = None) -> Tensor:
+        """The attention half: ``x + attention(norm(x))``."""
+        return x + self.attention(self.attn_norm(x), ctx, cache)
+
+    def mix_tile(self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The attention half on one tile (the attention implements ``megaseq.contracts.SequenceTiling``)."""
+        out, carry = self.attention.forward_tile(self.attn_norm(x), ctx, tile, history)
+        return x + out, carry
+
+    def feed(self, h: Tensor, ctx: ForwardContext) -> Tensor:
+        """The feed-forward half: ``h + ffn(norm(h))``."""
+        return h + self.ffn(self.ffn_norm(h), ctx)
 
 
 class LanguageModel(nn.Module):
@@ -112,7 +135,7 @@ def build_model(recipe: Recipe, plugins: Plugins, dims: ModelDims | None = None)
         attn = plugins.get("attention", attn_name).load()(recipe.component("attention", attn_name), dims, layer)
         ffn_kind, ffn_name = m.ffn_of(layer)
         ffn = plugins.get(ffn_kind, ffn_name).load()(recipe.component(ffn_kind, ffn_name), dims, layer)
-        blocks.append(Block(attn, ffn, m.d_model, m.norm, m.norm_eps))
+        blocks.append(Block(attn, ffn, m.d_model, m.norm, m.norm_eps, names=(attn_name, ffn_kind, ffn_name)))
     return LanguageModel(blocks, dims, m.norm, m.norm_eps, m.tie_embeddings)
 
 

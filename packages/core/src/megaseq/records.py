@@ -25,17 +25,64 @@ class NoConfig(ComponentConfig):
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
-    """What one component instance costs for a given sequence length, all in bytes.
+class TileCarry:
+    """What a component that runs in sequence tiles (``megaseq.contracts.SequenceTiling``) hands to later
+    tiles, in bytes: ``per_token`` for every token of the earlier tiles (softmax attention: its keys and
+    values), ``per_tile`` once per tile boundary (KDA: the recurrent state and the convolution's tail)."""
 
-    ``parameters``: the parameters at their stored dtype; ``saved_per_token``: what autograd keeps alive per
-    token between forward and backward; ``temporary``: the largest transient buffer inside one forward or
-    backward call. The memory planner (next: the offload package) sums these over a recipe's layers.
+    per_token: float = 0.0
+    per_tile: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one component instance costs on one device for a given sequence length, all in bytes.
+
+    ``parameters``: the parameters at their stored dtype (this device's share, e.g. its experts);
+    ``saved_per_token``: what autograd keeps alive per token between forward and backward, including the
+    component's input; ``temporary``: the largest transient buffer inside one forward or backward call;
+    ``tiling``: for an attention component that implements ``megaseq.contracts.SequenceTiling``, what it
+    carries from tile to tile (``None``: it does not tile). The memory planner (``megaseq plan``) sums these
+    over a recipe's layers and applies the memory policies' effects to them, so a third-party component is
+    planned like a built-in one.
     """
 
     parameters: int
     saved_per_token: float
     temporary: int = 0
+    tiling: TileCarry | None = None
+
+
+@dataclass(frozen=True)
+class MemoryEffect:
+    """What a memory policy does, in the terms the memory planner models (returned by the ``memory`` target
+    of a ``MemoryPolicySpec``: ``effect(config) -> MemoryEffect``).
+
+    ``recompute``: which part of each layer keeps only its input and is re-run in backward (``"block"``,
+    ``"attention"``, ``"ffn"``; ``None``: nothing); ``layers``: ``(first, stop)`` of the layers it acts on
+    (``None``: all); ``tile_tokens``: with ``recompute = "block"``, the blocks run in sequence tiles of this
+    many tokens where the attention can tile; ``offload_min_bytes``: saved tensors of at least this size
+    leave device memory between forward and backward (to pinned host memory on CUDA, to a scratch file on
+    local disk on CPU); ``optimizer_on_host``: the optimizer state lives in host memory. ``time_cost``: a
+    rough extra step time as a fraction of a step without policies, which the planner uses to rank the sets
+    that fit (state how you estimated it).
+    """
+
+    recompute: str | None = None
+    layers: tuple[int, int] | None = None
+    tile_tokens: int | None = None
+    offload_min_bytes: int | None = None
+    optimizer_on_host: bool = False
+    time_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.recompute not in (None, "block", "attention", "ffn"):
+            raise ValueError(f"MemoryEffect.recompute must be 'block', 'attention', 'ffn' or None, got {self.recompute!r}")
+        if self.tile_tokens is not None and (self.recompute != "block" or self.tile_tokens < 1):
+            raise ValueError("MemoryEffect.tile_tokens needs recompute = 'block' and a positive tile length")
+
+    def acts_on(self, layer: int) -> bool:
+        return self.layers is None or self.layers[0] <= layer < self.layers[1]
 
 
 @dataclass(frozen=True)
@@ -69,8 +116,9 @@ class Component:
     """A named, configurable building block provided by a plugin.
 
     ``target`` resolves to ``build(config, dims, layer_idx) -> torch.nn.Module`` for model components, or to
-    ``build(config) -> object`` for the other kinds. ``memory`` optionally resolves to
-    ``estimate(config, dims, seq_len) -> MemoryEstimate`` for the memory planner.
+    ``build(config) -> object`` for the other kinds. ``memory`` optionally resolves, for the memory planner,
+    to ``estimate(config, dims, seq_len) -> MemoryEstimate`` (model components) or to
+    ``effect(config) -> MemoryEffect`` (memory policies).
     """
 
     kind: ClassVar[str] = ""
@@ -119,9 +167,16 @@ class MoESpec(Component):
 
 @dataclass(frozen=True)
 class MemoryPolicySpec(Component):
-    """A memory policy (recompute, offload, ...): see ``megaseq.contracts.MemoryPolicy``."""
+    """A memory policy (recompute, offload, ...): see ``megaseq.contracts.MemoryPolicy``.
+
+    ``presets``: configs (partial tables of ``[memory_policy.NAME]``) that ``megaseq plan`` and
+    ``train.memory_policy = "auto"`` may choose from, each modelled through the ``memory`` target's
+    ``effect(config)``. A policy that moves saved tensors to host memory may have a ``pool_bytes`` config
+    field: the planner sets it to the bytes it predicts the policy moves per step.
+    """
 
     kind: ClassVar[str] = "memory_policy"
+    presets: tuple[dict[str, Any], ...] = field(default=(), compare=False, hash=False)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from megaseq.distributed.layout import Layout, check_layout
 from megaseq.distributed.sharded import local_optimizer_state, read_local_weights, write_shard
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
+from megaseq.memory.plan import describe_memory_policy
 from megaseq.model import LanguageModel, build_model, chunked_token_losses, describe
 from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
@@ -172,9 +173,15 @@ class Trainer:
         self.model = build_layout_model(recipe, plugins, p.ep_rank, p.layout.ep).to(self.device)
         self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
         self.expert_params = {param for name, param in self.model.named_parameters() if name in self.expert_dims}
+        self.plan = None
+        if recipe.train.memory_policy == "auto":  # the planner's choice for this recipe, layout and device
+            from megaseq.memory.plan import choose_memory_policy
+
+            self.recipe, self.plan = choose_memory_policy(recipe, plugins, self.device)
+            recipe = self.recipe
         self.policies = [
             plugins.get("memory_policy", name).load()(recipe.component("memory_policy", name))
-            for name in recipe.train.memory_policies
+            for name in recipe.train.memory_policy
         ]
         for policy in self.policies:
             policy.apply(self.model)
@@ -295,13 +302,10 @@ class Trainer:
         batch = batch_to(p.local_batch(whole), self.device)
         ctx = p.forward_context(self.recipe.data.seq_len)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16)
-        with contextlib.ExitStack() as stack:
-            for policy in self.policies:
-                stack.enter_context(policy.forward_context())
-            with autocast:
-                loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
-            total = loss + sum(ctx.losses.values()) / p.layout.dp
-            (total / t.grad_accum).backward()
+        with autocast:
+            loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
+        total = loss + sum(ctx.losses.values()) / p.layout.dp
+        (total / t.grad_accum).backward()
         totals.add(loss.detach(), batch.inputs.numel(), ctx)
 
     def train_step(self) -> dict[str, float]:
@@ -313,8 +317,11 @@ class Trainer:
         self.plugins.hooks.step_start(info, self.model)
         started = time.perf_counter()
         totals = StepTotals()
-        for _ in range(t.grad_accum):
-            self._micro_batch(totals)
+        with contextlib.ExitStack() as memory_policies:  # each policy's per-step resources, released on exit
+            for policy in self.policies:
+                memory_policies.enter_context(policy.step())
+            for _ in range(t.grad_accum):
+                self._micro_batch(totals)
         loss, tokens, aux, metrics = totals.reduce(p.sum, p.layout.dp, t.grad_accum)
         params = [param for param in self.model.parameters() if param.requires_grad]
         p.reduce_gradients(params, self.expert_params)
@@ -356,6 +363,7 @@ class Trainer:
             f"  plugins: {plugins}",
             f"  model: {describe(self.model)}",
             f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases; out: {self.out_dir}",
+            f"  memory: {describe_memory_policy(self.recipe, self.plan)}",
             *(f"  {note}" for note in self.notes),
         ])
 

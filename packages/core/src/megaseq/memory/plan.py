@@ -1,0 +1,542 @@
+"""The memory planner behind ``megaseq plan`` and ``train.memory_policy = "auto"``.
+
+It predicts the peak memory of one training step on one device from the components' own formulas (the
+``memory`` targets of their records, ``MemoryEstimate``) and the memory policies' effects (the ``memory``
+targets of policy records, ``MemoryEffect``), for the policy sets the installed policies offer as presets,
+and proposes the cheapest set that fits. Nothing here builds a model or touches a device.
+
+The model of one step on one device (bytes; ``N`` = tokens of one micro-batch on this device, i.e. windows
+per micro-batch per data-parallel rank times ``seq_len / cp``):
+
+    device peak = runtime + weights + gradients + optimizer state (unless on host)
+                + sum over layers of what the layer keeps between forward and backward
+                + the most any one layer re-creates while its backward runs (recomputation)
+                + the gradient stream (GRAD_STREAM x N x d_model x 4) + the largest temporary buffer
+
+What a layer keeps, per token (``a``, ``f``: the attention's and feed-forward's ``saved_per_token``, ``o``:
+the block's two norms, ``x``: the block input, d_model x 4 bytes):
+
+    no policy            a + f + o
+    recompute ffn        a + o + x          (re-creates f N in backward)
+    recompute attention  f + o + x          (re-creates a N)
+    recompute block      x                  (re-creates (a + f + o) N)
+    ... in tiles of t    x + carry          (re-creates a t, and f t for a dense feed-forward or f N for MoE,
+                                             whose input h, x per token, is then kept as well)
+
+Offloading moves what layers keep to host memory (CUDA: a pinned pool; CPU: a scratch file on disk, so it
+leaves the process's resident memory); the layer being differentiated brings its input back. Tensor
+parallelism divides the attention's and dense feed-forward's parameters and activations by ``tp``; expert
+parallelism is the MoE component's own business (``ModelDims.ep_size``), ``etp`` divides expert weights.
+Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved; the residual stream and
+the block inputs stay fp32, as in the trainer.
+
+Where this is wrong and by how much is measured in ``benchmarks/plan_accuracy.py`` (README of the offload
+package).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megaseq.config import Recipe
+from megaseq.errors import UserError
+from megaseq.plugins import Plugins
+from megaseq.records import MemoryEffect, MemoryEstimate, ModelDims
+
+GiB = 2**30
+# Resident memory of a CPU training process before any tensor of the model: the interpreter, torch and its
+# libraries, the plugins and the genome windows (measured on the 2-core CPU machine, torch 2.13: VmRSS
+# after Trainer.__init__ with a d_model 128 model at seq_len 4096 was 0.33-0.36 GiB).
+CPU_RUNTIME_BYTES = int(0.35 * GiB)
+# The CUDA context, cuBLAS workspaces and allocator slack of one GPU process (an assumption, not measured here).
+CUDA_RUNTIME_BYTES = int(2.0 * GiB)
+# Gradients with respect to hidden states alive at once during backward, in units of N x d_model x 4 bytes.
+GRAD_STREAM = 3
+# Per token outside the blocks: the final norm (2 x d_model floats), its output kept for the chunked loss
+# (d_model floats), and the inputs, targets, weights and per-token losses (8 + 8 + 4 + 4 bytes).
+HEAD_FLOATS, HEAD_BYTES = 3, 24
+# What each RMSNorm keeps per token, in d_model floats: its fp32 input and its normalised output.
+NORM_FLOATS = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks per parallel dimension: data, context, expert, tensor, and expert-tensor parallelism."""
+
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    tp: int = 1
+    etp: int = 1
+
+    @classmethod
+    def parse(cls, text: str | None, base: Layout | None = None) -> Layout:
+        """``"dp=4,cp=2,ep=32,tp=8"``: any subset; the other dimensions come from ``base`` (default all 1)."""
+        values: dict[str, int] = asdict(base) if base is not None else {}
+        for item in filter(None, (part.strip() for part in (text or "").split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in cls.__dataclass_fields__:
+                raise UserError(f"--parallel {text!r}: expected NAME=N items separated by commas, NAME one of dp, cp, ep, tp, etp")
+            if not value.isdigit() or int(value) < 1:
+                raise UserError(f"--parallel {text!r}: {key} must be a positive integer, got {value!r}")
+            values[key] = int(value)
+        return cls(**values)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The memory the plan must fit in: one device, and the host memory it may use (``None``: unlimited)."""
+
+    kind: str  # "cpu" or "cuda"
+    device_bytes: int
+    host_bytes: int | None
+
+    @classmethod
+    def detect(cls, kind: str, device_gib: float | None = None, host_gib: float | None = None) -> Machine:
+        for flag, value in (("--device-mem", device_gib), ("--host-mem", host_gib)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise UserError(f"{flag} {value}: must be a positive number of GiB")
+        if kind == "cpu":
+            device = int(device_gib * GiB) if device_gib else total_ram()
+            if device <= CPU_RUNTIME_BYTES:
+                raise UserError(f"--device-mem {device / GiB:g}: impossible, a CPU process alone needs {CPU_RUNTIME_BYTES / GiB:.2f} GiB")
+            return cls("cpu", device, None)
+        if device_gib is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError("the recipe runs on cuda but no CUDA device is visible: give --device-mem GiB (e.g. 178 for a B200)")
+            device = torch.cuda.get_device_properties(0).total_memory
+        else:
+            device = int(device_gib * GiB)
+        if device <= CUDA_RUNTIME_BYTES:
+            raise UserError(f"--device-mem {device / GiB:g}: impossible, a CUDA process alone needs about {CUDA_RUNTIME_BYTES / GiB:.0f} GiB")
+        return cls("cuda", device, int(host_gib * GiB) if host_gib else None)
+
+    @property
+    def runtime_bytes(self) -> int:
+        return CPU_RUNTIME_BYTES if self.kind == "cpu" else CUDA_RUNTIME_BYTES
+
+
+def total_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """One memory policy of a candidate set: its name, its full config and what the planner models it as."""
+
+    name: str
+    config: dict[str, Any]
+    effect: MemoryEffect
+
+    def __str__(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.config.items() if v is not None)
+        return f"{self.name}({options})" if options else self.name
+
+
+@dataclass
+class Estimate:
+    """The predicted memory of one step on one device under one policy set (bytes)."""
+
+    policies: list[PolicyChoice]
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    runtime: int = 0
+    saved_by_kind: dict[str, int] = field(default_factory=dict)
+    recompute_peak: int = 0  # the most one layer re-creates in backward
+    gradient_stream: int = 0
+    temporary: int = 0
+    host: int = 0  # offloaded activations and host optimizer state (CUDA: pinned/host memory)
+    disk: int = 0  # offloaded activations on CPU (a scratch file)
+    offloaded: int = 0
+    time_cost: float = 0.0
+    fits: bool = False
+
+    @property
+    def device_peak(self) -> int:
+        return (
+            self.runtime + self.weights + self.gradients + self.optimizer + sum(self.saved_by_kind.values())
+            + self.recompute_peak + self.gradient_stream + self.temporary
+        )
+
+    @property
+    def label(self) -> str:
+        return " + ".join(str(p) for p in self.policies) or "none"
+
+
+@dataclass
+class Plan:
+    recipe_source: str
+    seq_len: int
+    tokens: int  # per device per micro-batch
+    layout: Layout
+    machine: Machine
+    candidates: list[Estimate]
+    chosen: Estimate | None
+    given: bool  # the policy set was given (--memory-policy NAMES / none), not chosen
+
+    def summary(self) -> str:
+        if self.chosen is None:
+            return f"nothing fits in {gib(self.machine.device_bytes)} per {self.machine.kind} device"
+        c = self.chosen
+        return f"{c.label}: predicted peak {gib(c.device_peak)} of {gib(self.machine.device_bytes)} ({self.machine.kind})"
+
+    def to_json(self) -> dict[str, Any]:
+        def one(e: Estimate) -> dict[str, Any]:
+            return {
+                "policies": [{"name": p.name, "config": p.config} for p in e.policies],
+                "label": e.label,
+                "device_peak_bytes": e.device_peak,
+                "host_peak_bytes": e.host,
+                "disk_bytes": e.disk,
+                "fits": e.fits,
+                "time_cost": e.time_cost,
+                "weights_bytes": e.weights,
+                "gradients_bytes": e.gradients,
+                "optimizer_bytes": e.optimizer,
+                "runtime_bytes": e.runtime,
+                "saved_bytes_by_layer_kind": e.saved_by_kind,
+                "recompute_peak_bytes": e.recompute_peak,
+                "gradient_stream_bytes": e.gradient_stream,
+                "temporary_bytes": e.temporary,
+            }
+
+        chosen = self.chosen or (self.candidates[0] if self.given else None)
+        return {
+            "recipe": self.recipe_source,
+            "seq_len": self.seq_len,
+            "tokens_per_device": self.tokens,
+            "parallel": asdict(self.layout),
+            "device": self.machine.kind,
+            "device_bytes": self.machine.device_bytes,
+            "host_bytes": self.machine.host_bytes,
+            "policies": [p.name for p in chosen.policies] if chosen else None,
+            "policy_configs": {p.name: p.config for p in chosen.policies} if chosen else None,
+            "device_peak_bytes": chosen.device_peak if chosen else None,
+            "host_peak_bytes": chosen.host if chosen else None,
+            "fits": bool(chosen and chosen.fits),
+            "candidates": [one(e) for e in self.candidates],
+        }
+
+    def table(self) -> str:
+        m = self.machine
+        host = "unlimited" if m.host_bytes is None else gib(m.host_bytes)
+        head = (
+            f"memory plan for {self.recipe_source}: seq_len {self.seq_len}, parallel {self.layout}, "
+            f"{self.tokens} tokens per device per micro-batch\n"
+            f"device: {m.kind}, {gib(m.device_bytes)}" + (f"; host memory {host}" if m.kind == "cuda" else "")
+        )
+        first = self.candidates[0]
+        lines = [head, "", "per device (policy-independent):",
+                 f"  runtime {gib(first.runtime)}   weights {gib(first.weights)}   gradients {gib(first.gradients)}"
+                 f"   optimizer state {gib(first.optimizer) if first.optimizer else 'on host'}", ""]
+        kinds = sorted({k for e in self.candidates for k in e.saved_by_kind})
+        width = max(24, *(len(e.label) for e in self.candidates))
+        cols = "".join(f"{k[:18]:>19}" for k in kinds)
+        off = "disk" if m.kind == "cpu" else "host"
+        lines.append(f"{'policies':<{width}}{cols}{'re-run':>9}{'temp':>9}{off:>9}{'peak':>9}  fits  cost")
+        for e in self.candidates:
+            cells = "".join(f"{gib(e.saved_by_kind.get(k, 0)):>19}" for k in kinds)
+            mark = "yes" if e.fits else "no"
+            chosen = "  <- proposed" if e is self.chosen and not self.given else ""
+            lines.append(
+                f"{e.label:<{width}}{cells}{gib(e.recompute_peak):>9}{gib(e.temporary):>9}"
+                f"{gib(e.disk if m.kind == 'cpu' else e.host):>9}{gib(e.device_peak):>9}  {mark:<4}  {e.time_cost:+.0%}{chosen}"
+            )
+        lines.append("")
+        lines.append("(saved activations by layer kind; re-run: the most one layer re-creates in backward)")
+        if self.given:
+            verdict = "fits" if first.fits else "does NOT fit"
+            lines.append(f"the given set ({first.label}) {verdict}: peak {gib(first.device_peak)} of {gib(m.device_bytes)}")
+        elif self.chosen is None:
+            lines.append(f"nothing fits: the smallest peak is {gib(min(e.device_peak for e in self.candidates))} "
+                         f"of {gib(m.device_bytes)} per device. Shorter sequences, more context parallelism or more memory would.")
+        else:
+            lines.append(f"proposed: {self.chosen.label} (predicted peak {gib(self.chosen.device_peak)}, "
+                         f"about {self.chosen.time_cost:+.0%} step time)")
+        return "\n".join(lines)
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f}G"
+
+
+# -- the model ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _LayerCost:
+    kind: str  # "kda+chunked", for the table
+    attention: MemoryEstimate
+    ffn: MemoryEstimate
+    ffn_tiles: bool
+
+
+def _estimate(plugins: Plugins, recipe: Recipe, kind: str, name: str, dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    provided = plugins.get(kind, name)
+    fn = provided.spec.load_memory()
+    if fn is None:
+        raise UserError(
+            f"{recipe.source}: {kind} {name!r} ({provided.plugin.label}) reports no memory estimate "
+            f"(its record has no 'memory' target): the planner cannot model it"
+        )
+    return fn(recipe.component(kind, name), dims, seq_len)
+
+
+def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout, seq_len: int) -> list[_LayerCost]:
+    m = recipe.model
+    dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size, ep_rank=0, ep_size=layout.ep)
+    cache: dict[tuple[str, str], MemoryEstimate] = {}
+    out = []
+    for layer in range(m.n_layers):
+        attention = m.attention_of(layer)
+        ffn_kind, ffn_name = m.ffn_of(layer)
+        for key in (("attention", attention), (ffn_kind, ffn_name)):
+            if key not in cache:
+                cache[key] = _estimate(plugins, recipe, *key, dims, seq_len)
+        out.append(_LayerCost(f"{attention}+{ffn_name}", cache[("attention", attention)], cache[(ffn_kind, ffn_name)], ffn_kind == "ffn"))
+    return out
+
+
+def _combine(effects: list[MemoryEffect], layer: int) -> tuple[str | None, int | None]:
+    """The recompute part and tile length acting on ``layer`` (the broadest part wins)."""
+    rank = {"ffn": 1, "attention": 2, "block": 3}
+    part, tile = None, None
+    for e in effects:
+        if e.recompute and e.acts_on(layer) and (part is None or rank[e.recompute] > rank[part]):
+            part, tile = e.recompute, e.tile_tokens
+    return part, tile
+
+
+def estimate(
+    recipe: Recipe, plugins: Plugins, policies: list[PolicyChoice], layout: Layout, machine: Machine, seq_len: int,
+    costs: list[_LayerCost] | None = None,
+) -> Estimate:
+    """Predicted memory of one training step of ``recipe`` at ``seq_len`` on one device under ``policies``."""
+    m, t = recipe.model, recipe.train
+    tokens = tokens_per_device(recipe, layout, seq_len)
+    costs = costs if costs is not None else _layer_costs(recipe, plugins, layout, seq_len // layout.cp)
+    effects = [p.effect for p in policies]
+    offload_min = min((e.offload_min_bytes for e in effects if e.offload_min_bytes is not None), default=None)
+    act = 0.5 if t.bf16 else 1.0  # components report fp32 bytes; autocast keeps most activations in bf16
+    x = 4 * m.d_model  # block input: the fp32 residual stream
+    norms = 2 * NORM_FLOATS * 4 * m.d_model
+
+    out = Estimate(policies, runtime=machine.runtime_bytes, time_cost=sum(e.time_cost for e in effects))
+    embed = m.vocab_size * m.d_model * 4 * (1 if m.tie_embeddings else 2) // layout.tp
+    params = embed + 4 * m.d_model * (2 * m.n_layers + 1)
+    for c in costs:
+        params += c.attention.parameters // layout.tp
+        params += c.ffn.parameters // (layout.tp if c.ffn_tiles else layout.etp)
+    out.weights, out.gradients = params, params
+    optimizer = 2 * params  # AdamW: two fp32 moments per parameter
+    if any(e.optimizer_on_host for e in effects):
+        out.host += optimizer
+    else:
+        out.optimizer = optimizer
+
+    offloaded = 0
+    for i, c in enumerate(costs):
+        a = act * c.attention.saved_per_token / layout.tp
+        f = act * c.ffn.saved_per_token / (layout.tp if c.ffn_tiles else 1)
+        part, tile = _combine(effects, i)
+        carry = c.attention.tiling
+        if part is None:
+            kept, rerun, unit_input = (a + f + norms) * tokens, 0.0, 0.0
+        elif part == "ffn":
+            kept, rerun, unit_input = (a + norms + x) * tokens, f * tokens, x * tokens
+        elif part == "attention":
+            kept, rerun, unit_input = (f + norms + x) * tokens, a * tokens, x * tokens
+        elif tile is None or carry is None or tile >= tokens:
+            kept, rerun, unit_input = x * tokens, (a + f + norms) * tokens, x * tokens
+        else:
+            n_tiles = math.ceil(tokens / tile)
+            kept = x * tokens + carry.per_token * tokens / layout.tp + carry.per_tile * n_tiles
+            attention_rerun = (a + norms / 2) * tile
+            if c.ffn_tiles:
+                rerun = max(attention_rerun + (f + norms / 2) * tile, 0)
+                unit_input = x * tile
+            else:  # an MoE layer runs whole after the attention tiles: its input h is kept too
+                kept += x * tokens
+                rerun = max(attention_rerun, (f + norms / 2) * tokens)
+                unit_input = x * tokens
+        if offload_min is not None and kept >= offload_min:
+            offloaded += int(kept)
+            kept = 0.0
+            rerun += unit_input  # the inputs of the part being differentiated come back
+        out.saved_by_kind[c.kind] = out.saved_by_kind.get(c.kind, 0) + int(kept)
+        out.recompute_peak = max(out.recompute_peak, int(rerun))
+    out.offloaded = offloaded
+    if machine.kind == "cpu":
+        out.disk = offloaded
+    else:
+        out.host += offloaded
+    head = (HEAD_FLOATS * 4 * m.d_model + HEAD_BYTES) * tokens
+    out.saved_by_kind["embedding+head"] = int(head)
+    out.gradient_stream = GRAD_STREAM * x * tokens
+    loss_chunk = min(t.loss_chunk, tokens)
+    out.temporary = max([3 * 4 * loss_chunk * m.vocab_size] + [max(c.attention.temporary, c.ffn.temporary) for c in costs])
+    out.fits = out.device_peak <= machine.device_bytes and (machine.host_bytes is None or out.host <= machine.host_bytes)
+    return out
+
+
+def tokens_per_device(recipe: Recipe, layout: Layout, seq_len: int) -> int:
+    windows = max(1, recipe.train.batch_size // layout.dp)
+    return windows * (seq_len // layout.cp)
+
+
+# -- policy sets -------------------------------------------------------------------------------------------
+
+
+def _policy_choice(recipe: Recipe, plugins: Plugins, name: str, preset: dict[str, Any]) -> PolicyChoice:
+    provided = plugins.get("memory_policy", name)
+    effect_fn = provided.spec.load_memory()
+    if effect_fn is None:
+        raise UserError(f"memory_policy {name!r} ({provided.plugin.label}) reports no memory effect: the planner cannot model it")
+    base = recipe.components.get("memory_policy", {}).get(name)
+    values = {**(base.model_dump() if base is not None else {}), **preset}
+    try:
+        config = provided.spec.config(**values)
+    except Exception as exc:  # a preset that its own schema rejects is the plugin's bug
+        raise UserError(f"memory_policy {name!r}: preset {preset} is invalid: {exc}") from None
+    return PolicyChoice(name, config.model_dump(mode="json"), effect_fn(config))
+
+
+def candidate_sets(recipe: Recipe, plugins: Plugins) -> list[list[PolicyChoice]]:
+    """No policy, each installed policy's presets alone, and every pair of presets of different policies."""
+    options: list[list[PolicyChoice]] = []
+    for name in plugins.names("memory_policy"):
+        spec = plugins.get("memory_policy", name).spec
+        if spec.memory and getattr(spec, "presets", ()):
+            options.append([_policy_choice(recipe, plugins, name, preset) for preset in spec.presets])
+    sets: list[list[PolicyChoice]] = [[]]
+    for group in options:
+        sets += [[choice] for choice in group]
+    for first, second in itertools.combinations(options, 2):
+        sets += [[a, b] for a in first for b in second]
+    return sets
+
+
+def plan(
+    recipe: Recipe,
+    plugins: Plugins,
+    *,
+    seq_len: int | None = None,
+    layout: Layout | None = None,
+    machine: Machine,
+    policies: str | list[str] = "auto",
+) -> Plan:
+    """Plan ``recipe``: ``policies`` is ``"auto"`` (try every candidate set, propose the cheapest that fits),
+    ``"none"`` or a list of policy names (configured by the recipe's sections)."""
+    seq_len = recipe.data.seq_len if seq_len is None else seq_len
+    layout = layout or Layout()
+    if seq_len < 1:
+        raise UserError(f"--seq-len {seq_len}: must be a positive number of tokens")
+    if layout.cp > 1 and seq_len % (2 * layout.cp):
+        raise UserError(f"--seq-len {seq_len}: with cp={layout.cp} it must be a multiple of {2 * layout.cp} (zig-zag halves)")
+    if layout.ep > 1 and recipe.model.moe is not None:
+        experts = getattr(recipe.component("moe", recipe.model.moe), "n_experts", None)
+        if experts is not None and experts % layout.ep:
+            raise UserError(f"--parallel ep={layout.ep}: does not divide the {experts} experts of moe.{recipe.model.moe}")
+    if policies == "auto":
+        sets, given = candidate_sets(recipe, plugins), False
+    elif policies == "none":
+        sets, given = [[]], True
+    else:
+        names = list(policies)
+        sets, given = [[_policy_choice(recipe, plugins, n, {}) for n in names]], True
+    costs = _layer_costs(recipe, plugins, layout, seq_len // layout.cp)
+    estimates = [estimate(recipe, plugins, s, layout, machine, seq_len, costs) for s in sets]
+    for e in estimates:
+        _size_pools(e, recipe, plugins)
+    fitting = [e for e in estimates if e.fits]
+    chosen = None
+    if given:
+        chosen = estimates[0] if estimates[0].fits else None
+    elif fitting:
+        chosen = min(fitting, key=lambda e: (round(e.time_cost, 6), e.device_peak))
+    return Plan(recipe.source, seq_len, tokens_per_device(recipe, layout, seq_len), layout, machine, estimates, chosen, given)
+
+
+def _size_pools(e: Estimate, recipe: Recipe, plugins: Plugins) -> None:
+    """Give offloading policies with a ``pool_bytes`` option the bytes this plan moves (plus a margin)."""
+    for i, p in enumerate(e.policies):
+        if p.effect.offload_min_bytes is not None and "pool_bytes" in p.config and p.config["pool_bytes"] is None:
+            sized = {**p.config, "pool_bytes": int(e.offloaded * 1.1) + 2**20}
+            e.policies[i] = PolicyChoice(p.name, sized, p.effect)
+
+
+def choose_memory_policy(recipe: Recipe, plugins: Plugins, device: Any) -> tuple[Recipe, Plan]:
+    """For ``train.memory_policy = "auto"``: the recipe with the planner's proposed policies and configs."""
+    kind = "cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu"
+    layout = Layout(dp=recipe.parallel.dp, cp=recipe.parallel.cp, ep=recipe.parallel.ep)
+    result = plan(recipe, plugins, layout=layout, machine=Machine.detect(kind))
+    if result.chosen is None:
+        raise UserError(f"{recipe.source}: train.memory_policy = 'auto': {result.summary()} (see `megaseq plan {recipe.source}`)")
+    chosen = result.chosen.policies
+    configs = {p.name: plugins.get("memory_policy", p.name).spec.config(**p.config) for p in chosen}
+    components = {**recipe.components, "memory_policy": configs}
+    train = recipe.train.model_copy(update={"memory_policy": [p.name for p in chosen]})
+    return recipe.model_copy(update={"train": train, "components": components}), result
+
+
+def describe_memory_policy(recipe: Recipe, plan_result: Plan | None = None) -> str:
+    """One line for a run's header: the policies in use with their configs, and the plan when there is one."""
+    names = recipe.train.memory_policy
+    if names == "auto":
+        return "auto (not planned yet)"
+    if not names:
+        text = "no memory policy"
+    else:
+        parts = []
+        for name in names:
+            cfg = recipe.components.get("memory_policy", {}).get(name)
+            options = ", ".join(f"{k}={v}" for k, v in (cfg.model_dump() if cfg else {}).items() if v is not None)
+            parts.append(f"{name}({options})" if options else name)
+        text = " + ".join(parts)
+    if plan_result is not None:
+        text += f" (chosen by the planner: {plan_result.summary()})"
+    return text
+
+
+def parse_policy_argument(value: str) -> str | list[str]:
+    """``auto``, ``none`` or comma-separated policy names."""
+    value = value.strip()
+    if value in ("auto", "none"):
+        return value
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names or any(not re.fullmatch(r"[A-Za-z0-9_.-]+", n) for n in names):
+        raise UserError(f"--memory-policy {value!r}: expected auto, none or comma-separated policy names")
+    return names
+
+
+def dumps(result: Plan) -> str:
+    return json.dumps(result.to_json(), indent=2)
+
+
+__all__ = [
+    "Layout",
+    "Machine",
+    "Plan",
+    "PolicyChoice",
+    "candidate_sets",
+    "choose_memory_policy",
+    "describe_memory_policy",
+    "estimate",
+    "plan",
+]

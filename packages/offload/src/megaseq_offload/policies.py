@@ -1,0 +1,173 @@
+"""The ``recompute`` and ``offload`` memory policies (see ``megaseq.contracts.MemoryPolicy``) and what the
+memory planner models them as (``megaseq.records.MemoryEffect``)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megaseq.contracts import recomputing
+from megaseq.errors import UserError
+from megaseq.memory import Layer, model_layers
+from megaseq.records import MemoryEffect
+from megaseq_offload.config import OffloadConfig, RecomputeConfig
+from megaseq_offload.recompute import recomputed, tiled_block_forward
+from megaseq_offload.stores import PinnedPool, ScratchFile, check_scratch_dir, default_scratch_dir
+
+
+class RecomputePolicy:
+    """Keeps only the input of each chosen part (block, attention or feed-forward) of each chosen layer and
+    re-runs the part in backward; with ``tile_tokens``, whole blocks run tile by tile."""
+
+    def __init__(self, config: RecomputeConfig) -> None:
+        self.config = config
+
+    def select(self, model: nn.Module) -> list[Layer]:
+        layers = model_layers(model)
+        first, stop = self.config.layers or (0, len(layers))
+        chosen = [layer for layer in layers if first <= layer.index < stop]
+        if not chosen:
+            raise UserError(
+                f"memory_policy.recompute.layers [{first}, {stop}) selects no layer of this {len(layers)}-layer model"
+            )
+        if self.config.tile_tokens is not None:
+            untileable = [f"{layer.index} ({layer.attention})" for layer in chosen if not layer.tiles]
+            if untileable:
+                raise UserError(
+                    f"memory_policy.recompute.tile_tokens: the attention of layer {', '.join(untileable)} cannot run "
+                    "in sequence tiles (no megaseq.contracts.SequenceTiling); restrict layers or drop tile_tokens"
+                )
+        return chosen
+
+    def apply(self, model: nn.Module) -> None:
+        tile = self.config.tile_tokens
+        for layer in self.select(model):
+            if tile is None:
+                layer.wrap(self.config.part, recomputed)
+            else:
+                layer.wrap("block", lambda block, fwd, ffn=layer.ffn_tiles: tiled_block_forward(block, fwd, tile, ffn))
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # nothing is held between steps
+
+
+class _OffloadHooks:
+    """Saved-tensor hooks of one step: large activations go to the store, come back when backward needs them."""
+
+    def __init__(self, store: ScratchFile | PinnedPool, device: torch.device, min_bytes: int, parameters: set[int]) -> None:
+        self.store, self.device, self.min_bytes, self.parameters = store, device, min_bytes, parameters
+        self.seen: dict[int, tuple[weakref.ref[Tensor], weakref.ref[Any]]] = {}
+        self.live = 0
+        self.moved = 0
+        self.largest_kept = 0
+        self.open = True
+
+    def pack(self, t: Tensor) -> Any:
+        if recomputing():  # saved by a re-run in backward: used at once, not worth moving
+            return t
+        nbytes = t.numel() * t.element_size()
+        if t.device != self.device or t.untyped_storage().data_ptr() in self.parameters or nbytes < self.min_bytes:
+            self.largest_kept = max(self.largest_kept, nbytes)
+            return t
+        ref, handle_ref = self.seen.get(id(t), (None, None))
+        if ref is not None and ref() is t and (handle := handle_ref()) is not None:  # the same tensor saved again
+            return handle
+        handle = self.store.put(t)
+        self.seen[id(t)] = (weakref.ref(t), weakref.ref(handle))
+        self.live += 1
+        self.moved += nbytes
+        weakref.finalize(handle, self._released)
+        return handle
+
+    def unpack(self, packed: Any) -> Tensor:
+        return packed if isinstance(packed, Tensor) else self.store.get(packed)
+
+    def _released(self) -> None:
+        self.live -= 1
+        if self.live == 0 and self.open:
+            self.store.reset()
+            self.seen.clear()
+
+
+class OffloadPolicy:
+    """Moves every saved tensor of at least ``min_bytes`` out of device memory during forward and brings it
+    back in backward (CUDA: a pinned host pool; CPU: a scratch file on local disk). Combined with
+    ``recompute``, what is saved is mostly the recomputed parts' inputs."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.config = config
+        self.model: nn.Module | None = None
+        self.device = torch.device("cpu")
+        self.scratch = None
+        self.checked = False
+        self.last_moved = 0
+
+    def apply(self, model: nn.Module) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            self.scratch = check_scratch_dir(self.config.scratch_dir or default_scratch_dir())
+        elif self.device.type != "cuda":
+            raise UserError(f"memory_policy.offload runs on cpu or cuda, not {self.device.type}")
+
+    def _store(self) -> ScratchFile | PinnedPool:
+        reserve = self.config.pool_bytes or 0
+        if self.device.type == "cpu":
+            assert self.scratch is not None
+            return ScratchFile(self.scratch, reserve)
+        return PinnedPool(self.device, reserve)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        if self.model is None:
+            raise RuntimeError("memory_policy.offload: step() before apply(model)")
+        parameters = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        store = self._store()
+        hooks = _OffloadHooks(store, self.device, self.config.min_bytes, parameters)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                yield
+        finally:
+            hooks.open = False
+            store.close()
+        self.last_moved = hooks.moved
+        if not self.checked and hooks.moved == 0:
+            raise UserError(
+                f"memory_policy.offload: a whole step saved no tensor of at least min_bytes = {self.config.min_bytes} "
+                f"(the largest was {hooks.largest_kept} bytes), so there is nothing to offload; lower min_bytes or "
+                "remove the policy"
+            )
+        self.checked = True
+
+
+def build_recompute(config: RecomputeConfig) -> RecomputePolicy:
+    return RecomputePolicy(config)
+
+
+def build_offload(config: OffloadConfig) -> OffloadPolicy:
+    return OffloadPolicy(config)
+
+
+# Rough extra step time, for ranking policy sets: a forward is about a third of forward + backward, so
+# re-running every block costs about +33%; the attention and the feed-forward each take part of that. Tiles
+# add a little per halving of the tile (carried state, repeated key concatenation).
+_RECOMPUTE_COST = {"ffn": 0.10, "attention": 0.20, "block": 0.33}
+_TILE_COST, _TILE_COST_PER_HALVING = 0.03, 0.01
+_OFFLOAD_COST = 0.10
+
+
+def recompute_effect(config: RecomputeConfig) -> MemoryEffect:
+    cost = _RECOMPUTE_COST[config.part]
+    if config.tile_tokens is not None:
+        cost += _TILE_COST + _TILE_COST_PER_HALVING * max(0.0, math.log2(2**20 / config.tile_tokens))
+    return MemoryEffect(recompute=config.part, layers=config.layers, tile_tokens=config.tile_tokens, time_cost=cost)
+
+
+def offload_effect(config: OffloadConfig) -> MemoryEffect:
+    return MemoryEffect(offload_min_bytes=config.min_bytes, time_cost=_OFFLOAD_COST)
