@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megaseq.contracts import ForwardContext
+from megaseq.contracts import ForwardContext, Tile
 from megaseq.documents import Documents, as_documents
 from megaseq.parallel import gather_sequence
-from megaseq.records import MemoryEstimate, ModelDims
+from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq.rotary import rotary
 from megaseq_dsa.backends import BACKENDS, DSAOps
 from megaseq_dsa.config import DSAConfig
@@ -135,6 +135,26 @@ class DeepSeekSparseAttention(nn.Module):
         )
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: DSACache | None = None) -> Tensor:
+        return self._forward(x, ctx, cache)[0]
+
+    def forward_tile(
+        self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Tokens ``[tile.start, tile.stop)`` (``megaseq.contracts.SequenceTiling``): the tile's queries select
+        among and attend to the keys of every earlier tile (the carry: each tile's key and index key) and its
+        own, as context-parallel queries do over gathered keys."""
+        if ctx.cp is not None:
+            raise ValueError("attention.dsa: sequence tiles run without context parallelism")
+        return self._forward(x, ctx, None, tile, history)
+
+    def _forward(
+        self,
+        x: Tensor,
+        ctx: ForwardContext,
+        cache: DSACache | None,
+        tile: Tile | None = None,
+        history: list[tuple[Tensor, ...]] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
         b, t, _ = x.shape
         if cache is not None and (ctx.cu_seqlens is not None or ctx.cp is not None):
             raise ValueError(
@@ -142,21 +162,30 @@ class DeepSeekSparseAttention(nn.Module):
             )
         documents = None  # read once per forward by the context, shared with every other layer
         if ctx.documents is not None:
-            length = ctx.cp.seq_len if ctx.cp is not None else t
+            length = ctx.cp.seq_len if ctx.cp is not None else tile.seq_len if tile is not None else t
             documents = as_documents(ctx.documents, batch=b, length=length, who="attention.dsa: cu_seqlens")
         c_q = self.q_norm(self.q_down(x))
         latent = self.kv_norm(self.kv_down(x))
         q = torch.einsum("bthd,hdc->bthc", self.q_up(c_q).view(b, t, self.config.n_heads, -1), self.k_up)
         key = latent
         if self.rope_dim:
-            pos = self._rope_positions(t, ctx, cache, documents, x.device)
+            pos = self._rope_positions(t, ctx, cache, documents, x.device, tile)
             q_rot = rotary(self.q_rope(c_q).view(b, t, self.config.n_heads, -1), pos, self.config.rope_theta)
             k_rot = rotary(self.k_rope(x)[:, :, None], pos, self.config.rope_theta)[:, :, 0]
             q, key = torch.cat([q, q_rot], dim=-1), torch.cat([latent, k_rot], dim=-1)
         q_idx, k_idx, idx_weights = self.indexer(x.detach(), c_q.detach())
+        carry = (key, k_idx)
 
-        # Keys of the whole sequence; queries at query_pos in it (query_spans: the same, as host ranges).
-        if cache is not None:
+        # Keys of the whole sequence (of a tile: up to its end); queries at query_pos in it (query_spans: the
+        # same, as host ranges).
+        if tile is not None:
+            query_spans = [(tile.start, tile.stop)]
+            query_pos = torch.arange(tile.start, tile.stop, device=x.device)
+            key = torch.cat([*(h[0] for h in history or ()), key], dim=1)
+            k_idx = torch.cat([*(h[1] for h in history or ()), k_idx], dim=1)
+            if documents is not None:  # the documents as far as the keys go
+                documents = documents.window(0, tile.stop)[0]
+        elif cache is not None:
             query_spans = [(cache.length, cache.length + t)]
             query_pos = torch.arange(cache.length, cache.length + t, device=x.device)
             cache.append(key, k_idx)
@@ -190,20 +219,25 @@ class DeepSeekSparseAttention(nn.Module):
                 indices,
                 self.config.query_chunk,
             )
-            # Divided by the global token count: the context-parallel ranks' shares add up to the one-rank mean.
-            tokens = b * (ctx.cp.seq_len if ctx.cp is not None else t)
+            # Divided by the global token count: the shares of context-parallel ranks and of sequence tiles add
+            # up to the one-rank mean.
+            tokens = b * (ctx.cp.seq_len if ctx.cp is not None else tile.seq_len if tile is not None else t)
             # The trainer logs it as aux/dsa_indexer; a separate KL metric would repeat that number.
             ctx.add_loss("dsa_indexer", self.config.indexer_loss_coef * kl / tokens)
         o = torch.einsum("bthc,hcd->bthd", o, self.v_up)
-        return self.out(o.reshape(b, t, -1))
+        return self.out(o.reshape(b, t, -1)), carry
 
     def _rope_positions(
-        self, t: int, ctx: ForwardContext, cache: DSACache | None, documents: Documents | None, device: torch.device
+        self, t: int, ctx: ForwardContext, cache: DSACache | None, documents: Documents | None, device: torch.device,
+        tile: Tile | None = None,
     ) -> Tensor:
         """Position of each local token inside its document (rotary angles restart at each document)."""
         if cache is not None:
             return torch.arange(cache.length, cache.length + t, device=device)
-        pos = ctx.cp.positions(device) if ctx.cp is not None else torch.arange(t, device=device)
+        if tile is not None:
+            pos = torch.arange(tile.start, tile.stop, device=device)
+        else:
+            pos = ctx.cp.positions(device) if ctx.cp is not None else torch.arange(t, device=device)
         return pos if documents is None else documents.positions_in_doc(device)[pos]
 
     @torch.no_grad()
@@ -335,4 +369,5 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         parameters=4 * parameters,
         saved_per_token=4 * per_token,
         temporary=max(5 * SCORE_BLOCK_BYTES // 2, CHUNK_BYTES),
+        tiling=TileCarry(per_token=4 * (key_width + config.index_dim)),  # each tile's keys and index keys
     )

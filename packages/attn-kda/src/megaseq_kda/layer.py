@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megaseq.contracts import ForwardContext
+from megaseq.contracts import ForwardContext, Tile
 from megaseq.documents import Documents, as_documents
 from megaseq.dtypes import compute_dtype
-from megaseq.records import MemoryEstimate, ModelDims
+from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq_kda.backends import BACKENDS
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.ops import naive_recurrent_kda
@@ -140,15 +140,7 @@ class KimiDeltaAttention(nn.Module):
             length = ctx.cp.seq_len if ctx.cp is not None else x.shape[1]
             documents = as_documents(ctx.documents, batch=x.shape[0], length=length, who="attention.kda: cu_seqlens")
         dtype = compute_dtype(x.dtype)
-        projected = self.qkv_proj(x)
-        q, k, v = (
-            F.silu(self._convolve(projected, ctx, cache, documents))
-            .unflatten(-1, (3, self.n_heads, self.head_dim))
-            .unbind(2)
-        )
-        q, k = (
-            y * torch.rsqrt(y.to(dtype).square().sum(-1, keepdim=True) + L2_EPS).to(y.dtype) for y in (q, k)
-        )
+        q, k, v = self._qkv(self._convolve(self.qkv_proj(x), ctx, cache, documents), dtype)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.beta_proj(x).to(dtype))
         if cache is not None:
@@ -158,6 +150,51 @@ class KimiDeltaAttention(nn.Module):
             o = context_parallel_kda(op, q, k, v, g, beta, ctx.cp, documents)
         else:
             o, _ = op(q, k, v, g, beta, cu_seqlens=documents)
+        return self._output(o, x, dtype)
+
+    def forward_tile(
+        self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Tokens ``[tile.start, tile.stop)`` (``megaseq.contracts.SequenceTiling``). The carry is what the
+        decoding cache holds, the convolution's last inputs and the recurrent state after the tile; with
+        packing, the tile's first document piece starts from that state only if it continues a document."""
+        if ctx.cp is not None:
+            raise ValueError("attention.kda: sequence tiles run without context parallelism")
+        op = BACKENDS.load(self.backend, x.device)
+        dtype = compute_dtype(x.dtype)
+        batch = x.shape[0]
+        projected = self.qkv_proj(x)
+        channels, width = self.conv_weight.shape
+        conv_history, state = history[-1] if history else (projected.new_zeros(batch, width - 1, channels), None)
+        doc_positions, pieces, continues = None, None, True
+        if ctx.documents is not None:
+            documents = as_documents(ctx.documents, batch=batch, length=tile.seq_len, who="attention.kda: cu_seqlens")
+            doc_positions = documents.positions_in_doc(x.device)[tile.start : tile.stop]
+            pieces, continues = documents.window(tile.start, tile.stop)
+        q, k, v = self._qkv(causal_conv(projected, self.conv_weight.to(projected.dtype), conv_history, doc_positions), dtype)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.beta_proj(x).to(dtype))
+        initial = None
+        if state is not None or pieces is not None:
+            zeros = q.new_zeros(batch if pieces is None else 1, self.n_heads, self.head_dim, self.head_dim, dtype=dtype)
+            initial = state if state is not None and continues else zeros
+            if pieces is not None:  # one state per document piece: only the first may continue
+                initial = torch.cat([initial, zeros.new_zeros(pieces.n_docs - 1, *zeros.shape[1:])])
+        o, final = op(q, k, v, g, beta, initial_state=initial, output_final_state=True, cu_seqlens=pieces)
+        final = final if pieces is None else final[-1:]
+        carry = (torch.cat([conv_history, projected], 1)[:, -(width - 1) :], final)
+        return self._output(o, x, dtype), carry
+
+    def _qkv(self, convolved: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k (L2-normalised in ``dtype``) and v ``[B, T, H, D]`` from the convolved projections."""
+        q, k, v = F.silu(convolved).unflatten(-1, (3, self.n_heads, self.head_dim)).unbind(2)
+        q, k = (
+            y * torch.rsqrt(y.to(dtype).square().sum(-1, keepdim=True) + L2_EPS).to(y.dtype) for y in (q, k)
+        )
+        return q, k, v
+
+    def _output(self, o: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """The per-head norm, the output gate and the output projection of the op's output ``o``."""
         o = o.to(dtype)
         o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + NORM_EPS) * self.norm_weight.to(dtype)
         out_gate = torch.sigmoid(self.out_gate_up(self.out_gate_down(x)).to(dtype))
@@ -208,4 +245,6 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     parameters += config.n_heads + width + config.head_dim + width * d
     per_token = d + 6 * width + 2 * rank + 2 * width + 6 * width + 64 * config.n_heads + 2 * width
     per_token += config.n_heads * config.head_dim**2 / 64
-    return MemoryEstimate(parameters=parameters * 4, saved_per_token=per_token * 4, temporary=0)
+    # a sequence tile hands on the recurrent state (fp32) and the convolution's last inputs
+    carry = TileCarry(per_tile=4 * (config.n_heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))
+    return MemoryEstimate(parameters=parameters * 4, saved_per_token=per_token * 4, temporary=0, tiling=carry)

@@ -4,6 +4,10 @@ Paths, all exact: plain rows use ``scaled_dot_product_attention(is_causal=True)`
 document separately (no ``T x T`` mask); context parallelism all-gathers keys and values (autograd-aware)
 and masks by global position and document; decoding appends to a key/value cache. On CUDA with fp16/bf16
 and flash-attn installed, plain and packed rows use flash-attn (varlen for packed).
+
+Sequence tiles (``megaseq.contracts.SequenceTiling``): a tile's queries attend to the rotated keys and the
+values of every earlier tile (its carry) and of itself, in blocks of queries whose ``[block x keys]`` score
+tile stays under ``TILE_SCORE_BYTES``; each block is recomputed in backward, so no mask or score tile is kept.
 """
 
 from __future__ import annotations
@@ -14,16 +18,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from megaseq.contracts import ForwardContext
+from megaseq.contracts import ForwardContext, Tile
 from megaseq.documents import Documents, as_documents
 from megaseq.parallel import gather_sequence
-from megaseq.records import MemoryEstimate, ModelDims
+from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq.rotary import rotary
 
 from .config import SDPAConfig
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+# The largest [batch x heads x queries x keys] fp32 score tile of one block of a sequence tile's queries.
+TILE_SCORE_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -105,6 +112,25 @@ class SDPAttention(nn.Module):
         o = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k, cache.v, attn_mask=mask)
         return o.transpose(1, 2)
 
+    def forward_tile(
+        self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Tokens ``[tile.start, tile.stop)`` given the earlier tiles' rotated keys and values (``SequenceTiling``)."""
+        if ctx.cp is not None:
+            raise ValueError("sdpa: sequence tiles run without context parallelism")
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).unbind(2)
+        positions = torch.arange(tile.start, tile.stop, device=x.device)
+        doc_start = torch.zeros_like(positions)
+        if ctx.documents is not None:
+            documents = as_documents(ctx.documents, batch=b, length=tile.seq_len, who="sdpa: cu_seqlens")
+            doc_start = documents.starts(x.device)[tile.start : tile.stop]
+        q, k = self._rope(q, positions - doc_start), self._rope(k, positions - doc_start)
+        keys = torch.cat([*(h[0] for h in history), k], dim=1)
+        values = torch.cat([*(h[1] for h in history), v], dim=1)
+        o = attend_suffix(q, keys, values, doc_start)
+        return self.out(o.reshape(b, t, -1)), (k, v)
+
     def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext) -> Tensor:
         cp = ctx.cp
         assert cp is not None
@@ -126,15 +152,41 @@ class SDPAttention(nn.Module):
         return o.transpose(1, 2)
 
 
+def attend_suffix(q: Tensor, k: Tensor, v: Tensor, first_key: Tensor) -> Tensor:
+    """Causal attention of the last ``n`` of ``m`` positions: ``q [B, n, H, D]``, ``k, v [B, m, H, D]``; query
+    ``i`` sees keys ``first_key[i] .. m - n + i`` (``first_key``: its document's start). Queries run in blocks
+    whose score tile stays under ``TILE_SCORE_BYTES``, each recomputed in backward."""
+    b, n, h, _ = q.shape
+    m = k.shape[1]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    block = max(1, TILE_SCORE_BYTES // (4 * b * h * m))
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    parts = []
+    for q0 in range(0, n, block):
+        q1 = min(q0 + block, n)
+        k0, k1 = int(first_key[q0:q1].min()), m - n + q1  # the keys this block can see
+        key_pos = torch.arange(k0, k1, device=q.device)
+        query_pos = torch.arange(m - n + q0, m - n + q1, device=q.device)
+        mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] >= first_key[q0:q1, None])
+        args = (q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], mask)
+        parts.append(checkpoint(_masked_attention, *args, use_reentrant=False) if recompute else _masked_attention(*args))
+    return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def build(config: SDPAConfig, dims: ModelDims, layer_idx: int) -> SDPAttention:
     return SDPAttention(dims.d_model, config, dims.n_layers)
 
 
 def memory_estimate(config: SDPAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
     width = config.n_heads * (config.head_dim or dims.d_model // config.n_heads)
-    # saved per token (fp32): input, q, k, v, attention output, logsumexp per head
+    # saved per token (fp32): input, q, k, v, attention output, logsumexp per head; tiles carry k and v
     return MemoryEstimate(
         parameters=4 * dims.d_model * width * 4,
         saved_per_token=(dims.d_model + 4 * width + config.n_heads) * 4,
         temporary=0,
+        tiling=TileCarry(per_token=2 * width * 4),
     )
