@@ -69,12 +69,14 @@ class _OffloadHooks:
         self.open = True
 
     def pack(self, t: Tensor) -> Any:
+        # What stays is kept detached: a saved output kept as itself would hold its own graph node, a cycle
+        # through C++ that leaks the whole graph of a forward that fails before its backward.
         if recomputing():  # saved by a re-run in backward: used at once, not worth moving
-            return t
+            return t.detach()
         nbytes = t.numel() * t.element_size()
         if t.device != self.device or t.untyped_storage().data_ptr() in self.parameters or nbytes < self.min_bytes:
             self.largest_kept = max(self.largest_kept, nbytes)
-            return t
+            return t.detach()
         ref, handle_ref = self.seen.get(id(t), (None, None))
         if ref is not None and ref() is t and (handle := handle_ref()) is not None:  # the same tensor saved again
             return handle

@@ -122,7 +122,8 @@ def run_unit(fn: UnitFn, inputs: Sequence[Tensor], ctx: ForwardContext, params: 
     if not torch.is_grad_enabled():
         return tuple(fn(list(inputs), ctx))
     trainable = [p for p in params if p.requires_grad]
-    unit = _Unit(fn, ctx, len(inputs), trainable)
+    # a fork: the unit must not hold the caller's losses, whose graph holds the unit (a cycle gc cannot break)
+    unit = _Unit(fn, ctx.fork(), len(inputs), trainable)
     flat = _UnitFunction.apply(unit, *inputs, *trainable)
     if isinstance(flat, Tensor):
         flat = (flat,)

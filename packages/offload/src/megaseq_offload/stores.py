@@ -45,9 +45,30 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _as_bytes(t: Tensor) -> Tensor:
-    """A contiguous 1-D uint8 view of ``t``'s values (a copy only when ``t`` is not contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+def _layout(t: Tensor) -> tuple[int, ...]:
+    """The strides ``t`` comes back with: its own where they describe a dense block of memory (e.g. a
+    transposed matrix), so that backward's kernels see the layout they would have seen (and round the same
+    way), else the contiguous ones."""
+    if t.is_contiguous():
+        return t.stride()
+    probe = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t.stride() if probe.untyped_storage().nbytes() == t.numel() * t.element_size() else torch.empty(t.shape, device="meta").stride()
+
+
+def _as_bytes(t: Tensor, stride: tuple[int, ...]) -> Tensor:
+    """The bytes of ``t`` laid out with ``stride`` (dense), as a 1-D uint8 tensor (a copy unless contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous() or t.stride() != stride:
+        dense = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+        dense.copy_(t)
+        t = dense.as_strided((t.numel(),), (1,))  # the same memory, in storage order
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _empty(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """A tensor with this layout and a 1-D uint8 view of its memory (to fill it)."""
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return out, out.as_strided((out.numel(),), (1,)).view(torch.uint8)
 
 
 def default_scratch_dir() -> str:
@@ -90,6 +111,7 @@ class FileHandle:
     offset: int
     nbytes: int
     shape: torch.Size
+    stride: tuple[int, ...]
     dtype: torch.dtype
 
 
@@ -124,7 +146,8 @@ class ScratchFile:
         self.reserved = size
 
     def put(self, t: Tensor) -> FileHandle:
-        data = _as_bytes(t)
+        stride = _layout(t)
+        data = _as_bytes(t, stride)
         offset = _align(self.end)
         if offset + data.numel() > self.reserved:
             self._reserve(max(offset + data.numel(), self.reserved + GROWTH))
@@ -134,11 +157,11 @@ class ScratchFile:
             done += os.pwrite(self.fd, view[done:], offset + done)
         self.end = offset + data.numel()
         self.written += data.numel()
-        return FileHandle(offset, data.numel(), t.shape, t.dtype)
+        return FileHandle(offset, data.numel(), t.shape, stride, t.dtype)
 
     def get(self, handle: FileHandle) -> Tensor:
-        out = torch.empty(handle.shape, dtype=handle.dtype)
-        view = memoryview(_as_bytes(out).numpy())
+        out, raw = _empty(handle.shape, handle.stride, handle.dtype)
+        view = memoryview(raw.numpy())
         done = 0
         while done < handle.nbytes:
             n = os.preadv(self.fd, [view[done:]], handle.offset + done)
@@ -160,6 +183,7 @@ class HostHandle:
     host: Tensor  # uint8 view into the pool
     written: Any  # torch.cuda.Event: the device-to-host copy is done
     shape: torch.Size
+    stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     index: int
@@ -200,7 +224,8 @@ class PinnedPool:
 
     def put(self, t: Tensor) -> HostHandle:
         current = torch.cuda.current_stream(t.device)
-        src = _as_bytes(t)
+        stride = _layout(t)
+        src = _as_bytes(t, stride)
         host = self._take(src.numel())
         self.stream.wait_stream(current)  # the tensor is complete before it is copied
         with torch.cuda.stream(self.stream):
@@ -208,18 +233,18 @@ class PinnedPool:
             written = torch.cuda.Event()
             written.record(self.stream)
         src.record_stream(self.stream)  # its memory is not reused before the copy has read it
-        handle = HostHandle(host, written, t.shape, t.dtype, t.device, len(self.handles))
+        handle = HostHandle(host, written, t.shape, stride, t.dtype, t.device, len(self.handles))
         self.handles.append(weakref.ref(handle))
         self.written += src.numel()
         return handle
 
     def _load(self, handle: HostHandle) -> tuple[Tensor, Any]:
         current = torch.cuda.current_stream(handle.device)
-        out = torch.empty(handle.host.numel(), dtype=torch.uint8, device=handle.device)
+        out, raw = _empty(handle.shape, handle.stride, handle.dtype, handle.device)
         self.stream.wait_stream(current)  # the new allocation is free on the stream that made it
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(handle.written)
-            out.copy_(handle.host, non_blocking=True)
+            raw.copy_(handle.host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         out.record_stream(self.stream)
@@ -235,7 +260,7 @@ class PinnedPool:
                 if earlier.loaded is None:
                     earlier.loaded = self._load(earlier)
                 break
-        return out.view(handle.dtype).view(handle.shape)
+        return out
 
     def reset(self) -> None:
         """Reuse the pool from the start: every tensor put so far has been read back and dropped."""

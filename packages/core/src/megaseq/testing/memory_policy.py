@@ -1,0 +1,410 @@
+"""Conformance suite for memory policies (see ``megaseq.contracts.MemoryPolicy``).
+
+Subclass :class:`MemoryPolicyConformance` in a pytest module and set ``name`` (an installed policy) and
+``config`` (its ``[memory_policy.NAME]`` table). The suite trains a small model (``model``: core's ``sdpa``
+attention, which tiles and runs under context parallelism, and the suite's own ``memory-probe``
+feed-forward, which adds an auxiliary loss, logs a metric, draws noise from the global RNG and counts its
+forwards) for two optimizer steps of two micro-batches of packed documents, once with the policy and once
+without, and checks:
+
+- the same loss, auxiliary losses, metrics and parameter gradients (the probe's noise must be replayed:
+  ``probe_noise = False`` only for a policy that calls a feed-forward a different number of times, such as
+  sequence tiling, which calls it once per tile): bitwise when ``exact`` (the policy
+  keeps the order of operations), else the relative error of the loss and of the whole gradient vector
+  ``||g - g_ref|| / ||g_ref||`` at most ``rtol`` (1e-6) and each gradient within ``rtol`` of its own
+  largest magnitude or of 1e-6 of the largest gradient of the model, whichever is larger;
+- every token through each layer's forward once per micro-batch (a re-run for recomputation does not
+  count; a policy may split a forward into tiles);
+- after every step, and after a step that fails half-way through the forward, nothing of the step is
+  left: no saved-tensor hooks installed, no file descriptors open, nothing in the scratch directory
+  (``$MEGASEQ_SCRATCH`` points at an empty directory for the test), and no more tensor memory reachable
+  than before the step;
+- under context parallelism (``cp_world_sizes``, 2 gloo ranks by default) the same equality against
+  the same ranks without the policy; a policy that cannot run under context parallelism declares
+  ``cp_world_sizes = ()`` and must then raise a one-line error there, which is checked.
+
+The policy comes from the installed plugins; ``extra_plugin = "module:attr"`` (or ``"path/to/file.py:attr"``)
+registers one more plugin object first, e.g. a policy defined in the test module itself. It is named by
+import path because the context-parallel test rebuilds the suite in fresh processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megaseq.config import validate_recipe
+from megaseq.contracts import ContextParallel, ForwardContext, MemoryPolicy
+from megaseq.hookspecs import hookimpl
+from megaseq.model import LanguageModel, build_model, chunked_token_losses
+from megaseq.parallel import zigzag_shard
+from megaseq.plugins import Plugins
+from megaseq.records import ComponentConfig, FFNSpec, MemoryEstimate, ModelDims
+from megaseq.testing import env
+
+PROBE_LOSS, PROBE_METRIC = "memory_probe", "memory_probe_abs"
+
+
+class ProbeConfig(ComponentConfig):
+    hidden: int = 24
+    noise: bool = True  # scale the output by 1 + 0.1 u, u drawn from the global RNG once per forward
+    fail_after_tokens: int | None = None  # raise in the forward that takes the token count past this
+
+
+class MemoryProbe(nn.Module):
+    """A dense feed-forward that exercises what a memory policy must preserve: an auxiliary loss (a sum over
+    tokens, so tiles add up), a metric (a per-token mean), noise from the global RNG (recomputation must
+    replay it) and counts of its forwards and of the tokens they saw, which skip re-runs for recomputation
+    (``ctx.recomputing``)."""
+
+    def __init__(self, d_model: int, config: ProbeConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, config.hidden, bias=False)
+        self.down = nn.Linear(config.hidden, d_model, bias=False)
+        self.noise = config.noise
+        self.fail_after = config.fail_after_tokens
+        self.forwards = 0
+        self.tokens = 0
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        if not ctx.recomputing:
+            self.forwards += 1
+            self.tokens += x.shape[0] * x.shape[1]
+            if self.fail_after is not None and self.tokens > self.fail_after:
+                raise RuntimeError("memory-probe: the planned failure half-way through a step")
+        out = self.down(F.silu(self.up(x)))
+        if self.noise:
+            out = out * (1 + 0.1 * torch.rand((), dtype=x.dtype, device=x.device))
+        ctx.add_loss(PROBE_LOSS, 1e-3 * out.square().sum())
+        ctx.log(PROBE_METRIC, out.abs().mean())
+        return out
+
+
+def _build_probe(config: ProbeConfig, dims: ModelDims, layer_idx: int) -> MemoryProbe:
+    return MemoryProbe(dims.d_model, config)
+
+
+def _probe_memory(config: ProbeConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    return MemoryEstimate(parameters=8 * dims.d_model * config.hidden, saved_per_token=4 * (dims.d_model + 3 * config.hidden))
+
+
+class _ProbePlugin:
+    @hookimpl
+    def megaseq_ffn(self) -> list[FFNSpec]:
+        return [
+            FFNSpec(
+                name="memory-probe",
+                target="megaseq.testing.memory_policy:_build_probe",
+                config=ProbeConfig,
+                summary="test feed-forward of the memory-policy suite",
+                memory="megaseq.testing.memory_policy:_probe_memory",
+            )
+        ]
+
+
+def _load_object(target: str) -> Any:
+    """``"module:attr"`` or ``"path/to/file.py:attr"``."""
+    import importlib.util
+
+    from megaseq.records import load_target
+
+    where, _, attr = target.rpartition(":")
+    if not where.endswith(".py"):
+        return load_target(target)
+    name = f"_megaseq_suite_{Path(where).stem}"
+    if name not in sys.modules:  # registered, so that "module:attr" targets inside it resolve
+        spec = importlib.util.spec_from_file_location(name, where)
+        assert spec is not None and spec.loader is not None, f"cannot import {where}"
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return getattr(sys.modules[name], attr)
+
+
+def suite_plugins(extra_plugin: str | None = None) -> Plugins:
+    """The installed plugins, the suite's probe and (optionally) ``extra_plugin``, in a fresh manager."""
+    from megaseq.testing import fresh_plugins
+
+    plugins = fresh_plugins(autoload=True)
+    plugins.register(_ProbePlugin(), name="memory-probe", dist="megaseq-core (testing)")
+    if extra_plugin is not None:
+        plugins.register(_load_object(extra_plugin), name=f"suite-extra:{extra_plugin}", dist="(test)")
+    return plugins
+
+
+def _hooks_installed() -> bool:
+    # torch has no public query for the installed default saved-tensor hooks; this is what
+    # torch.autograd.graph.saved_tensors_hooks pushes and pops
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _open_fds() -> set[str]:
+    fd_dir = Path("/proc/self/fd")
+    if not fd_dir.exists():
+        return set()
+    out = set()
+    for fd in fd_dir.iterdir():
+        with contextlib.suppress(OSError):
+            out.add(f"{fd.name}->{os.readlink(fd)}")
+    return out
+
+
+def _tensor_bytes() -> int:
+    """Bytes of all distinct tensor storages reachable from Python objects."""
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if issubclass(type(obj), Tensor) and not obj.is_meta:  # type(): some objects warn on __class__
+            with contextlib.suppress(Exception):
+                storage = obj.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+    return total
+
+
+def _batch(step: int, micro: int, seq_len: int, vocab: int) -> Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, vocab, (1, seq_len + 1), generator=gen)
+
+
+class MemoryPolicyConformance:
+    """Base class of a memory policy's conformance tests."""
+
+    name: ClassVar[str]
+    config: ClassVar[dict[str, Any]] = {}
+    model: ClassVar[dict[str, Any]] = {"d_model": 16, "n_layers": 3, "layer_pattern": ["sdpa"], "ffn": "memory-probe"}
+    components: ClassVar[dict[str, dict[str, Any]]] = {"attention": {"sdpa": {"n_heads": 2}}}
+    exact: ClassVar[bool] = True
+    rtol: ClassVar[float] = 1e-6
+    seq_len: ClassVar[int] = 67
+    doc_lengths: ClassVar[tuple[int, ...]] = (20, 1, 29, 17)
+    micro_batches: ClassVar[int] = 2
+    steps: ClassVar[int] = 2
+    cp_world_sizes: ClassVar[tuple[int, ...]] = (2,)
+    cp_seq_len: ClassVar[int] = 68
+    probe_noise: ClassVar[bool] = True
+    extra_plugin: ClassVar[str | None] = None
+    SETTINGS: ClassVar[tuple[str, ...]] = (
+        "name", "config", "model", "components", "exact", "rtol", "seq_len", "doc_lengths", "micro_batches",
+        "steps", "cp_world_sizes", "cp_seq_len", "probe_noise", "extra_plugin",
+    )
+
+    # -- building -----------------------------------------------------------------------------------------
+    def suite_plugins(self) -> Plugins:
+        cls = type(self)
+        if "_resolved_plugins" not in cls.__dict__:
+            cls._resolved_plugins = suite_plugins(self.extra_plugin)
+        return cls._resolved_plugins
+
+    def settings(self) -> dict[str, Any]:
+        """The class attributes that define this suite (plain data, sent to context-parallel ranks)."""
+        return {key: getattr(self, key) for key in self.SETTINGS}
+
+    def recipe(self, policies: list[str], probe: dict[str, Any] | None = None) -> Any:
+        raw = {
+            "run": {"device": "cpu"},
+            "model": dict(self.model),
+            "train": {"memory_policy": policies},
+            **{kind: dict(tables) for kind, tables in self.components.items()},
+        }
+        if self.model.get("ffn") == "memory-probe":
+            raw.setdefault("ffn", {})["memory-probe"] = {"noise": self.probe_noise, **(probe or {})}
+        if policies:
+            raw["memory_policy"] = {self.name: dict(self.config)}
+        return validate_recipe(raw, self.suite_plugins(), source=f"<{self.name} conformance>")
+
+    def build(self, with_policy: bool, probe: dict[str, Any] | None = None) -> tuple[LanguageModel, MemoryPolicy | None]:
+        plugins = self.suite_plugins()
+        recipe = self.recipe([self.name] if with_policy else [], probe)
+        torch.manual_seed(0)
+        model = build_model(recipe, plugins)
+        policy = None
+        if with_policy:
+            policy = plugins.get("memory_policy", self.name).load()(recipe.component("memory_policy", self.name))
+            policy.apply(model)
+        return model, policy
+
+    def cu_seqlens(self) -> Tensor:
+        assert sum(self.doc_lengths) == self.seq_len, "doc_lengths must add up to seq_len"
+        return torch.tensor([0, *torch.tensor(self.doc_lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def train_step(self, model: LanguageModel, policy: MemoryPolicy | None, step: int) -> dict[str, Any]:
+        """Loss, auxiliary losses, metrics (summed over micro-batches) and gradients of one step."""
+        model.zero_grad(set_to_none=True)
+        losses, aux, metrics = [], {}, {}
+        with policy.step() if policy is not None else contextlib.nullcontext():
+            for micro in range(self.micro_batches):
+                tokens = _batch(step, micro, self.seq_len, model.dims.vocab_size)
+                ctx = ForwardContext(cu_seqlens=self.cu_seqlens())
+                hidden = model(tokens[:, :-1], ctx)
+                loss = chunked_token_losses(hidden, model.head_weight, tokens[:, 1:], 32).mean()
+                (loss + sum(ctx.losses.values(), torch.zeros(()))).backward()
+                losses.append(loss.detach())
+                for k, v in ctx.losses.items():
+                    aux[k] = aux.get(k, 0.0) + v.detach()
+                for k, v in ctx.metrics.items():
+                    metrics[k] = metrics.get(k, 0.0) + v
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return {"loss": torch.stack(losses), "aux": aux, "metrics": metrics, "grads": grads}
+
+    def run(self, with_policy: bool, probe: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        model, policy = self.build(with_policy, probe)
+        torch.manual_seed(1)  # the probe's noise
+        out = []
+        for step in range(self.steps):
+            out.append(self.train_step(model, policy, step))
+            for p in model.parameters():  # a plain SGD step, so the second step starts from new weights
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-0.1)
+            out[-1]["tokens"] = [m.tokens for m in model.modules() if isinstance(m, MemoryProbe)]
+        return out
+
+    # -- comparisons -------------------------------------------------------------------------------------
+    def assert_same(self, got: Tensor, ref: Tensor, what: str, scale: float = 0.0) -> None:
+        assert got.shape == ref.shape, f"{self.name}: {what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+        if self.exact:
+            assert torch.equal(got, ref), (
+                f"{self.name}: {what} differs from the run without the policy (max abs difference "
+                f"{(got.double() - ref.double()).abs().max().item():.3e}); set exact = False if the policy "
+                "changes the order of operations"
+            )
+            return
+        err = (got.double() - ref.double()).abs().max().item()
+        bound = self.rtol * max(ref.double().abs().max().item(), scale)
+        assert err <= bound, f"{self.name}: {what}: max abs error {err:.3e} > {bound:.3e}"
+
+    def compare(self, got: list[dict[str, Any]], ref: list[dict[str, Any]], where: str = "") -> None:
+        for step, (g, r) in enumerate(zip(got, ref, strict=True)):
+            at = f"step {step + 1}{where}"
+            self.assert_same(g["loss"], r["loss"], f"{at} loss")
+            assert set(g["aux"]) == set(r["aux"]), f"{self.name}: {at} auxiliary losses {sorted(g['aux'])} != {sorted(r['aux'])}"
+            for k in r["aux"]:
+                self.assert_same(g["aux"][k], r["aux"][k], f"{at} auxiliary loss {k!r} (counted once?)")
+            assert set(g["metrics"]) == set(r["metrics"]), f"{self.name}: {at} metrics {sorted(g['metrics'])} != {sorted(r['metrics'])}"
+            for k in r["metrics"]:
+                self.assert_same(torch.tensor(g["metrics"][k]), torch.tensor(r["metrics"][k]), f"{at} metric {k!r} (counted once?)")
+            assert set(g["grads"]) == set(r["grads"]), (
+                f"{self.name}: {at}: gradients of {sorted(set(r['grads']) ^ set(g['grads']))} missing or extra"
+            )
+            largest = max(v.abs().max().item() for v in r["grads"].values())
+            for n, v in r["grads"].items():
+                self.assert_same(g["grads"][n], v, f"{at} gradient of {n}", scale=1e-6 * largest / self.rtol if not self.exact else 0.0)
+            if not self.exact:
+                diff = torch.cat([(g["grads"][n] - v).double().flatten() for n, v in r["grads"].items()]).norm()
+                norm = torch.cat([v.double().flatten() for v in r["grads"].values()]).norm()
+                assert diff <= self.rtol * norm, f"{self.name}: {at}: gradient relative error {(diff / norm).item():.3e} > {self.rtol:.1e}"
+
+    # -- the tests ---------------------------------------------------------------------------------------
+    def test_is_a_memory_policy(self) -> None:
+        _, policy = self.build(with_policy=True)
+        assert isinstance(policy, MemoryPolicy), f"{self.name}: build(config) did not return a MemoryPolicy (apply, step)"
+
+    def test_same_loss_gradients_losses_and_metrics(self) -> None:
+        with env(MEGASEQ_SCRATCH=tempfile.mkdtemp(prefix="megaseq-suite-")):
+            self.compare(self.run(with_policy=True), self.run(with_policy=False))
+
+    def test_each_forward_counted_once(self) -> None:
+        with env(MEGASEQ_SCRATCH=tempfile.mkdtemp(prefix="megaseq-suite-")):
+            runs = self.run(with_policy=True)
+        for step, r in enumerate(runs):
+            expected = (step + 1) * self.micro_batches * self.seq_len
+            assert r["tokens"] and all(n == expected for n in r["tokens"]), (
+                f"{self.name}: after step {step + 1} the probe layers' forwards saw {r['tokens']} tokens, expected "
+                f"{expected} each (every token once per micro-batch; re-runs for recomputation do not count)"
+            )
+
+    def _check_released(self, scratch: str, fds: set[str], tensor_bytes: int, when: str) -> None:
+        assert not _hooks_installed(), f"{self.name}: saved-tensor hooks are still installed {when}"
+        left = sorted(os.listdir(scratch))
+        assert not left, f"{self.name}: files left in the scratch directory {when}: {left}"
+        opened = sorted(_open_fds() - fds)
+        assert not opened, f"{self.name}: file descriptors left open {when}: {opened}"
+        now = _tensor_bytes()
+        assert now <= tensor_bytes, f"{self.name}: {now - tensor_bytes} more bytes of tensors reachable {when}"
+
+    def test_releases_everything_each_step(self) -> None:
+        scratch = tempfile.mkdtemp(prefix="megaseq-suite-")
+        with env(MEGASEQ_SCRATCH=scratch):
+            model, policy = self.build(with_policy=True)
+            self.train_step(model, policy, 0)  # the first step makes what every step keeps (gradients)
+            fds, tensor_bytes = _open_fds(), _tensor_bytes()
+            for step in range(1, 3):
+                self.train_step(model, policy, step)
+                self._check_released(scratch, fds, tensor_bytes, f"after step {step + 1}")
+
+    def test_releases_everything_on_error(self) -> None:
+        scratch = tempfile.mkdtemp(prefix="megaseq-suite-")
+        with env(MEGASEQ_SCRATCH=scratch):
+            # the last layer's probe fails in the second step's second micro-batch, after the first
+            # micro-batch's backward and the earlier layers' forward
+            fail_after = (self.micro_batches + 1) * self.seq_len
+            model, policy = self.build(with_policy=True, probe={"fail_after_tokens": fail_after})
+            probes = [m for m in model.modules() if isinstance(m, MemoryProbe)]
+            for probe in probes[:-1]:
+                probe.fail_after = None
+            self.train_step(model, policy, 0)
+            fds, tensor_bytes = _open_fds(), _tensor_bytes()
+            message = None
+            try:
+                self.train_step(model, policy, 1)
+            except RuntimeError as exc:  # not pytest.raises: its record would keep the failed forward alive
+                message = str(exc)
+            assert message is not None and "planned failure" in message, f"{self.name}: the planned failure did not propagate: {message!r}"
+            self._check_released(scratch, fds, tensor_bytes, "after a step that raised half-way")
+
+    def test_context_parallel(self) -> None:
+        from megaseq.testing.distributed import run_gloo
+
+        if not self.cp_world_sizes:
+            _, raised = run_gloo(2, _cp_worker, self.settings(), True)[0]
+            assert raised is not None, f"{self.name} declares no context-parallel support but did not raise under ctx.cp"
+            assert "\n" not in raised.strip(), f"{self.name}: the error under context parallelism is not one line: {raised!r}"
+            return
+        for world in self.cp_world_sizes:
+            results = run_gloo(world, _cp_worker, self.settings(), False)
+            for rank, (pair, _) in enumerate(results):
+                got, ref = pair
+                self.compare([got], [ref], where=f", cp{world} rank {rank}")
+
+
+def _cp_step(suite: MemoryPolicyConformance, with_policy: bool, rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    model, policy = suite.build(with_policy)
+    torch.manual_seed(1)
+    length = suite.cp_seq_len
+    tokens = _batch(7, 0, length, model.dims.vocab_size)
+    cp = ContextParallel(group=dist.group.WORLD, rank=rank, world_size=world, seq_len=length)
+    bounds = torch.tensor([0, 3, length // 2 + 1, length], dtype=torch.int32)
+    with policy.step() if policy is not None else contextlib.nullcontext():
+        ctx = ForwardContext(cu_seqlens=bounds, cp=cp)
+        hidden = model(zigzag_shard(tokens[:, :-1], rank, world), ctx)
+        losses = chunked_token_losses(hidden, model.head_weight, zigzag_shard(tokens[:, 1:], rank, world), 32)
+        loss = losses.sum() / length
+        (loss + sum(ctx.losses.values(), torch.zeros(()))).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.detach()[None], "aux": {k: v.detach() for k, v in ctx.losses.items()},
+            "metrics": dict(ctx.metrics), "grads": grads}
+
+
+def _cp_worker(rank: int, world: int, settings: dict[str, Any], expect_error: bool) -> tuple[Any, str | None]:
+    suite = type("RankSuite", (MemoryPolicyConformance,), dict(settings))()
+    with env(MEGASEQ_SCRATCH=tempfile.mkdtemp(prefix="megaseq-suite-")):
+        if expect_error:
+            try:
+                _cp_step(suite, True, rank, world)
+            except Exception as exc:  # the policy's own one-line error
+                return None, str(exc)
+            return None, None
+        return (_cp_step(suite, True, rank, world), _cp_step(suite, False, rank, world)), None

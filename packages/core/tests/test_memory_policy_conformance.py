@@ -1,0 +1,205 @@
+"""The memory-policy suite passes a correct third-party policy written with ``torch.utils.checkpoint`` and
+catches a wrong policy for each of its checks.
+
+``CheckpointBlocks`` is what a plugin author writes from the guide: find the blocks with
+``megaseq.memory.model_layers`` and wrap them in a non-reentrant checkpoint. It is correct by construction:
+``ForwardContext`` ignores the auxiliary losses and metrics of the re-run in backward. The wrong policies
+each break one rule the suite checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megaseq.contracts import ForwardContext, recomputing
+from megaseq.hookspecs import hookimpl
+from megaseq.memory import model_layers
+from megaseq.records import ComponentConfig, MemoryPolicySpec
+from megaseq.testing.memory_policy import MemoryPolicyConformance
+
+
+class NoOptions(ComponentConfig):
+    pass
+
+
+class CheckpointBlocks:
+    """Correct: every block recomputed by torch's non-reentrant checkpoint."""
+
+    reentrant = False
+    preserve_rng = True
+
+    def __init__(self, config: NoOptions) -> None:
+        self.config = config
+
+    def forward(self, fwd, x, ctx, cache):
+        return fwd(x, ctx, cache)
+
+    def apply(self, model) -> None:
+        def wrapper(block, fwd):
+            def run(x, ctx, cache=None):
+                if cache is not None or not torch.is_grad_enabled():
+                    return fwd(x, ctx, cache)
+                return checkpoint(
+                    self.forward, fwd, x, ctx, cache, use_reentrant=self.reentrant, preserve_rng_state=self.preserve_rng
+                )
+
+            return run
+
+        for layer in model_layers(model):
+            layer.wrap("block", wrapper)
+
+    def step(self):
+        return contextlib.nullcontext()
+
+
+class ReentrantCheckpoint(CheckpointBlocks):
+    """Wrong: torch's reentrant checkpoint runs the forward without gradients, so auxiliary losses lose theirs."""
+
+    reentrant = True
+
+
+class NoRngReplay(CheckpointBlocks):
+    """Wrong: the re-run draws new random numbers."""
+
+    preserve_rng = False
+
+
+class RecordsRecomputation(CheckpointBlocks):
+    """Wrong: makes the re-run record its losses and metrics again (what core did before recomputation was
+    recognised), so the auxiliary loss is counted twice."""
+
+    def forward(self, fwd, x, ctx, cache):
+        ctx._records_in_backward = True
+        return fwd(x, ctx, cache)
+
+
+class RunsTwice(CheckpointBlocks):
+    """Wrong: runs each block twice in forward (say, to warm a cache) and keeps the second result."""
+
+    def apply(self, model) -> None:
+        for layer in model_layers(model):
+            layer.wrap("block", lambda block, fwd: lambda x, ctx, cache=None: (fwd(x, ctx, cache), fwd(x, ctx, cache))[1])
+
+
+class DropsContextParallel(CheckpointBlocks):
+    """Wrong: re-runs blocks in backward without the context-parallel shard (exact on one rank only)."""
+
+    def forward(self, fwd, x, ctx, cache):
+        return fwd(x, dataclasses.replace(ctx, cp=None) if recomputing() else ctx, cache)
+
+
+class LeaksScratchFile(CheckpointBlocks):
+    """Wrong: leaves a file in the scratch directory after every step."""
+
+    @contextlib.contextmanager
+    def step(self):
+        tempfile.mkstemp(dir=os.environ["MEGASEQ_SCRATCH"])
+        yield
+
+
+class LeaksOnError(CheckpointBlocks):
+    """Wrong: installs saved-tensor hooks for the step and removes them only when the step succeeds."""
+
+    @contextlib.contextmanager
+    def step(self):
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        hooks.__enter__()
+        yield
+        hooks.__exit__(None, None, None)
+
+
+class KeepsTensors(CheckpointBlocks):
+    """Wrong: keeps every saved tensor of every step (a cache that is never released)."""
+
+    def __init__(self, config: NoOptions) -> None:
+        super().__init__(config)
+        self.kept: list[Any] = []
+
+    @contextlib.contextmanager
+    def step(self):
+        def pack(t):
+            self.kept.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+
+POLICIES = {cls.__name__: cls for cls in (CheckpointBlocks, ReentrantCheckpoint, NoRngReplay, RecordsRecomputation,
+                                          RunsTwice, DropsContextParallel, LeaksScratchFile, LeaksOnError, KeepsTensors)}
+
+
+class Plugin:
+    @hookimpl
+    def megaseq_memory_policy(self):
+        return [MemoryPolicySpec(name=name, target=f"{__name__}:{name}", config=NoOptions) for name in POLICIES]
+
+
+PLUGIN = Plugin()
+for _name, _cls in POLICIES.items():  # targets resolve by module name, also in the ranks' fresh processes
+    globals()[_name] = _cls
+
+
+def _suite(policy: str, **settings: Any) -> MemoryPolicyConformance:
+    return type(f"Suite{policy}", (MemoryPolicyConformance,), {"name": policy, "extra_plugin": f"{__file__}:PLUGIN", **settings})()
+
+
+class TestThirdPartyCheckpointPolicy(MemoryPolicyConformance):
+    name = "CheckpointBlocks"
+    extra_plugin = f"{__file__}:PLUGIN"
+
+
+@pytest.mark.parametrize(
+    ("policy", "check", "message"),
+    [
+        ("ReentrantCheckpoint", "test_same_loss_gradients_losses_and_metrics", "gradient of"),
+        ("NoRngReplay", "test_same_loss_gradients_losses_and_metrics", "loss differs"),
+        ("RecordsRecomputation", "test_same_loss_gradients_losses_and_metrics", "auxiliary loss"),
+        ("RunsTwice", "test_each_forward_counted_once", "tokens"),
+        ("LeaksScratchFile", "test_releases_everything_each_step", "files left in the scratch directory"),
+        ("LeaksOnError", "test_releases_everything_on_error", "saved-tensor hooks are still installed"),
+        ("KeepsTensors", "test_releases_everything_each_step", "more bytes of tensors"),
+    ],
+)
+def test_wrong_policy_is_caught(policy, check, message):
+    try:
+        with pytest.raises(AssertionError, match=message):
+            getattr(_suite(policy), check)()
+    finally:  # LeaksOnError leaves its hooks installed: remove them for the tests that follow
+        while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+def test_wrong_policy_under_context_parallelism_is_caught():
+    with pytest.raises((AssertionError, RuntimeError)):
+        _suite("DropsContextParallel").test_context_parallel()
+
+
+def test_undeclared_context_parallel_support_is_checked():
+    with pytest.raises(AssertionError, match="did not raise under ctx.cp"):
+        _suite("CheckpointBlocks", cp_world_sizes=()).test_context_parallel()
+
+
+def test_recomputation_does_not_record_again():
+    """The mechanism itself: a loss added in a re-run during backward is dropped, not added twice."""
+    x = torch.ones(3, requires_grad=True)
+    ctx = ForwardContext()
+
+    def part(t):
+        out = t.sin()
+        ctx.add_loss("aux", out.sum())
+        ctx.log("seen", 1.0 + recomputing())
+        return out
+
+    y = checkpoint(part, x, use_reentrant=False)
+    (y.sum() + ctx.losses["aux"]).backward()
+    assert float(ctx.losses["aux"]) == pytest.approx(3 * torch.sin(torch.tensor(1.0)).item())
+    assert ctx.metrics == {"seen": 1.0}
