@@ -98,11 +98,13 @@ def check_scratch_dir(directory: str) -> Path:
         raise UserError(f"{where} does not exist; create it or set scratch_dir to a directory on a local disk")
     if not path.is_dir():
         raise UserError(f"{where} is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(f"{where} is not writable (read-only file system or permissions)")
     kind = filesystem_type(path)
     if kind in ("tmpfs", "ramfs"):
         raise UserError(f"{where} is on {kind}, whose files are held in memory; choose a directory on a local disk")
+    try:  # the real test of writability (permissions, a read-only mount, no inodes left)
+        tempfile.TemporaryFile(dir=path, prefix="megaseq-offload-").close()
+    except OSError as exc:
+        raise UserError(f"{where} is not writable: {exc.strerror}") from None
     return path
 
 
@@ -133,15 +135,19 @@ class ScratchFile:
     def _reserve(self, size: int) -> None:
         if size <= self.reserved:
             return
+        stat = os.statvfs(self.directory)
+        free = stat.f_bavail * stat.f_frsize
+        full = UserError(
+            f"memory_policy.offload.scratch_dir {str(self.directory)!r} is full: this step needs "
+            f"{size / 2**30:.2f} GiB of scratch space, {(free + self.reserved) / 2**30:.2f} GiB are free"
+        )
+        if size - self.reserved > free:  # checked first: a failing fallocate may take the disk's last blocks
+            raise full
         try:
             os.posix_fallocate(self.fd, self.reserved, size - self.reserved)
         except OSError as exc:
-            free = os.statvfs(self.directory).f_bavail * os.statvfs(self.directory).f_frsize
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise UserError(
-                    f"memory_policy.offload.scratch_dir {str(self.directory)!r} is full: a step needs "
-                    f"{size / 2**30:.2f} GiB of scratch space, {free / 2**30:.2f} GiB are free"
-                ) from None
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise full from None
             raise UserError(f"memory_policy.offload.scratch_dir {str(self.directory)!r}: cannot reserve space: {exc.strerror}") from None
         self.reserved = size
 
