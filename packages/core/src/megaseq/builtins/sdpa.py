@@ -182,11 +182,14 @@ def build(config: SDPAConfig, dims: ModelDims, layer_idx: int) -> SDPAttention:
 
 
 def memory_estimate(config: SDPAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
-    width = config.n_heads * (config.head_dim or dims.d_model // config.n_heads)
-    # saved per token (fp32): input, q, k, v, attention output, logsumexp per head; tiles carry k and v
+    head_dim = config.head_dim or dims.d_model // config.n_heads
+    width = config.n_heads * head_dim
+    # saved per token (fp32, measured with saved-tensor hooks): the input, the q/k/v projection, the attention
+    # output and one logsumexp per head; with RoPE also the rotated q and k and the cos/sin tables of both
+    rope = 2 * width + 2 * head_dim if config.rope else 0
     return MemoryEstimate(
         parameters=4 * dims.d_model * width * 4,
-        saved_per_token=(dims.d_model + 4 * width + config.n_heads) * 4,
+        saved_per_token=(dims.d_model + 4 * width + rope + config.n_heads) * 4,
         temporary=0,
-        tiling=TileCarry(per_token=2 * width * 4),
+        tiling=TileCarry(per_token=2 * width * 4),  # a tile hands on its rotated keys and its values
     )

@@ -1,0 +1,143 @@
+"""Memory policies on the hybrid assembly (kda, dsa and chunked MoE, a dense first layer): every policy and
+their combination give the loss, auxiliary losses (the DSA indexer's and the MoE balance loss), metrics and
+gradients of no policy, and ``train.memory_policy = "auto"`` trains with what the planner chooses.
+
+Recomputing whole blocks, attention or feed-forward only, and offloading keep the order of every operation,
+so their results are bitwise equal in fp32. Tiles change it (the KDA chunk grid restarts at every tile, a
+tile's queries are scored in separate blocks), so tiled runs are held to 1e-6 relative: the loss, and the
+gradient vector of the whole model, ||g - g_ref|| / ||g_ref||. Tiles of 37 tokens divide neither the
+sequence nor a KDA chunk, and the packed documents cross tile boundaries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from megaseq.config import validate_recipe
+from megaseq.contracts import ForwardContext
+from megaseq.model import build_model, chunked_token_losses
+from megaseq.plugins import get_plugins
+from megaseq.train.trainer import Trainer
+
+T = 150
+BOUNDS = torch.tensor([0, 40, 41, 111, 150], dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    return get_plugins()
+
+
+def recipe(plugins, policies: list[str], configs: dict[str, dict[str, Any]], tmp_path=None, **train: Any):
+    raw = {
+        "run": {"device": "cpu", **({"out_dir": str(tmp_path / "run")} if tmp_path else {})},
+        "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 96},
+        "model": {"d_model": 32, "n_layers": 4, "layer_pattern": ["kda", "kda", "kda", "dsa"], "moe": "chunked", "dense_layers": 1},
+        "attention": {
+            "kda": {"n_heads": 2, "head_dim": 16},
+            "dsa": {"n_heads": 2, "head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 16, "index_heads": 2,
+                    "index_dim": 8, "topk": 16, "index_pool": 4},
+        },
+        "moe": {"chunked": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "chunk_tokens": 53, "aux_loss_coef": 0.01}},
+        "train": {"memory_policy": policies, **train},
+        "memory_policy": configs,
+        "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+    }
+    return validate_recipe(raw, plugins)
+
+
+def run(plugins, policies: list[str], configs: dict[str, dict[str, Any]], tmp_path) -> dict[str, Any]:
+    r = recipe(plugins, policies, {**configs, **({"offload": {"min_bytes": 4096, "scratch_dir": str(tmp_path)}} if "offload" in policies else {})})
+    torch.manual_seed(0)
+    model = build_model(r, plugins)
+    built = [plugins.get("memory_policy", n).load()(r.component("memory_policy", n)) for n in r.train.memory_policy]
+    for policy in built:
+        policy.apply(model)
+    losses, aux, metrics = [], {}, {}
+    with contextlib.ExitStack() as stack:
+        for policy in built:
+            stack.enter_context(policy.step())
+        for micro in range(2):
+            tokens = torch.randint(0, 5, (1, T + 1), generator=torch.Generator().manual_seed(micro))
+            ctx = ForwardContext(cu_seqlens=BOUNDS)
+            loss = chunked_token_losses(model(tokens[:, :-1], ctx), model.head_weight, tokens[:, 1:], 64).mean()
+            (loss + sum(ctx.losses.values())).backward()
+            losses.append(loss.detach())
+            for k, v in ctx.losses.items():
+                aux[k] = aux.get(k, 0) + v.detach()
+            metrics.update({k: metrics.get(k, 0) + v for k, v in ctx.metrics.items()})
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": torch.stack(losses), "aux": aux, "metrics": metrics, "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def reference(plugins, tmp_path_factory):
+    return run(plugins, [], {}, tmp_path_factory.mktemp("ref"))
+
+
+EXACT = {
+    "recompute-block": (["recompute"], {"recompute": {"part": "block"}}),
+    "recompute-attention": (["recompute"], {"recompute": {"part": "attention"}}),
+    "recompute-ffn-some-layers": (["recompute"], {"recompute": {"part": "ffn", "layers": [0, 2]}}),
+    "offload": (["offload"], {}),
+    "recompute-block+offload": (["recompute", "offload"], {"recompute": {"part": "block"}}),
+}
+TILED = {
+    "recompute-tiles": (["recompute"], {"recompute": {"part": "block", "tile_tokens": 37}}),
+    "recompute-tiles+offload": (["recompute", "offload"], {"recompute": {"part": "block", "tile_tokens": 37}}),
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT))
+def test_order_preserving_policies_are_bitwise(plugins, reference, tmp_path, case):
+    got = run(plugins, *EXACT[case], tmp_path)
+    assert torch.equal(got["loss"], reference["loss"])
+    assert got["aux"].keys() == reference["aux"].keys() == {"dsa_indexer", "moe/aux"}
+    for k, v in reference["aux"].items():
+        assert torch.equal(got["aux"][k], v), k
+    assert got["metrics"] == reference["metrics"]
+    assert got["grads"].keys() == reference["grads"].keys()
+    for n, g in reference["grads"].items():
+        assert torch.equal(got["grads"][n], g), n
+    assert not list(tmp_path.iterdir())
+
+
+def relative(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("case", list(TILED))
+def test_tiled_policies_within_1e6_relative(plugins, reference, tmp_path, case):
+    got = run(plugins, *TILED[case], tmp_path)
+    assert relative(got["loss"], reference["loss"]) <= 1e-6
+    for k, v in reference["aux"].items():
+        assert relative(got["aux"][k], v) <= 1e-6, k
+    for k, v in reference["metrics"].items():
+        assert abs(got["metrics"][k] - v) <= 1e-6 * abs(v), k
+    flat = lambda grads: torch.cat([grads[n].double().flatten() for n in sorted(reference["grads"])])  # noqa: E731
+    assert got["grads"].keys() == reference["grads"].keys()
+    assert relative(flat(got["grads"]), flat(reference["grads"])) <= 1e-6
+
+
+def test_auto_trains_with_the_planners_choice(plugins, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MEGASEQ_SCRATCH", str(tmp_path))
+    from megaseq.memory import plan as plan_module
+
+    r = recipe(plugins, "auto", {}, tmp_path, steps=2, batch_size=1, log_every=1)
+    candidates = plan_module.plan(r, plugins, machine=plan_module.Machine("cpu", 2**50, None)).candidates
+    smallest = min(candidates, key=lambda e: e.device_peak)
+    # a machine on which only the set with the smallest predicted peak fits
+    monkeypatch.setattr(plan_module, "total_ram", lambda: smallest.device_peak)
+    trainer = Trainer(r, plugins, progress=False, tensorboard=False)
+    assert trainer.plan is not None and trainer.plan.chosen is not None
+    assert trainer.plan.chosen.label == smallest.label
+    assert trainer.recipe.train.memory_policy == [p.name for p in smallest.policies]
+    header = trainer.header()
+    assert "memory: " in header and "chosen by the planner" in header
+    metrics = trainer.train_step()
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
