@@ -6,6 +6,11 @@ smaller machines (the no-policy prediction times each --budget fraction), i.e. e
 propose on the way down. Each measurement runs --steps training steps (the second has optimizer state) of
 one window. A configuration whose prediction exceeds --max-gib is not run (the table says so).
 
+Two measurements per row: with glibc's default allocator settings, and with allocations of 1 MiB or more
+served by their own memory maps (MALLOC_MMAP_THRESHOLD_=1048576, what the offload policy sets on CPU).
+The planner models live memory, which the second follows; the first adds what glibc's heap keeps
+resident after tensors are freed (see the offload package's README).
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_accuracy.py --seq-len 4096 16384       # minutes
     .venv/bin/python benchmarks/plan_accuracy.py --seq-len 4096 16384 65536 262144 --max-gib 22  # quiet machine
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -67,9 +73,10 @@ def child(recipe_path: str, seq_len: int, steps: int, policies: list[dict]) -> d
     return {"peak": vm("VmHWM"), "after_init": after_init, "s_per_step": min(times), "loss": losses[-1]}
 
 
-def measure(recipe: str, seq_len: int, steps: int, policies: list[dict]) -> dict:
+def measure(recipe: str, seq_len: int, steps: int, policies: list[dict], mapped: bool) -> dict:
     cmd = [sys.executable, __file__, "--child", json.dumps([recipe, seq_len, steps, policies])]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "1048576"} if mapped else {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         return {"error": tail}
@@ -109,24 +116,29 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*json.loads(args.child))))
         return
-    print(f"{'recipe':<16} {'seq_len':>8} {'policies':<58} {'predicted':>9} {'measured':>9} {'error':>7} {'s/step':>7}")
+    print(f"{'recipe':<16} {'seq_len':>8} {'policies':<50} {'predicted':>9} {'default':>8} {'error':>7} "
+          f"{'mapped':>8} {'error':>7} {'s/step':>7}", flush=True)
     for recipe in args.recipe:
         for seq_len in args.seq_len:
             for label, policies, predicted in planned_sets(recipe, seq_len, args.budget):
                 row = {"recipe": Path(recipe).stem, "seq_len": seq_len, "policies": label, "predicted_bytes": predicted}
-                short = label if len(label) <= 58 else label[:55] + "..."
-                head = f"{row['recipe']:<16} {seq_len:>8} {short:<58} {predicted / GiB:>8.2f}G"
+                short = label if len(label) <= 50 else label[:47] + "..."
+                head = f"{row['recipe']:<16} {seq_len:>8} {short:<50} {predicted / GiB:>8.2f}G"
                 if predicted > args.max_gib * GiB:
                     print(f"{head} {'not run: above --max-gib':>26}", flush=True)
                     continue
-                result = measure(recipe, seq_len, args.steps, policies)
-                row.update(result)
-                if "error" in result:
-                    print(f"{head} failed: {result['error']}", flush=True)
-                else:
-                    error = predicted / result["peak"] - 1
-                    row["error"] = error
-                    print(f"{head} {result['peak'] / GiB:>8.2f}G {error:>+7.1%} {result['s_per_step']:>7.1f}", flush=True)
+                cells = []
+                for mapped in (False, True):
+                    result = measure(recipe, seq_len, args.steps, policies, mapped)
+                    key = "mapped" if mapped else "default"
+                    row[key] = result
+                    if "error" in result:
+                        cells.append(f"failed: {result['error']}")
+                        continue
+                    row[f"{key}_error"] = predicted / result["peak"] - 1
+                    cells.append(f"{result['peak'] / GiB:>7.2f}G {row[f'{key}_error']:>+7.1%}")
+                step = row["default"].get("s_per_step", float("nan"))
+                print(f"{head} {' '.join(cells)} {step:>7.1f}", flush=True)
                 if args.json:
                     print(json.dumps(row), flush=True)
 

@@ -232,10 +232,14 @@ def build(config: KDAConfig, dims: ModelDims, layer_idx: int) -> KimiDeltaAttent
 
 
 def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
-    """fp32 bytes. Saved per token: the input, projections before and after the convolution (3 x width
-    each), gate and output-gate activations, the op's per-token tensors (q, k, v, g, W, U, ~6 x width) and its
-    in-chunk scores (64 per head), the output before and after the norm, plus one K x V state per head per
-    64-token chunk. The op's temporaries are per chunk and counted in what is saved: ``temporary`` is 0."""
+    """fp32 bytes, as measured on the chunked op with saved-tensor hooks and resident memory
+    (``benchmarks/component_memory.py``; the planner's accuracy test holds this to the measurement).
+
+    Saved per token (floats): the input (d_model), about 39 per channel of width (the projections before and
+    after the convolution, the gates, q/k/v/g/beta and the op's per-token W, U and sub-chunk tensors, the
+    output before and after its norm), 3 x 64 per head for the in-chunk score matrices, 5 per head (beta and
+    the norm statistics), the two low-rank gate projections, and one K x V state per head per 64-token chunk.
+    Temporary: backward's per-token gradients, about 3.5 floats per channel of width, over the whole call."""
     width = config.n_heads * config.head_dim
     rank = config.gate_rank or config.head_dim
     d = dims.d_model
@@ -243,8 +247,10 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         d * 3 * width + 3 * width * config.conv_size + d * config.n_heads + 2 * (d * rank + rank * width)
     )
     parameters += config.n_heads + width + config.head_dim + width * d
-    per_token = d + 6 * width + 2 * rank + 2 * width + 6 * width + 64 * config.n_heads + 2 * width
+    per_token = d + 39 * width + 3 * 64 * config.n_heads + 5 * config.n_heads + 2 * rank
     per_token += config.n_heads * config.head_dim**2 / 64
     # a sequence tile hands on the recurrent state (fp32) and the convolution's last inputs
     carry = TileCarry(per_tile=4 * (config.n_heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))
-    return MemoryEstimate(parameters=parameters * 4, saved_per_token=per_token * 4, temporary=0, tiling=carry)
+    return MemoryEstimate(
+        parameters=parameters * 4, saved_per_token=per_token * 4, temporary=int(14 * width * seq_len), tiling=carry
+    )

@@ -18,7 +18,7 @@ from megaseq.memory import Layer, model_layers
 from megaseq.records import MemoryEffect
 from megaseq_offload.config import OffloadConfig, RecomputeConfig
 from megaseq_offload.recompute import recomputed, tiled_block_forward
-from megaseq_offload.stores import PinnedPool, ScratchFile, check_scratch_dir, default_scratch_dir
+from megaseq_offload.stores import PinnedPool, ScratchFile, check_scratch_dir, default_scratch_dir, map_large_allocations
 
 
 class RecomputePolicy:
@@ -115,6 +115,7 @@ class OffloadPolicy:
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             self.scratch = check_scratch_dir(self.config.scratch_dir or default_scratch_dir())
+            map_large_allocations()  # else glibc's heap keeps what leaves for disk resident
         elif self.device.type != "cuda":
             raise UserError(f"memory_policy.offload runs on cpu or cuda, not {self.device.type}")
 

@@ -39,5 +39,10 @@ def build(config: SwiGLUConfig, dims: ModelDims, layer_idx: int) -> SwiGLU:
 def memory_estimate(config: SwiGLUConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
     h = hidden_size(config, dims)
     # saved for backward per token (fp32, measured with saved-tensor hooks): the input, the w1 and w3
-    # outputs, silu(w1 x) and the gated product
-    return MemoryEstimate(parameters=3 * dims.d_model * h * 4, saved_per_token=(dims.d_model + 4 * h) * 4)
+    # outputs, silu(w1 x) and the gated product; temporary: backward's gradients of a hidden-wide tensor and
+    # of two model-wide ones, over the whole call (measured, 4k-64k tokens)
+    return MemoryEstimate(
+        parameters=3 * dims.d_model * h * 4,
+        saved_per_token=(dims.d_model + 4 * h) * 4,
+        temporary=(h + 2 * dims.d_model) * 4 * seq_len,
+    )

@@ -52,8 +52,8 @@ from megaseq.records import MemoryEffect, MemoryEstimate, ModelDims
 GiB = 2**30
 # Resident memory of a CPU training process before any tensor of the model: the interpreter, torch and its
 # libraries, the plugins and the genome windows (measured on the 2-core CPU machine, torch 2.13: VmRSS
-# after Trainer.__init__ with a d_model 128 model at seq_len 4096 was 0.33-0.36 GiB).
-CPU_RUNTIME_BYTES = int(0.35 * GiB)
+# after Trainer.__init__ of genome-cpu and genome-sdpa-cpu at 16k tokens was 0.437-0.445 GiB).
+CPU_RUNTIME_BYTES = int(0.44 * GiB)
 # The CUDA context, cuBLAS workspaces and allocator slack of one GPU process (an assumption, not measured here).
 CUDA_RUNTIME_BYTES = int(2.0 * GiB)
 # Gradients with respect to hidden states alive at once during backward, in units of N x d_model x 4 bytes.
@@ -99,6 +99,7 @@ class Machine:
     kind: str  # "cpu" or "cuda"
     device_bytes: int
     host_bytes: int | None
+    disk_bytes: int | None = None  # CPU: free space for scratch files (None: unlimited)
 
     @classmethod
     def detect(cls, kind: str, device_gib: float | None = None, host_gib: float | None = None) -> Machine:
@@ -109,7 +110,7 @@ class Machine:
             device = int(device_gib * GiB) if device_gib else total_ram()
             if device <= CPU_RUNTIME_BYTES:
                 raise UserError(f"--device-mem {device / GiB:g}: impossible, a CPU process alone needs {CPU_RUNTIME_BYTES / GiB:.2f} GiB")
-            return cls("cpu", device, None)
+            return cls("cpu", device, None, scratch_free())
         if device_gib is None:
             import torch
 
@@ -125,6 +126,18 @@ class Machine:
     @property
     def runtime_bytes(self) -> int:
         return CPU_RUNTIME_BYTES if self.kind == "cpu" else CUDA_RUNTIME_BYTES
+
+
+def scratch_free() -> int | None:
+    """Free bytes in the directory where CPU offloading writes by default ($MEGASEQ_SCRATCH, else the system
+    temporary directory)."""
+    import tempfile
+
+    try:
+        stat = os.statvfs(os.environ.get("MEGASEQ_SCRATCH") or tempfile.gettempdir())
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 def total_ram() -> int:
@@ -143,8 +156,12 @@ class PolicyChoice:
     config: dict[str, Any]
     effect: MemoryEffect
 
+    defaults: dict[str, Any] = field(default_factory=dict, compare=False)
+
     def __str__(self) -> str:
-        options = ", ".join(f"{k}={v}" for k, v in self.config.items() if v is not None)
+        """The policy and the options that differ from its defaults (the planner's pool size omitted)."""
+        options = ", ".join(f"{k}={v}" for k, v in self.config.items()
+                            if k != "pool_bytes" and (k not in self.defaults or self.defaults[k] != v))
         return f"{self.name}({options})" if options else self.name
 
 
@@ -158,7 +175,8 @@ class Estimate:
     optimizer: int = 0
     runtime: int = 0
     saved_by_kind: dict[str, int] = field(default_factory=dict)
-    recompute_peak: int = 0  # the most one layer re-creates in backward
+    recompute_peak: int = 0  # what the layer at the peak re-creates and needs while its backward runs
+    layers_peak: int = 0  # kept by the layers still alive at the peak, plus that layer's working set
     gradient_stream: int = 0
     temporary: int = 0
     host: int = 0  # offloaded activations and host optimizer state (CUDA: pinned/host memory)
@@ -170,8 +188,8 @@ class Estimate:
     @property
     def device_peak(self) -> int:
         return (
-            self.runtime + self.weights + self.gradients + self.optimizer + sum(self.saved_by_kind.values())
-            + self.recompute_peak + self.gradient_stream + self.temporary
+            self.runtime + self.weights + self.gradients + self.optimizer + self.layers_peak
+            + self.saved_by_kind.get("embedding+head", 0) + self.gradient_stream + self.temporary
         )
 
     @property
@@ -240,6 +258,7 @@ class Plan:
             f"memory plan for {self.recipe_source}: seq_len {self.seq_len}, parallel {self.layout}, "
             f"{self.tokens} tokens per device per micro-batch\n"
             f"device: {m.kind}, {gib(m.device_bytes)}" + (f"; host memory {host}" if m.kind == "cuda" else "")
+            + (f"; scratch disk {gib(m.disk_bytes)} free" if m.disk_bytes is not None else "")
         )
         first = self.candidates[0]
         lines = [head, "", "per device (policy-independent):",
@@ -279,15 +298,25 @@ def gib(n: float) -> str:
 # -- the model ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass
 class _LayerCost:
+    """One layer's components and their estimates, evaluated at any call length (tiles are shorter calls)."""
+
     kind: str  # "kda+chunked", for the table
-    attention: MemoryEstimate
-    ffn: MemoryEstimate
+    attention: tuple[Any, Any]  # (estimate function, config)
+    ffn: tuple[Any, Any]
     ffn_tiles: bool
+    dims: ModelDims
+    cache: dict[tuple[str, int], MemoryEstimate] = field(default_factory=dict)
+
+    def at(self, part: str, length: int) -> MemoryEstimate:
+        if (part, length) not in self.cache:
+            fn, config = self.attention if part == "attention" else self.ffn
+            self.cache[(part, length)] = fn(config, self.dims, length)
+        return self.cache[(part, length)]
 
 
-def _estimate(plugins: Plugins, recipe: Recipe, kind: str, name: str, dims: ModelDims, seq_len: int) -> MemoryEstimate:
+def _estimate_fn(plugins: Plugins, recipe: Recipe, kind: str, name: str) -> tuple[Any, Any]:
     provided = plugins.get(kind, name)
     fn = provided.spec.load_memory()
     if fn is None:
@@ -295,21 +324,24 @@ def _estimate(plugins: Plugins, recipe: Recipe, kind: str, name: str, dims: Mode
             f"{recipe.source}: {kind} {name!r} ({provided.plugin.label}) reports no memory estimate "
             f"(its record has no 'memory' target): the planner cannot model it"
         )
-    return fn(recipe.component(kind, name), dims, seq_len)
+    return fn, recipe.component(kind, name)
 
 
-def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout, seq_len: int) -> list[_LayerCost]:
+def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout) -> list[_LayerCost]:
     m = recipe.model
     dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size, ep_rank=0, ep_size=layout.ep)
-    cache: dict[tuple[str, str], MemoryEstimate] = {}
+    shared: dict[tuple[str, str], _LayerCost] = {}
     out = []
     for layer in range(m.n_layers):
         attention = m.attention_of(layer)
         ffn_kind, ffn_name = m.ffn_of(layer)
-        for key in (("attention", attention), (ffn_kind, ffn_name)):
-            if key not in cache:
-                cache[key] = _estimate(plugins, recipe, *key, dims, seq_len)
-        out.append(_LayerCost(f"{attention}+{ffn_name}", cache[("attention", attention)], cache[(ffn_kind, ffn_name)], ffn_kind == "ffn"))
+        key = (attention, ffn_name)
+        if key not in shared:  # layers of the same kind share their estimates
+            shared[key] = _LayerCost(
+                f"{attention}+{ffn_name}", _estimate_fn(plugins, recipe, "attention", attention),
+                _estimate_fn(plugins, recipe, ffn_kind, ffn_name), ffn_kind == "ffn", dims,
+            )
+        out.append(shared[key])
     return out
 
 
@@ -330,19 +362,21 @@ def estimate(
     """Predicted memory of one training step of ``recipe`` at ``seq_len`` on one device under ``policies``."""
     m, t = recipe.model, recipe.train
     tokens = tokens_per_device(recipe, layout, seq_len)
-    costs = costs if costs is not None else _layer_costs(recipe, plugins, layout, seq_len // layout.cp)
+    length = seq_len // layout.cp  # one sequence's tokens on this device: what a component's call sees
+    costs = costs if costs is not None else _layer_costs(recipe, plugins, layout)
     effects = [p.effect for p in policies]
     offload_min = min((e.offload_min_bytes for e in effects if e.offload_min_bytes is not None), default=None)
     act = 0.5 if t.bf16 else 1.0  # components report fp32 bytes; autocast keeps most activations in bf16
     x = 4 * m.d_model  # block input: the fp32 residual stream
     norms = 2 * NORM_FLOATS * 4 * m.d_model
+    rows = tokens // length  # sequences per micro-batch on this device
 
     out = Estimate(policies, runtime=machine.runtime_bytes, time_cost=sum(e.time_cost for e in effects))
     embed = m.vocab_size * m.d_model * 4 * (1 if m.tie_embeddings else 2) // layout.tp
     params = embed + 4 * m.d_model * (2 * m.n_layers + 1)
     for c in costs:
-        params += c.attention.parameters // layout.tp
-        params += c.ffn.parameters // (layout.tp if c.ffn_tiles else layout.etp)
+        params += c.at("attention", length).parameters // layout.tp
+        params += c.at("ffn", length).parameters // (layout.tp if c.ffn_tiles else layout.etp)
     out.weights, out.gradients = params, params
     optimizer = 2 * params  # AdamW: two fp32 moments per parameter
     if any(e.optimizer_on_host for e in effects):
@@ -350,37 +384,44 @@ def estimate(
     else:
         out.optimizer = optimizer
 
-    offloaded = 0
+    offloaded, kept_so_far, backward_peak = 0, 0.0, 0.0
     for i, c in enumerate(costs):
-        a = act * c.attention.saved_per_token / layout.tp
-        f = act * c.ffn.saved_per_token / (layout.tp if c.ffn_tiles else 1)
+        attention, ffn = c.at("attention", length), c.at("ffn", length)
+        a = act * attention.saved_per_token / layout.tp
+        f = act * ffn.saved_per_token / (layout.tp if c.ffn_tiles else 1)
+        temp = max(attention.temporary, ffn.temporary) * rows / layout.tp
         part, tile = _combine(effects, i)
-        carry = c.attention.tiling
         if part is None:
-            kept, rerun, unit_input = (a + f + norms) * tokens, 0.0, 0.0
+            kept, work, unit_input = (a + f + norms) * tokens, temp, 0.0
         elif part == "ffn":
-            kept, rerun, unit_input = (a + norms + x) * tokens, f * tokens, x * tokens
+            kept, work, unit_input = (a + norms + x) * tokens, f * tokens + temp, x * tokens
         elif part == "attention":
-            kept, rerun, unit_input = (f + norms + x) * tokens, a * tokens, x * tokens
-        elif tile is None or carry is None or tile >= tokens:
-            kept, rerun, unit_input = x * tokens, (a + f + norms) * tokens, x * tokens
+            kept, work, unit_input = (f + norms + x) * tokens, a * tokens + temp, x * tokens
+        elif tile is None or attention.tiling is None or tile >= length:
+            kept, work, unit_input = x * tokens, (a + f + norms) * tokens + temp, x * tokens
         else:
-            n_tiles = math.ceil(tokens / tile)
-            kept = x * tokens + carry.per_token * tokens / layout.tp + carry.per_tile * n_tiles
-            attention_rerun = (a + norms / 2) * tile
+            n_tiles = math.ceil(length / tile)
+            carry = attention.tiling.per_token * tokens / layout.tp + attention.tiling.per_tile * n_tiles * rows
+            tile_attention = c.at("attention", tile)
+            # a tile re-creates its attention's activations and concatenates the earlier tiles' carry
+            work = (a + norms / 2) * tile * rows + tile_attention.temporary * rows / layout.tp + carry
+            kept = x * tokens + carry
             if c.ffn_tiles:
-                rerun = max(attention_rerun + (f + norms / 2) * tile, 0)
-                unit_input = x * tile
+                work += (f + norms / 2) * tile * rows + c.at("ffn", tile).temporary * rows / layout.tp
+                unit_input = x * tile * rows
             else:  # an MoE layer runs whole after the attention tiles: its input h is kept too
                 kept += x * tokens
-                rerun = max(attention_rerun, (f + norms / 2) * tokens)
+                work = max(work, (f + norms / 2) * tokens + ffn.temporary * rows)
                 unit_input = x * tokens
         if offload_min is not None and kept >= offload_min:
             offloaded += int(kept)
             kept = 0.0
-            rerun += unit_input  # the inputs of the part being differentiated come back
+            work += unit_input  # the inputs of the part being differentiated come back
         out.saved_by_kind[c.kind] = out.saved_by_kind.get(c.kind, 0) + int(kept)
-        out.recompute_peak = max(out.recompute_peak, int(rerun))
+        kept_so_far += kept
+        # backward reaches layer i while layers 0..i still keep theirs: its working set comes on top
+        if kept_so_far + work > backward_peak:
+            backward_peak, out.recompute_peak = kept_so_far + work, int(work)
     out.offloaded = offloaded
     if machine.kind == "cpu":
         out.disk = offloaded
@@ -390,8 +431,14 @@ def estimate(
     out.saved_by_kind["embedding+head"] = int(head)
     out.gradient_stream = GRAD_STREAM * x * tokens
     loss_chunk = min(t.loss_chunk, tokens)
-    out.temporary = max([3 * 4 * loss_chunk * m.vocab_size] + [max(c.attention.temporary, c.ffn.temporary) for c in costs])
-    out.fits = out.device_peak <= machine.device_bytes and (machine.host_bytes is None or out.host <= machine.host_bytes)
+    out.temporary = 3 * 4 * loss_chunk * m.vocab_size  # one chunk's logits, probabilities and their gradient
+    # what the peak counts of the layers' keeping and working: the worst point of backward
+    out.layers_peak = int(backward_peak)
+    out.fits = (
+        out.device_peak <= machine.device_bytes
+        and (machine.host_bytes is None or out.host <= machine.host_bytes)
+        and (machine.disk_bytes is None or out.disk <= machine.disk_bytes)
+    )
     return out
 
 
@@ -414,7 +461,8 @@ def _policy_choice(recipe: Recipe, plugins: Plugins, name: str, preset: dict[str
         config = provided.spec.config(**values)
     except Exception as exc:  # a preset that its own schema rejects is the plugin's bug
         raise UserError(f"memory_policy {name!r}: preset {preset} is invalid: {exc}") from None
-    return PolicyChoice(name, config.model_dump(mode="json"), effect_fn(config))
+    defaults = {k: f.default for k, f in provided.spec.config.model_fields.items() if not f.is_required()}
+    return PolicyChoice(name, config.model_dump(mode="json"), effect_fn(config), defaults)
 
 
 def candidate_sets(recipe: Recipe, plugins: Plugins) -> list[list[PolicyChoice]]:
@@ -460,7 +508,7 @@ def plan(
     else:
         names = list(policies)
         sets, given = [[_policy_choice(recipe, plugins, n, {}) for n in names]], True
-    costs = _layer_costs(recipe, plugins, layout, seq_len // layout.cp)
+    costs = _layer_costs(recipe, plugins, layout)
     estimates = [estimate(recipe, plugins, s, layout, machine, seq_len, costs) for s in sets]
     for e in estimates:
         _size_pools(e, recipe, plugins)
@@ -478,7 +526,7 @@ def _size_pools(e: Estimate, recipe: Recipe, plugins: Plugins) -> None:
     for i, p in enumerate(e.policies):
         if p.effect.offload_min_bytes is not None and "pool_bytes" in p.config and p.config["pool_bytes"] is None:
             sized = {**p.config, "pool_bytes": int(e.offloaded * 1.1) + 2**20}
-            e.policies[i] = PolicyChoice(p.name, sized, p.effect)
+            e.policies[i] = PolicyChoice(p.name, sized, p.effect, p.defaults)
 
 
 def choose_memory_policy(recipe: Recipe, plugins: Plugins, device: Any) -> tuple[Recipe, Plan]:
