@@ -389,7 +389,8 @@ def estimate(
         attention, ffn = c.at("attention", length), c.at("ffn", length)
         a = act * attention.saved_per_token / layout.tp
         f = act * ffn.saved_per_token / (layout.tp if c.ffn_tiles else 1)
-        temp = max(attention.temporary, ffn.temporary) * rows / layout.tp
+        ffn_split = layout.tp if c.ffn_tiles else layout.etp  # dense: tensor-parallel; experts: expert-TP
+        temp = max(attention.temporary / layout.tp, ffn.temporary / ffn_split) * rows
         part, tile = _combine(effects, i)
         if part is None:
             kept, work, unit_input = (a + f + norms) * tokens, temp, 0.0
@@ -407,11 +408,11 @@ def estimate(
             work = (a + norms / 2) * tile * rows + tile_attention.temporary * rows / layout.tp + carry
             kept = x * tokens + carry
             if c.ffn_tiles:
-                work += (f + norms / 2) * tile * rows + c.at("ffn", tile).temporary * rows / layout.tp
+                work += (f + norms / 2) * tile * rows + c.at("ffn", tile).temporary * rows / ffn_split
                 unit_input = x * tile * rows
             else:  # an MoE layer runs whole after the attention tiles: its input h is kept too
                 kept += x * tokens
-                work = max(work, (f + norms / 2) * tokens + ffn.temporary * rows)
+                work = max(work, (f + norms / 2) * tokens + ffn.temporary * rows / ffn_split)
                 unit_input = x * tokens
         if offload_min is not None and kept >= offload_min:
             offloaded += int(kept)

@@ -1,0 +1,143 @@
+"""The memory planner: `megaseq plan` output and errors, the model it applies, and how it chooses.
+
+Core alone has no memory policy, so the choosing is tested with a small policy plugin registered here
+(``ShrinkPolicy``: its presets halve or quarter what the planner is told the layers keep, at a cost), and a
+third-party component's own formula is shown to reach the plan. The accuracy against measured memory is in
+``tests/test_plan_accuracy.py`` (repository root) and ``benchmarks/plan_accuracy.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megaseq.cli import main
+from megaseq.config import load_recipe, validate_recipe
+from megaseq.hookspecs import hookimpl
+from megaseq.memory.plan import GiB, Layout, Machine, describe_memory_policy, plan
+from megaseq.records import AttentionSpec, ComponentConfig, MemoryEffect, MemoryEstimate, MemoryPolicySpec
+from megaseq.testing import fresh_plugins
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = str(REPO / "recipes" / "tiny.toml")
+
+
+def test_plan_json_has_the_documented_keys(capsys):
+    assert main(["plan", TINY, "--seq-len", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("seq_len", "policies", "device_peak_bytes", "host_peak_bytes", "fits", "candidates"):
+        assert key in out
+    assert out["seq_len"] == 4096 and out["policies"] == [] and out["fits"] is True
+    assert out["device_peak_bytes"] > 0.4 * GiB  # at least the process itself
+
+
+def test_plan_table_lists_what_the_issue_asks(capsys):
+    assert main(["plan", TINY, "--memory-policy", "none", "--device-mem", "8"]) == 0
+    text = capsys.readouterr().out
+    for word in ("weights", "gradients", "optimizer state", "sdpa+swiglu", "re-run", "peak", "fits", "8.00G"):
+        assert word in text, word
+
+
+def test_nothing_fits_is_said_plainly(capsys):
+    assert main(["plan", TINY, "--seq-len", "100000000", "--device-mem", "1"]) == 0
+    assert "nothing fits" in capsys.readouterr().out
+    assert main(["plan", TINY, "--seq-len", "100000000", "--device-mem", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seq-len", "0"], "--seq-len 0: must be a positive number of tokens"),
+        (["--device-mem", "0"], "--device-mem 0"),
+        (["--device-mem", "-2"], "must be a positive number of GiB"),
+        (["--device-mem", "0.1"], "impossible"),
+        (["--host-mem", "nan"], "--host-mem nan"),
+        (["--parallel", "cp=3", "--seq-len", "100"], "multiple of 6"),
+        (["--parallel", "pp=2"], "NAME one of dp, cp, ep, tp, etp"),
+        (["--parallel", "dp=zero"], "dp must be a positive integer"),
+        (["--memory-policy", "a b"], "expected auto, none or comma-separated policy names"),
+        (["--memory-policy", "nonexistent"], "no memory_policy named 'nonexistent'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGASEQ_SCRATCH", str(tmp_path))
+    assert main(["plan", TINY, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megaseq: error:") and message in err[0], err
+    assert not list(tmp_path.iterdir())
+
+
+# -- choosing, with a policy registered here ---------------------------------------------------------------
+
+
+class ShrinkConfig(ComponentConfig):
+    part: str = "block"
+    tile_tokens: int | None = None
+    cost: float = 0.1
+
+
+def shrink_effect(config: ShrinkConfig) -> MemoryEffect:
+    return MemoryEffect(recompute=config.part, tile_tokens=config.tile_tokens, time_cost=config.cost)
+
+
+class ShrinkPlugin:
+    @hookimpl
+    def megaseq_memory_policy(self):
+        return [MemoryPolicySpec(
+            name="shrink", target=f"{__name__}:ShrinkConfig", config=ShrinkConfig, memory=f"{__name__}:shrink_effect",
+            presets=({"part": "ffn", "cost": 0.1}, {"part": "block", "cost": 0.3}, {"part": "block", "tile_tokens": 64, "cost": 0.4}),
+        )]
+
+
+def test_proposes_the_cheapest_set_that_fits():
+    plugins = fresh_plugins()
+    plugins.register(ShrinkPlugin(), name="shrink-plugin")
+    recipe = load_recipe(TINY, plugins)
+    big = plan(recipe, plugins, seq_len=65536, machine=Machine("cpu", 64 * GiB, None))
+    assert big.chosen is not None and big.chosen.label == "none"
+    peaks = {e.label: e.device_peak for e in big.candidates}
+    assert peaks["none"] > peaks["shrink(part=ffn)"] > peaks["shrink(cost=0.3)"] > peaks["shrink(tile_tokens=64, cost=0.4)"]
+    between = (peaks["shrink(cost=0.3)"] + peaks["shrink(part=ffn)"]) // 2
+    tight = plan(recipe, plugins, seq_len=65536, machine=Machine("cpu", between, None))
+    assert tight.chosen is not None and tight.chosen.label == "shrink(cost=0.3)"
+    assert "proposed: shrink(cost=0.3)" in tight.table()
+
+
+def test_a_third_party_components_formula_is_planned():
+    class Config(ComponentConfig):
+        per_token: float = 1000.0
+
+    class Plugin:
+        @hookimpl
+        def megaseq_attention(self):
+            return [AttentionSpec(name="heavy", target=f"{__name__}:_never_built", config=Config, memory=f"{__name__}:_heavy_memory")]
+
+    plugins = fresh_plugins()
+    plugins.register(Plugin(), name="heavy-plugin")
+    raw = {"model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["heavy"]}, "attention": {"heavy": {"per_token": 1000.0}},
+           "train": {"batch_size": 1}}
+    light = plan(validate_recipe(raw, plugins), plugins, seq_len=1 << 20, machine=Machine("cpu", 64 * GiB, None), policies="none")
+    raw["attention"]["heavy"]["per_token"] = 5000.0
+    heavy = plan(validate_recipe(raw, plugins), plugins, seq_len=1 << 20, machine=Machine("cpu", 64 * GiB, None), policies="none")
+    assert heavy.candidates[0].device_peak - light.candidates[0].device_peak == 2 * 4000 * (1 << 20)
+
+
+def _heavy_memory(config, dims, seq_len) -> MemoryEstimate:
+    return MemoryEstimate(parameters=0, saved_per_token=config.per_token)
+
+
+def test_parallel_layout_divides_tokens():
+    plugins = fresh_plugins()
+    recipe = load_recipe(TINY, plugins, ["train.batch_size=8"])
+    one = plan(recipe, plugins, seq_len=4096, machine=Machine("cpu", 64 * GiB, None), policies="none")
+    split = plan(recipe, plugins, seq_len=4096, layout=Layout.parse("dp=2,cp=2"), machine=Machine("cpu", 64 * GiB, None), policies="none")
+    assert one.tokens == 8 * 4096 and split.tokens == 4 * 2048
+    assert split.candidates[0].device_peak < one.candidates[0].device_peak
+
+
+def test_run_header_names_the_memory_policy():
+    plugins = fresh_plugins()
+    assert describe_memory_policy(load_recipe(TINY, plugins)) == "no memory policy"
