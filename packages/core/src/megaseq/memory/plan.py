@@ -42,6 +42,7 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from megaseq.config import Recipe
@@ -51,9 +52,10 @@ from megaseq.records import MemoryEffect, MemoryEstimate, ModelDims
 
 GiB = 2**30
 # Resident memory of a CPU training process before any tensor of the model: the interpreter, torch and its
-# libraries, the plugins and the genome windows (measured on the 2-core CPU machine, torch 2.13: VmRSS
-# after Trainer.__init__ of genome-cpu and genome-sdpa-cpu at 16k tokens was 0.437-0.445 GiB).
-CPU_RUNTIME_BYTES = int(0.44 * GiB)
+# libraries, the plugins and the held-out data (measured on the 2-core CPU machine, torch 2.13: VmRSS after
+# Trainer.__init__ with the 300 kb shipped excerpt as training data was 0.378 GiB). The training data adds
+# one byte per base: the windows scan the whole token file once (with chr20: 0.437 GiB in all).
+CPU_RUNTIME_BYTES = int(0.378 * GiB)
 # The CUDA context, cuBLAS workspaces and allocator slack of one GPU process (an assumption, not measured here).
 CUDA_RUNTIME_BYTES = int(2.0 * GiB)
 # Gradients with respect to hidden states alive at once during backward, in units of N x d_model x 4 bytes.
@@ -371,7 +373,8 @@ def estimate(
     norms = 2 * NORM_FLOATS * 4 * m.d_model
     rows = tokens // length  # sequences per micro-batch on this device
 
-    out = Estimate(policies, runtime=machine.runtime_bytes, time_cost=sum(e.time_cost for e in effects))
+    runtime = machine.runtime_bytes + (training_data_bytes(recipe) if machine.kind == "cpu" else 0)
+    out = Estimate(policies, runtime=runtime, time_cost=sum(e.time_cost for e in effects))
     embed = m.vocab_size * m.d_model * 4 * (1 if m.tie_embeddings else 2) // layout.tp
     params = embed + 4 * m.d_model * (2 * m.n_layers + 1)
     for c in costs:
@@ -441,6 +444,18 @@ def estimate(
         and (machine.disk_bytes is None or out.disk <= machine.disk_bytes)
     )
     return out
+
+
+def training_data_bytes(recipe: Recipe) -> int:
+    """The training token file's size (one byte per base), which a CPU run keeps resident: known for the
+    named datasets, the FASTA file's size for a path (compressed files are undercounted)."""
+    from megaseq.data.sources import DATASETS
+
+    info = DATASETS.get(recipe.data.train)
+    if info is not None:
+        return info.bases
+    path = Path(recipe.data.train)
+    return path.stat().st_size if path.is_file() else 0
 
 
 def tokens_per_device(recipe: Recipe, layout: Layout, seq_len: int) -> int:
