@@ -147,7 +147,8 @@ def test_every_hook_is_documented_in_the_guide():
     "suite",
     ["megaseq.testing.attention:AttentionConformance", "megaseq.testing.ffn:FeedForwardConformance",
      "megaseq.testing.moe:MoEConformance", "megaseq.testing.rl:RLAlgorithmConformance",
-     "megaseq.testing.engine:EngineConformance"],
+     "megaseq.testing.engine:EngineConformance", "megaseq.testing.memory_policy:MemoryPolicyConformance",
+     "megaseq.testing.tiling:SequenceTilingConformance"],
 )
 def test_every_suite_knob_is_documented_in_the_guide(suite):
     from megaseq.records import load_target

@@ -20,14 +20,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megaseq.contracts import ForwardContext, recomputing
-from megaseq.hookspecs import hookimpl
 from megaseq.memory import model_layers
-from megaseq.records import ComponentConfig, MemoryPolicySpec
 from megaseq.testing.memory_policy import MemoryPolicyConformance
-
-
-class NoOptions(ComponentConfig):
-    pass
 
 
 class CheckpointBlocks:
@@ -36,7 +30,7 @@ class CheckpointBlocks:
     reentrant = False
     preserve_rng = True
 
-    def __init__(self, config: NoOptions) -> None:
+    def __init__(self, config: dict) -> None:
         self.config = config
 
     def forward(self, fwd, x, ctx, cache):
@@ -119,7 +113,7 @@ class LeaksOnError(CheckpointBlocks):
 class KeepsTensors(CheckpointBlocks):
     """Wrong: keeps every saved tensor of every step (a cache that is never released)."""
 
-    def __init__(self, config: NoOptions) -> None:
+    def __init__(self, config: dict) -> None:
         super().__init__(config)
         self.kept: list[Any] = []
 
@@ -133,28 +127,13 @@ class KeepsTensors(CheckpointBlocks):
             yield
 
 
-POLICIES = {cls.__name__: cls for cls in (CheckpointBlocks, ReentrantCheckpoint, NoRngReplay, RecordsRecomputation,
-                                          RunsTwice, DropsContextParallel, LeaksScratchFile, LeaksOnError, KeepsTensors)}
-
-
-class Plugin:
-    @hookimpl
-    def megaseq_memory_policy(self):
-        return [MemoryPolicySpec(name=name, target=f"{__name__}:{name}", config=NoOptions) for name in POLICIES]
-
-
-PLUGIN = Plugin()
-for _name, _cls in POLICIES.items():  # targets resolve by module name, also in the ranks' fresh processes
-    globals()[_name] = _cls
-
-
 def _suite(policy: str, **settings: Any) -> MemoryPolicyConformance:
-    return type(f"Suite{policy}", (MemoryPolicyConformance,), {"name": policy, "extra_plugin": f"{__file__}:PLUGIN", **settings})()
+    return type(f"Suite{policy}", (MemoryPolicyConformance,), {"name": policy, "factory": f"{__file__}:{policy}", **settings})()
 
 
 class TestThirdPartyCheckpointPolicy(MemoryPolicyConformance):
-    name = "CheckpointBlocks"
-    extra_plugin = f"{__file__}:PLUGIN"
+    name = "checkpoint-blocks"
+    factory = f"{__file__}:CheckpointBlocks"
 
 
 @pytest.mark.parametrize(

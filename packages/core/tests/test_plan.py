@@ -125,6 +125,10 @@ def test_a_third_party_components_formula_is_planned():
     assert heavy.candidates[0].device_peak - light.candidates[0].device_peak == 2 * 4000 * (1 << 20)
 
 
+def _never_built(config, dims, layer_idx):
+    raise AssertionError("the planner must not build components")
+
+
 def _heavy_memory(config, dims, seq_len) -> MemoryEstimate:
     return MemoryEstimate(parameters=0, saved_per_token=config.per_token)
 

@@ -15,9 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, Tile
-from megaseq.hookspecs import hookimpl
-from megaseq.records import AttentionSpec, ComponentConfig, MemoryEstimate, TileCarry
-from megaseq.testing import fresh_plugins
+from megaseq.records import MemoryEstimate, TileCarry
 from megaseq.testing.tiling import SequenceTilingConformance
 
 
@@ -101,47 +99,26 @@ class TileNormalisedLoss(PrefixMean):
     tile_normalised_loss = True
 
 
-class NoConfig(ComponentConfig):
-    pass
+def build_prefix_mean(config: dict, dims: Any, layer_idx: int) -> nn.Module:
+    return {cls.__name__: cls for cls in (PrefixMean, DetachedCarry, IgnoresHistory, TileLocalPositions,
+                                          TileNormalisedLoss)}[config["variant"]](dims.d_model)
 
 
-def _plugin(cls: type, declares_tiling: bool = True) -> object:
-    class Plugin:
-        @hookimpl
-        def megaseq_attention(self):
-            return [AttentionSpec(name="prefix-mean", target=f"{__name__}:_build", config=NoConfig,
-                                  memory=f"{__name__}:{'_estimate' if declares_tiling else '_estimate_without_tiling'}")]
-
-    _BUILD["cls"] = cls
-    return Plugin()
-
-
-_BUILD: dict[str, type] = {}
-
-
-def _build(config: NoConfig, dims: Any, layer_idx: int) -> nn.Module:
-    return _BUILD["cls"](dims.d_model)
-
-
-def _estimate(config: NoConfig, dims: Any, seq_len: int) -> MemoryEstimate:
-    return MemoryEstimate(parameters=8 * dims.d_model**2, saved_per_token=12 * dims.d_model, tiling=TileCarry(per_tile=4 * dims.d_model))
-
-
-def _estimate_without_tiling(config: NoConfig, dims: Any, seq_len: int) -> MemoryEstimate:
-    return MemoryEstimate(parameters=8 * dims.d_model**2, saved_per_token=12 * dims.d_model)
+def prefix_mean_memory(config: dict, dims: Any, seq_len: int) -> MemoryEstimate:
+    return MemoryEstimate(parameters=8 * dims.d_model**2, saved_per_token=12 * dims.d_model,
+                          tiling=None if config.get("undeclared") else TileCarry(per_tile=4 * dims.d_model))
 
 
 def _suite(cls: type, declares_tiling: bool = True) -> SequenceTilingConformance:
-    plugins = fresh_plugins()
-    plugins.register(_plugin(cls, declares_tiling), name="prefix-mean-plugin")
-
     class Suite(SequenceTilingConformance):
         name = "prefix-mean"
+        config: ClassVar[dict[str, Any]] = {"variant": cls.__name__, "undeclared": not declares_tiling}
+        factory = f"{__file__}:build_prefix_mean"
+        memory = f"{__file__}:prefix_mean_memory"
         d_model = 8
         seq_len = 45
         tile_sizes = (7, 16)
 
-    Suite.plugins = plugins
     return Suite()
 
 

@@ -102,7 +102,7 @@ class ChunkedMoE(nn.Module):
         indices = self._select(tokens)
         if ctx.routing is not None:
             indices = ctx.routing.route(self.routing_key, indices)
-        if self.training:
+        if self.training and not ctx.recomputing:  # a re-run for recomputation must not count the load again
             self.last_load = sum_over(torch.bincount(indices.reshape(-1), minlength=self.n_experts), group)
             self.step_load += self.last_load
         with_aux = self.training and self.aux_loss_coef > 0

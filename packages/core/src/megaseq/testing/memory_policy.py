@@ -11,7 +11,7 @@ without, and checks:
   ``probe_noise = False`` only for a policy that calls a feed-forward a different number of times, such as
   sequence tiling, which calls it once per tile): bitwise when ``exact`` (the policy
   keeps the order of operations), else the relative error of the loss and of the whole gradient vector
-  ``||g - g_ref|| / ||g_ref||`` at most ``rtol`` (1e-6) and each gradient within ``rtol`` of its own
+  ``||g - g_ref|| / ||g_ref||`` at most ``tolerance`` (1e-6) and each gradient within ``tolerance`` of its own
   largest magnitude or of 1e-6 of the largest gradient of the model, whichever is larger;
 - every token through each layer's forward once per micro-batch (a re-run for recomputation does not
   count; a policy may split a forward into tiles);
@@ -23,9 +23,10 @@ without, and checks:
   the same ranks without the policy; a policy that cannot run under context parallelism declares
   ``cp_world_sizes = ()`` and must then raise a one-line error there, which is checked.
 
-The policy comes from the installed plugins; ``extra_plugin = "module:attr"`` (or ``"path/to/file.py:attr"``)
-registers one more plugin object first, e.g. a policy defined in the test module itself. It is named by
-import path because the context-parallel test rebuilds the suite in fresh processes.
+The policy comes from the installed plugins; ``factory = "module:attr"`` (or ``"/path/to/file.py:attr"``) of
+a ``build(config_dict)`` tests one that is not an installed plugin (a policy before it is packaged, core's
+own wrong policies). It is named by import path because the context-parallel test rebuilds the suite in
+fresh processes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -49,7 +49,7 @@ from megaseq.model import LanguageModel, build_model, chunked_token_losses
 from megaseq.parallel import zigzag_shard
 from megaseq.plugins import Plugins
 from megaseq.records import ComponentConfig, FFNSpec, MemoryEstimate, ModelDims
-from megaseq.testing import env
+from megaseq.testing import env, load_factory
 
 PROBE_LOSS, PROBE_METRIC = "memory_probe", "memory_probe_abs"
 
@@ -111,33 +111,12 @@ class _ProbePlugin:
         ]
 
 
-def _load_object(target: str) -> Any:
-    """``"module:attr"`` or ``"path/to/file.py:attr"``."""
-    import importlib.util
-
-    from megaseq.records import load_target
-
-    where, _, attr = target.rpartition(":")
-    if not where.endswith(".py"):
-        return load_target(target)
-    name = f"_megaseq_suite_{Path(where).stem}"
-    if name not in sys.modules:  # registered, so that "module:attr" targets inside it resolve
-        spec = importlib.util.spec_from_file_location(name, where)
-        assert spec is not None and spec.loader is not None, f"cannot import {where}"
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return getattr(sys.modules[name], attr)
-
-
-def suite_plugins(extra_plugin: str | None = None) -> Plugins:
-    """The installed plugins, the suite's probe and (optionally) ``extra_plugin``, in a fresh manager."""
+def suite_plugins() -> Plugins:
+    """The installed plugins and the suite's probe, in a fresh manager."""
     from megaseq.testing import fresh_plugins
 
     plugins = fresh_plugins(autoload=True)
     plugins.register(_ProbePlugin(), name="memory-probe", dist="megaseq-core (testing)")
-    if extra_plugin is not None:
-        plugins.register(_load_object(extra_plugin), name=f"suite-extra:{extra_plugin}", dist="(test)")
     return plugins
 
 
@@ -184,8 +163,9 @@ class MemoryPolicyConformance:
     config: ClassVar[dict[str, Any]] = {}
     model: ClassVar[dict[str, Any]] = {"d_model": 16, "n_layers": 3, "layer_pattern": ["sdpa"], "ffn": "memory-probe"}
     components: ClassVar[dict[str, dict[str, Any]]] = {"attention": {"sdpa": {"n_heads": 2}}}
+    factory: ClassVar[str | None] = None
     exact: ClassVar[bool] = True
-    rtol: ClassVar[float] = 1e-6
+    tolerance: ClassVar[float] = 1e-6
     seq_len: ClassVar[int] = 67
     doc_lengths: ClassVar[tuple[int, ...]] = (20, 1, 29, 17)
     micro_batches: ClassVar[int] = 2
@@ -193,44 +173,37 @@ class MemoryPolicyConformance:
     cp_world_sizes: ClassVar[tuple[int, ...]] = (2,)
     cp_seq_len: ClassVar[int] = 68
     probe_noise: ClassVar[bool] = True
-    extra_plugin: ClassVar[str | None] = None
-    SETTINGS: ClassVar[tuple[str, ...]] = (
-        "name", "config", "model", "components", "exact", "rtol", "seq_len", "doc_lengths", "micro_batches",
-        "steps", "cp_world_sizes", "cp_seq_len", "probe_noise", "extra_plugin",
-    )
 
     # -- building -----------------------------------------------------------------------------------------
     def suite_plugins(self) -> Plugins:
         cls = type(self)
         if "_resolved_plugins" not in cls.__dict__:
-            cls._resolved_plugins = suite_plugins(self.extra_plugin)
+            cls._resolved_plugins = suite_plugins()
         return cls._resolved_plugins
 
     def settings(self) -> dict[str, Any]:
         """The class attributes that define this suite (plain data, sent to context-parallel ranks)."""
-        return {key: getattr(self, key) for key in self.SETTINGS}
+        knobs = {name for klass in type(self).__mro__ for name in getattr(klass, "__annotations__", {})}
+        return {key: getattr(self, key) for key in knobs if not key.startswith("_")}
 
-    def recipe(self, policies: list[str], probe: dict[str, Any] | None = None) -> Any:
-        raw = {
-            "run": {"device": "cpu"},
-            "model": dict(self.model),
-            "train": {"memory_policy": policies},
-            **{kind: dict(tables) for kind, tables in self.components.items()},
-        }
+    def recipe(self, probe: dict[str, Any] | None = None) -> Any:
+        raw = {"run": {"device": "cpu"}, "model": dict(self.model), **{kind: dict(t) for kind, t in self.components.items()}}
         if self.model.get("ffn") == "memory-probe":
             raw.setdefault("ffn", {})["memory-probe"] = {"noise": self.probe_noise, **(probe or {})}
-        if policies:
-            raw["memory_policy"] = {self.name: dict(self.config)}
         return validate_recipe(raw, self.suite_plugins(), source=f"<{self.name} conformance>")
 
+    def build_policy(self) -> MemoryPolicy:
+        if self.factory is not None:
+            return load_factory(self.factory)(dict(self.config))
+        provided = self.suite_plugins().get("memory_policy", self.name)
+        return provided.load()(provided.spec.config(**self.config))
+
     def build(self, with_policy: bool, probe: dict[str, Any] | None = None) -> tuple[LanguageModel, MemoryPolicy | None]:
-        plugins = self.suite_plugins()
-        recipe = self.recipe([self.name] if with_policy else [], probe)
         torch.manual_seed(0)
-        model = build_model(recipe, plugins)
+        model = build_model(self.recipe(probe), self.suite_plugins())
         policy = None
         if with_policy:
-            policy = plugins.get("memory_policy", self.name).load()(recipe.component("memory_policy", self.name))
+            policy = self.build_policy()
             policy.apply(model)
         return model, policy
 
@@ -281,7 +254,7 @@ class MemoryPolicyConformance:
             )
             return
         err = (got.double() - ref.double()).abs().max().item()
-        bound = self.rtol * max(ref.double().abs().max().item(), scale)
+        bound = self.tolerance * max(ref.double().abs().max().item(), scale)
         assert err <= bound, f"{self.name}: {what}: max abs error {err:.3e} > {bound:.3e}"
 
     def compare(self, got: list[dict[str, Any]], ref: list[dict[str, Any]], where: str = "") -> None:
@@ -299,11 +272,11 @@ class MemoryPolicyConformance:
             )
             largest = max(v.abs().max().item() for v in r["grads"].values())
             for n, v in r["grads"].items():
-                self.assert_same(g["grads"][n], v, f"{at} gradient of {n}", scale=1e-6 * largest / self.rtol if not self.exact else 0.0)
+                self.assert_same(g["grads"][n], v, f"{at} gradient of {n}", scale=1e-6 * largest / self.tolerance if not self.exact else 0.0)
             if not self.exact:
                 diff = torch.cat([(g["grads"][n] - v).double().flatten() for n, v in r["grads"].items()]).norm()
                 norm = torch.cat([v.double().flatten() for v in r["grads"].values()]).norm()
-                assert diff <= self.rtol * norm, f"{self.name}: {at}: gradient relative error {(diff / norm).item():.3e} > {self.rtol:.1e}"
+                assert diff <= self.tolerance * norm, f"{self.name}: {at}: gradient relative error {(diff / norm).item():.3e} > {self.tolerance:.1e}"
 
     # -- the tests ---------------------------------------------------------------------------------------
     def test_is_a_memory_policy(self) -> None:

@@ -4,11 +4,14 @@ Subclass :class:`SequenceTilingConformance` in a pytest module and set ``name`` 
 component that implements ``forward_tile``). Each test runs the component over a sequence tile by tile
 (:func:`run_tiled`: a plain loop handing each tile the earlier tiles' carries, gradients flowing through
 them) and compares with one untiled forward: outputs, the input gradient, every parameter gradient and
-the auxiliary losses to ``rtol`` times ``max(1, max |reference|)`` (fp32 default 1e-5), metrics as
+the auxiliary losses within ``tolerance`` (``megaseq.testing.assert_close``; fp32 default 1e-5), metrics as
 tile-length-weighted means; for tile lengths that do not divide the sequence (one token, a prime, the
 whole sequence), rows of a batch, and packed documents that cross tile boundaries, one of which starts
-exactly at a boundary. The component's record must declare what it carries (``MemoryEstimate.tiling``),
-since the memory planner reads the capability from there.
+exactly at a boundary; and the component must refuse context parallelism in a tile with one line. Its
+record must declare what it carries (``MemoryEstimate.tiling``): the memory planner reads the capability
+from there. ``factory`` and ``memory`` build and estimate a component that is not an installed plugin
+(``"module:attr"`` or ``"/path/file.py:attr"`` of ``build(config_dict, dims, layer_idx)`` and of
+``estimate(config_dict, dims, seq_len)``).
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, SequenceTiling, Tile
-from megaseq.plugins import Plugins
 from megaseq.records import MemoryEstimate, ModelDims
-from megaseq.testing import assert_close, build_component, installed_plugins
+from megaseq.testing import assert_close, build_component, installed_plugins, load_factory
 
 
 def run_tiled(module: nn.Module, x: Tensor, ctx: ForwardContext, tile_tokens: int) -> Tensor:
@@ -52,29 +54,29 @@ class SequenceTilingConformance:
 
     name: ClassVar[str]
     config: ClassVar[dict[str, Any]] = {}
+    factory: ClassVar[str | None] = None
+    memory: ClassVar[str | None] = None
     d_model: ClassVar[int] = 32
-    rtol: ClassVar[float] = 1e-5
+    tolerance: ClassVar[float] = 1e-5
     seq_len: ClassVar[int] = 45
     tile_sizes: ClassVar[tuple[int, ...]] = (1, 7, 16, 45)
     # packed documents, one empty: with tiles of 16 one starts exactly at a tile boundary (16) and one
     # crosses a boundary (29..45 over 32); tiles of 5 cut most of them
     doc_lengths: ClassVar[tuple[int, ...]] = (12, 4, 13, 0, 16)
     packed_tile_sizes: ClassVar[tuple[int, ...]] = (5, 16)
-    plugins: ClassVar[Plugins | None] = None  # default: the installed plugins
 
     def build(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        return build_component("attention", self.name, self.config, dims, plugins=self.plugins).float()
+        return build_component("attention", self.name, self.config, dims, factory=self.factory).float()
 
     def memory_estimate(self) -> MemoryEstimate | None:
-        plugins = self.plugins or installed_plugins()
-        provided = plugins.get("attention", self.name)
-        fn = provided.spec.load_memory()
-        if fn is None:
-            return None
         dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        return fn(provided.spec.config(**self.config), dims, self.seq_len)
+        if self.factory is not None:
+            return load_factory(self.memory)(dict(self.config), dims, self.seq_len) if self.memory else None
+        provided = installed_plugins().get("attention", self.name)
+        fn = provided.spec.load_memory()
+        return None if fn is None else fn(provided.spec.config(**self.config), dims, self.seq_len)
 
     def inputs(self, batch: int, length: int, seed: int = 1) -> Tensor:
         gen = torch.Generator().manual_seed(seed)
@@ -101,18 +103,18 @@ class SequenceTilingConformance:
         out = run_tiled(module, x, tiled_ctx, tile_tokens)
         objective(out, tiled_ctx).backward()
         what = f"{self.name} in tiles of {tile_tokens}" + (" (packed)" if cu_seqlens is not None else f" (batch {batch})")
-        assert_close(out, ref, self.rtol, f"{what}: output")
+        assert_close(out, ref, self.tolerance, f"{what}: output")
         assert set(tiled_ctx.losses) == set(ref_losses), f"{what}: auxiliary losses {sorted(tiled_ctx.losses)} != {sorted(ref_losses)}"
         for name, value in ref_losses.items():
-            assert_close(tiled_ctx.losses[name].detach(), value, self.rtol, f"{what}: auxiliary loss {name!r} (tile shares add up)")
+            assert_close(tiled_ctx.losses[name].detach(), value, self.tolerance, f"{what}: auxiliary loss {name!r} (tile shares add up)")
         assert set(tiled_ctx.metrics) == set(ref_metrics), f"{what}: metrics {sorted(tiled_ctx.metrics)} != {sorted(ref_metrics)}"
         for name, value in ref_metrics.items():
-            assert_close(torch.tensor(tiled_ctx.metrics[name]), torch.tensor(value), self.rtol, f"{what}: metric {name!r}")
-        assert_close(x.grad, ref_x, self.rtol, f"{what}: input gradient")
+            assert_close(torch.tensor(tiled_ctx.metrics[name]), torch.tensor(value), self.tolerance, f"{what}: metric {name!r}")
+        assert_close(x.grad, ref_x, self.tolerance, f"{what}: input gradient")
         for n, p in module.named_parameters():
             if n in ref_grads:
                 assert p.grad is not None, f"{what}: no gradient reached {n}"
-                assert_close(p.grad, ref_grads[n], self.rtol, f"{what}: gradient of {n}")
+                assert_close(p.grad, ref_grads[n], self.tolerance, f"{what}: gradient of {n}")
             else:
                 assert p.grad is None or not p.grad.any(), f"{what}: {n} got a gradient the untiled forward gives it not"
 
