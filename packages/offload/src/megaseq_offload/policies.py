@@ -18,7 +18,13 @@ from megaseq.memory import Layer, model_layers
 from megaseq.records import MemoryEffect
 from megaseq_offload.config import OffloadConfig, RecomputeConfig
 from megaseq_offload.recompute import recomputed, tiled_block_forward
-from megaseq_offload.stores import PinnedPool, ScratchFile, check_scratch_dir, default_scratch_dir, map_large_allocations
+from megaseq_offload.stores import (
+    PinnedPool,
+    ScratchFile,
+    check_scratch_dir,
+    default_scratch_dir,
+    map_large_allocations,
+)
 
 
 class RecomputePolicy:
