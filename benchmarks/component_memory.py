@@ -3,7 +3,8 @@
 For every distinct attention and feed-forward component of the recipe, in a fresh process whose allocator
 returns every large block on free (MALLOC_MMAP_THRESHOLD_=65536, so resident memory follows live memory):
 one forward and backward of one layer on a ``[1, T, d_model]`` input. ``saved`` is resident memory after
-the forward minus before, less the output (what autograd keeps per token); ``temp`` is the most resident
+the forward minus before (the output, which did not exist before, stands in for the input, which the
+formulas count and which existed before: they have the same size); ``temp`` is the most resident
 memory rose above that during the forward or the backward (less the gradients it returns). Beside them,
 the component's ``MemoryEstimate`` at the same length. This is how the formulas the planner reads are
 checked; ``tests/test_plan_accuracy.py`` holds them to the measured values.
@@ -65,7 +66,7 @@ def measure_one(recipe_path: str, kind: str, name: str, seq_len: int) -> dict:
         del out
     out_bytes = x.numel() * 4
     grads = out_bytes + sum(p.numel() * 4 for p in module.parameters())
-    saved = after - before - out_bytes
+    saved = after - before  # + the input - the output: the same size
     temp = max(forward_peak - after, backward_peak - after - grads)
     return {
         "component": f"{kind} {name}",
