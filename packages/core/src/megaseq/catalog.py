@@ -14,6 +14,8 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("attention", "kda"): "megaseq-attn-kda",
     ("attention", "dsa"): "megaseq-attn-dsa",
     ("moe", "chunked"): "megaseq-moe-chunked",
+    ("memory_policy", "recompute"): "megaseq-offload",
+    ("memory_policy", "offload"): "megaseq-offload",
     ("attention", "sliding-window"): "megaseq-sliding-window",
     ("inference_engine", "cached"): "megaseq-core",
     ("inference_engine", "vllm"): "megaseq-rl",
