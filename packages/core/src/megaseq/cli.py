@@ -150,6 +150,17 @@ def default_eval_dir(checkpoint_dir: Path) -> Path:
     return checkpoint_dir.with_name(checkpoint_dir.name + "-eval")
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from megaseq.experiment.context_extension import run_context_extension
+
+    out = Path(args.out)
+    report = run_context_extension(args.recipe, args.scale, args.set, out, dry_run=args.dry_run)
+    if report:
+        print((out / "report.md").read_text())
+        print(f"wrote {out}/report.json, report.md, bits_by_bucket.png")
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from megaseq import plugin_report
     from megaseq.plugins import get_plugins
@@ -265,6 +276,22 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     e.add_argument("--no-baseline", action="store_true", help="skip the Markov baseline")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("experiment", help="run an experiment", description="Experiments that train and compare several models.")
+    xsub = x.add_subparsers(dest="experiment", required=True)
+    ce = xsub.add_parser(
+        "context-extension",
+        help="does training at long context teach the model to use it?",
+        description="Pretrain RECIPE at a short context, continue it at a long and (same budget) a short context, train a "
+        "parameter-matched sdpa model, and score all with Markov baselines on one fixed held-out set by context position.",
+    )
+    ce.add_argument("recipe", help="the model recipe, e.g. recipes/genome-cpu.toml")
+    ce.add_argument("--scale", default="cpu", help="budget preset: cpu (about 2 h on 2 cores) or gpu")
+    ce.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="plan key (e.g. pretrain_tokens=1e6), or recipe.KEY / STAGE.KEY recipe override")
+    ce.add_argument("--out", default="runs/context-extension", help="output directory (rerunning resumes)")
+    ce.add_argument("--dry-run", action="store_true", help="print the stages and exit")
+    ce.set_defaults(func=cmd_experiment)
 
     pl = sub.add_parser(
         "plugins", help="list plugins and components",

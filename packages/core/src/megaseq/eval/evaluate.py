@@ -64,15 +64,19 @@ def score_model(
 
 
 def markov_baseline(recipe: Recipe) -> MarkovBaseline:
-    order = recipe.eval.markov_order
-    source = resolve_fasta(recipe.data.train)
+    return fitted_markov(recipe.data.train, recipe.eval.markov_order)
+
+
+def fitted_markov(train: str, order: int) -> MarkovBaseline:
+    """The order-``order`` Markov baseline fitted on dataset ``train``, from the cache or fitted once."""
+    source = resolve_fasta(train)
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{order}".encode()).hexdigest()[:16]
     path = default_cache_dir() / "markov" / f"order{order}-{key}.npz"
     if path.exists():
         return MarkovBaseline.load(path)
-    print(f"fitting the order-{order} Markov baseline on {recipe.data.train} ...", file=sys.stderr)
-    model = MarkovBaseline(order).fit(tokenized(recipe.data.train))
+    print(f"fitting the order-{order} Markov baseline on {train} ...", file=sys.stderr)
+    model = MarkovBaseline(order).fit(tokenized(train))
     path.parent.mkdir(parents=True, exist_ok=True)
     model.save(path)
     return model

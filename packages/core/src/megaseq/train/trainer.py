@@ -367,8 +367,9 @@ class Trainer:
             *(f"  {note}" for note in self.notes),
         ])
 
-    def run(self, mode: rundir.StartMode = "new") -> TrainResult:
-        """Train to ``train.steps`` in the run directory, started as ``mode``: "new", "resume" or "overwrite"."""
+    def run(self, mode: rundir.StartMode = "new", evaluate: bool = True) -> TrainResult:
+        """Train to ``train.steps`` in the run directory, started as ``mode``: "new", "resume" or "overwrite";
+        then, with ``evaluate``, score the held-out set (``[eval]``)."""
         t, p = self.recipe.train, self.parallel
         if p.is_main:
             rundir.prepare(self.out_dir, mode)
@@ -397,8 +398,9 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(self.step, metrics)
                 if self.step == t.steps:
-                    result_eval = self.eval(baseline=True, write=True)
-                    logger.log(self.step, result_eval["flat"] if result_eval else {})
+                    if evaluate:
+                        result_eval = self.eval(baseline=True, write=True)
+                        logger.log(self.step, result_eval["flat"] if result_eval else {})
                 elif t.eval_every and self.step % t.eval_every == 0:
                     evaluated = self.eval(baseline=False)
                     logger.log(self.step, evaluated["flat"] if evaluated else {})
@@ -410,7 +412,7 @@ class Trainer:
                 saved = self.save() if saved_at != self.step else self.checkpoint_root / checkpoint.step_name(self.step)
                 signum = stop.requested or signal.SIGTERM
                 raise Interrupted(signum, f"stopped after step {self.step}; saved {saved}; continue with --resume")
-        if result_eval is None and self.step == t.steps and not losses:  # resumed at train.steps already
+        if evaluate and result_eval is None and self.step == t.steps and not losses:  # resumed at train.steps already
             if p.is_main:
                 print(f"megaseq: the run was already at step {self.step} of {t.steps}; evaluating it", file=sys.stderr)
             result_eval = self.eval(baseline=True, write=True)

@@ -1,0 +1,1 @@
+"""Experiments: several training runs and evaluations compared in one report."""

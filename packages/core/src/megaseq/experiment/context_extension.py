@@ -1,0 +1,258 @@
+"""``megaseq experiment context-extension RECIPE``: does training at long context teach a model to use it?
+
+Pretrain the recipe at a short context, continue it at a long context and, from the same checkpoint, at the
+short context for the same tokens and steps; train a parameter-matched softmax-attention model on the
+same budget; score all of them and k-mer Markov baselines on one fixed held-out set by context position
+(``megaseq.eval.heldout_set``), with bootstrap intervals over windows; write a report
+(``megaseq.experiment.report``). The plan and its stages are in ``megaseq.experiment.plan``.
+
+Every stage and every evaluation runs in its own process (so its wall time and peak memory are its own),
+``plan.jobs`` at a time, the machine's cores shared out between them as intra-op threads. Results are
+files: a finished stage writes ``OUT/STAGE/stage.json``, a finished evaluation ``OUT/eval/NAME.npz``, so
+running the command again skips what is done and resumes a stage from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megaseq.config import load_recipe
+from megaseq.errors import UserError
+from megaseq.experiment.plan import ContextExtensionPlan, Stage, load_plan, parameter_count, stages
+from megaseq.experiment.report import write_report
+from megaseq.plugins import get_plugins
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set (VmHWM), GiB."""
+    match = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    return int(match.group(1)) / 2**20 if match else float("nan")
+
+
+# --- what runs in a child process ------------------------------------------------------------------------
+
+
+def _child_setup(threads: int) -> Any:
+    import torch
+
+    torch.set_num_threads(threads)
+    return get_plugins()
+
+
+def train_stage(raw: dict, source: str, init_from: str | None, threads: int, result: str) -> None:
+    from megaseq.config import validate_recipe
+    from megaseq.train.checkpoint import latest_checkpoint, load_weights
+    from megaseq.train.trainer import Trainer
+
+    plugins = _child_setup(threads)
+    recipe = validate_recipe(raw, plugins, source)
+    trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
+    if init_from is not None and latest_checkpoint(trainer.checkpoint_root) is None:
+        start = latest_checkpoint(Path(init_from) / "checkpoints")
+        if start is None:
+            raise RuntimeError(f"{init_from} has no checkpoint to start from")
+        load_weights(start, trainer.model)
+    started = time.perf_counter()
+    trainer.run(resume=True, evaluate=False)
+    record = {
+        "steps": trainer.step,
+        "tokens": trainer.tokens,
+        "wall_s": time.perf_counter() - started,
+        "peak_rss_gib": peak_rss_gib(),
+        "threads": threads,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+    }
+    Path(result).write_text(json.dumps(record, indent=2))
+
+
+def evaluate(spec: dict, threads: int, result: str) -> None:
+    """Score one model or Markov baseline on the held-out set; write per-window bucket sums to ``result``."""
+    import torch
+
+    from megaseq.config import validate_recipe
+    from megaseq.contracts import ForwardContext
+    from megaseq.data.sources import tokenized
+    from megaseq.eval.evaluate import fitted_markov
+    from megaseq.eval.heldout_set import HeldoutSet, score_windows
+    from megaseq.model import build_model, chunked_token_losses
+    from megaseq.train.checkpoint import latest_checkpoint, load_weights
+    from megaseq.train.trainer import pick_device
+
+    plugins = _child_setup(threads)
+    heldout = HeldoutSet(**spec["heldout"])
+    tokens = tokenized(heldout.dataset)
+    started = time.perf_counter()
+    if spec["kind"] == "markov":
+        baseline = fitted_markov(spec["train"], spec["order"])
+        fit_s = time.perf_counter() - started
+        acc = score_windows(heldout, tokens, spec["first_bucket"], baseline.token_losses)
+        extra = {"fit_s": fit_s}
+    else:
+        recipe = validate_recipe(spec["recipe"], plugins, spec["source"])
+        device = pick_device(recipe.run.device)
+        model = build_model(recipe, plugins).eval()
+        load_weights(latest_checkpoint(Path(spec["run_dir"]) / "checkpoints"), model)
+        model.to(device)
+        context = spec["eval_context"]
+
+        @torch.no_grad()
+        def losses(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            inputs, targets = inputs.to(device), targets.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.train.bf16):
+                if context is None:
+                    hidden = model(inputs, ForwardContext())
+                    return chunked_token_losses(hidden, model.head_weight, targets, recipe.train.loss_chunk).float()
+                return sliding_losses(model, inputs, targets, context, recipe.train.loss_chunk)
+
+        acc = score_windows(heldout, tokens, spec["first_bucket"], losses)
+        extra = {"eval_context": context}
+    np.savez(result + ".tmp.npz", sums=acc.sums, edges=np.asarray(acc.edges))
+    os.replace(result + ".tmp.npz", result)
+    meta = {"wall_s": time.perf_counter() - started, "peak_rss_gib": peak_rss_gib(), "threads": threads, **extra}
+    Path(result).with_suffix(".json").write_text(json.dumps(meta, indent=2))
+
+
+def sliding_losses(model: Any, inputs: Any, targets: Any, context: int, loss_chunk: int) -> Any:
+    """Token losses of a model that may only see ``context`` tokens: targets are scored in blocks of
+    ``context // 2``, each block fed with the tokens before it up to ``context`` in all, so a target at
+    position p sees min(p + 1, context // 2) to ``context`` tokens of its window."""
+    import torch
+
+    from megaseq.contracts import ForwardContext
+    from megaseq.model import chunked_token_losses
+
+    step, length, parts = max(1, context // 2), inputs.shape[1], []
+    for block in range(0, length, step):
+        end = min(block + step, length)
+        first = max(0, end - context)
+        hidden = model(inputs[:, first:end], ForwardContext())
+        losses = chunked_token_losses(hidden, model.head_weight, targets[:, first:end], loss_chunk).float()
+        parts.append(losses[:, block - first :])
+    return torch.cat(parts, dim=1)
+
+
+# --- the parent: schedule the children, report ------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    name: str
+    target: Any
+    args: tuple
+    result: Path
+    after: tuple[str, ...] = ()
+    process: Any = None
+    started: float = 0.0
+
+
+def _progress_line(running: list[Job], out: Path) -> str:
+    parts = []
+    for job in running:
+        metrics = out / job.name / "metrics.jsonl"
+        last = None
+        if metrics.exists():
+            lines = metrics.read_text().splitlines()
+            last = json.loads(lines[-1]) if lines else None
+        elapsed = time.perf_counter() - job.started
+        if last is not None and "loss" in last:
+            parts.append(f"{job.name} step {last['step']} {last['bits_per_base']:.3f} bits ({elapsed:.0f} s)")
+        else:
+            parts.append(f"{job.name} ({elapsed:.0f} s)")
+    return "  |  ".join(parts)
+
+
+def run_jobs(jobs: list[Job], parallel: int, out: Path, log_every: float = 60.0) -> None:
+    """Run jobs in child processes, ``parallel`` at a time, each after the jobs named in its ``after``."""
+    context = multiprocessing.get_context("spawn")
+    pending = [j for j in jobs if not j.result.exists()]
+    done = {j.name for j in jobs if j.result.exists()}
+    running: list[Job] = []
+    last_log = time.perf_counter()
+    while pending or running:
+        for job in [j for j in pending if all(a in done for a in j.after)][: parallel - len(running)]:
+            pending.remove(job)
+            print(f"[experiment] start {job.name}", file=sys.stderr, flush=True)
+            job.process = context.Process(target=job.target, args=(*job.args, str(job.result)), name=job.name)
+            job.started = time.perf_counter()
+            job.process.start()
+            running.append(job)
+        time.sleep(0.2)
+        for job in list(running):
+            if job.process.exitcode is None:
+                continue
+            running.remove(job)
+            if job.process.exitcode != 0 or not job.result.exists():
+                for other in running:
+                    other.process.terminate()
+                raise UserError(f"experiment: {job.name} failed (exit {job.process.exitcode}); see the messages above")
+            done.add(job.name)
+            print(f"[experiment] done {job.name} in {time.perf_counter() - job.started:.0f} s", file=sys.stderr, flush=True)
+        if running and time.perf_counter() - last_log > log_every:
+            last_log = time.perf_counter()
+            print(f"[experiment] {_progress_line(running, out)}", file=sys.stderr, flush=True)
+
+
+def plan_jobs(plan: ContextExtensionPlan, all_stages: list[Stage], heldout: dict, train_data: str, out: Path, threads: int) -> list[Job]:
+    jobs = []
+    for stage in all_stages:
+        init = str(out / stage.init_from) if stage.init_from else None
+        args = (stage.recipe.to_dict(), stage.recipe.source, init, threads)
+        jobs.append(Job(stage.name, train_stage, args, out / stage.name / "stage.json", (stage.init_from,) if init else ()))
+    evaluations = [
+        {"name": stage.name, "kind": "model", "recipe": stage.recipe.to_dict(), "source": stage.recipe.source,
+         "run_dir": str(out / stage.name), "eval_context": stage.eval_context}
+        for stage in all_stages
+    ] + [{"name": f"markov-{k}", "kind": "markov", "train": train_data, "order": k} for k in plan.markov_orders]
+    for spec in evaluations:
+        spec.update(heldout=heldout, first_bucket=plan.first_bucket)
+        after = (spec["name"],) if spec["kind"] == "model" else ()
+        jobs.append(Job(f"eval-{spec['name']}", evaluate, (spec, threads), out / "eval" / f"{spec['name']}.npz", after))
+    return jobs
+
+
+def describe_plan(all_stages: list[Stage], plan: ContextExtensionPlan) -> str:
+    lines = [f"{'stage':8} {'seq_len':>8} {'steps':>6} {'windows/step':>12} {'tokens':>11}  starts from"]
+    for s in all_stages:
+        t = s.recipe.train
+        lines.append(f"{s.name:8} {s.recipe.data.seq_len:8} {t.steps:6} {t.batch_size * t.grad_accum:12} "
+                     f"{s.tokens:11,}  {s.init_from or 'scratch'}")
+    lines.append(f"held-out: {plan.eval_windows} windows of {plan.long_len} from {plan.heldout} "
+                 f"{list(plan.heldout_region)}; Markov orders {plan.markov_orders}; {plan.jobs} job(s) at once")
+    return "\n".join(lines)
+
+
+def run_context_extension(recipe_path: str, scale: str, sets: list[str], out: Path, dry_run: bool = False) -> dict:
+    """The whole experiment (module docstring). Returns the report (also written under ``out``)."""
+    from megaseq.data.sources import tokenized
+    from megaseq.eval.heldout_set import select_heldout
+
+    plan = load_plan(scale, sets)
+    plugins = get_plugins()
+    recipe = load_recipe(recipe_path, plugins)
+    all_stages = stages(plan, recipe.to_dict(), plugins, str(recipe_path), out)
+    # the held-out set is chosen (and an empty one rejected) before anything trains
+    heldout = select_heldout(tokenized(plan.heldout), plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows)
+    print(describe_plan(all_stages, plan), file=sys.stderr)
+    if len(heldout.starts) < plan.eval_windows:
+        print(f"[experiment] only {len(heldout.starts)} valid held-out windows (asked for {plan.eval_windows})", file=sys.stderr)
+    if dry_run:
+        return {}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval").mkdir(exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan.model_dump(mode="json"), indent=2))
+    threads = max(1, (os.cpu_count() or 1) // plan.jobs)
+    heldout_spec = {k: v for k, v in vars(heldout).items()}
+    jobs = plan_jobs(plan, all_stages, heldout_spec, recipe.data.train, out, threads)
+    run_jobs(jobs, plan.jobs, out)
+    params = {s.name: parameter_count(s.recipe, plugins) for s in all_stages}
+    return write_report(out, plan, all_stages, heldout, params)

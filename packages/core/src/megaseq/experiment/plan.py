@@ -1,0 +1,225 @@
+"""The context-extension experiment's plan: budgets, lengths, the held-out set, and the stages it implies.
+
+A plan is validated like a recipe (unknown keys and bad values are one-line errors) and comes from a scale
+preset (``cpu``: sized to about two hours on a quiet 2-core CPU; ``gpu``: the same experiment with a larger
+budget, longer context and a larger held-out set) plus ``--set KEY=VALUE`` overrides. Keys of the form
+``STAGE.SECTION.KEY=VALUE`` (``STAGE`` one of :data:`STAGES`, or ``recipe`` for every stage) override the
+recipe of that stage, e.g. ``--set long.train.memory_policies=['offload']``.
+
+Stages (each a training run in its own directory):
+
+- ``pretrain``: the recipe at ``short_len`` for ``pretrain_tokens``, ``pretrain_batch`` windows per step;
+- ``long``: from pretrain's weights, ``long_len`` for ``extension_tokens``, one window per step;
+- ``short``: from pretrain's weights, ``short_len`` for the same ``extension_tokens`` in the same number of
+  steps of the same size (``long_len // short_len`` windows per step) and the same learning-rate schedule,
+  so that any gain of ``long`` over ``short`` comes from context, not from more or different training;
+- ``sdpa``: softmax attention and dense SwiGLU of the same total parameter count as the recipe
+  (:func:`sdpa_twin`), at ``short_len`` for ``pretrain_tokens + extension_tokens`` (each hybrid model's
+  budget), with the pretraining schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from megaseq.config import Recipe, apply_overrides, parse_override, validate_recipe
+from megaseq.errors import ConfigError
+from megaseq.plugins import Plugins
+
+STAGES = ("pretrain", "long", "short", "sdpa")
+Scale = Literal["cpu", "gpu"]
+
+
+class ContextExtensionPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    short_len: int = Field(4096, ge=2, description="pretraining and short-continuation window (a power of two)")
+    long_len: int = Field(65536, ge=2, description="long-continuation window; also the held-out window")
+    pretrain_tokens: int = Field(ge=1, description="tokens of the pretraining stage")
+    pretrain_batch: int = Field(4, ge=1, description="windows of short_len per pretraining step")
+    extension_tokens: int = Field(ge=1, description="tokens of each continuation (long and short)")
+    extension_lr: float = Field(gt=0, description="peak learning rate of both continuations")
+    extension_warmup: int = Field(2, ge=0, description="warm-up steps of both continuations")
+    sdpa: bool = Field(True, description="train and evaluate the parameter-matched sdpa model")
+    sdpa_heads: int = Field(4, ge=1, description="heads of the sdpa model")
+    heldout: str = Field("grch37-chrX", description="held-out dataset (megaseq data list) or FASTA path")
+    heldout_region: tuple[int, int] = Field((20_000_000, 28_000_000), description="[start, end) token offsets")
+    eval_windows: int = Field(ge=1, description="held-out windows of long_len scored")
+    first_bucket: int = Field(128, ge=1, description="end of the first context-position bucket")
+    markov_orders: list[int] = Field([8, 11], description="k-mer Markov baselines fitted on the training data")
+    bootstrap_samples: int = Field(2000, ge=100)
+    confidence: float = Field(0.95, gt=0, lt=1)
+    jobs: int = Field(2, ge=1, description="stages (and evaluations) run at once; threads are shared out")
+    recipe_overrides: list[str] = Field([], description="recipe overrides for every stage")
+    stage_overrides: dict[str, list[str]] = Field({}, description="recipe overrides per stage")
+
+    @model_validator(mode="after")
+    def _lengths(self) -> ContextExtensionPlan:
+        if self.short_len & (self.short_len - 1):
+            raise ValueError(f"short_len must be a power of two (a position-bucket edge), got {self.short_len}")
+        if self.long_len % self.short_len or self.long_len <= self.short_len:
+            raise ValueError(f"long_len ({self.long_len}) must be a multiple of short_len ({self.short_len}) above it")
+        if self.short_len < self.first_bucket:
+            raise ValueError(f"short_len ({self.short_len}) must be >= first_bucket ({self.first_bucket})")
+        if (self.long_len // self.short_len) % self.pretrain_batch and self.pretrain_batch % (self.long_len // self.short_len):
+            raise ValueError(
+                f"pretrain_batch ({self.pretrain_batch}) and long_len // short_len ({self.long_len // self.short_len})"
+                " must divide one another"
+            )
+        if self.heldout_region[1] <= self.heldout_region[0]:
+            raise ValueError(f"heldout_region must be [start, end) with end > start, got {list(self.heldout_region)}")
+        unknown = sorted(set(self.stage_overrides) - set(STAGES))
+        if unknown:
+            raise ValueError(f"stage_overrides: unknown stage {unknown[0]!r}; stages: {', '.join(STAGES)}")
+        return self
+
+
+# Sized from throughput measured on a 2-core CPU (README, "The context-extension experiment").
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {
+        "pretrain_tokens": 6_291_456,
+        "extension_tokens": 1_048_576,
+        "extension_lr": 1e-3,
+        "eval_windows": 24,
+    },
+    "gpu": {
+        "long_len": 262_144,
+        "pretrain_tokens": 268_435_456,
+        "pretrain_batch": 16,
+        "extension_tokens": 33_554_432,
+        "extension_lr": 1e-3,
+        "extension_warmup": 8,
+        "eval_windows": 64,
+        "jobs": 1,
+    },
+}
+
+
+def load_plan(scale: str, sets: list[str]) -> ContextExtensionPlan:
+    """The preset ``scale`` with ``--set`` overrides (see the module docstring); errors are one line."""
+    if scale not in PRESETS:
+        raise ConfigError(f"--scale {scale!r}: choose one of {', '.join(PRESETS)}")
+    raw = copy.deepcopy(PRESETS[scale])
+    raw.setdefault("recipe_overrides", [])
+    raw.setdefault("stage_overrides", {})
+    for item in sets:
+        path, value = parse_override(item)
+        head, rest = path[0], ".".join(path[1:])
+        if head == "recipe" and rest:
+            raw["recipe_overrides"].append(f"{rest}={item.partition('=')[2]}")
+        elif head in STAGES and rest:
+            raw["stage_overrides"].setdefault(head, []).append(f"{rest}={item.partition('=')[2]}")
+        elif len(path) == 1:
+            raw[head] = value
+        else:
+            allowed = ", ".join([*ContextExtensionPlan.model_fields, *(f"{s}.KEY" for s in ("recipe", *STAGES))])
+            raise ConfigError(f"--set {item!r}: unknown key; allowed: {allowed}")
+    try:
+        return ContextExtensionPlan(**raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg += f"; allowed: {', '.join(ContextExtensionPlan.model_fields)}"
+        raise ConfigError(f"experiment plan ({scale}): {key}: {msg}") from None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One training run of the experiment: its validated recipe and where its weights start from."""
+
+    name: str
+    recipe: Recipe
+    init_from: str | None
+    tokens: int
+    eval_context: int | None  # longest context the model is scored with; None: the whole held-out window
+
+    @property
+    def steps(self) -> int:
+        return self.recipe.train.steps
+
+
+def _steps(tokens: int, step_tokens: int, stage: str) -> int:
+    if tokens < step_tokens:
+        raise ConfigError(f"{stage}: a budget of {tokens} tokens is less than one step of {step_tokens} tokens")
+    return tokens // step_tokens
+
+
+def stages(
+    plan: ContextExtensionPlan, raw_recipe: dict[str, Any], plugins: Plugins, source: str, out_dir: Path
+) -> list[Stage]:
+    """The stages of the plan (module docstring), each recipe validated before anything trains; stage S
+    writes its run directory (metrics, checkpoints) to ``out_dir / S``."""
+    base = apply_overrides(raw_recipe, plan.recipe_overrides)
+
+    def build(name: str, raw: dict[str, Any], sets: list[str]) -> Recipe:
+        own = [f"run.name='{name}'", f"run.out_dir='{out_dir / name}'"]
+        raw = apply_overrides(raw, [*sets, *own, *plan.stage_overrides.get(name, [])])
+        return validate_recipe(raw, plugins, source=f"{source} [{name}]")
+
+    batch = plan.pretrain_batch
+    pretrain_steps = _steps(plan.pretrain_tokens, plan.short_len * batch, "pretrain_tokens")
+    per_long_step = plan.long_len // plan.short_len
+    short_batch = min(batch, per_long_step)
+    extension_steps = _steps(plan.extension_tokens, plan.long_len, "extension_tokens")
+    extension = [
+        f"train.steps={extension_steps}",
+        f"train.lr={plan.extension_lr}",
+        f"train.warmup_steps={plan.extension_warmup}",
+    ]
+    pretrain = build("pretrain", base, [
+        f"data.seq_len={plan.short_len}", f"train.batch_size={batch}", "train.grad_accum=1",
+        f"train.steps={pretrain_steps}",
+    ])
+    result = [
+        Stage("pretrain", pretrain, None, pretrain_steps * plan.short_len * batch, None),
+        Stage("long", build("long", base, [
+            f"data.seq_len={plan.long_len}", "train.batch_size=1", "train.grad_accum=1", *extension,
+        ]), "pretrain", extension_steps * plan.long_len, None),
+        Stage("short", build("short", base, [
+            f"data.seq_len={plan.short_len}", f"train.batch_size={short_batch}",
+            f"train.grad_accum={per_long_step // short_batch}", *extension,
+        ]), "pretrain", extension_steps * plan.long_len, None),
+    ]
+    if plan.sdpa:
+        tokens = pretrain_steps * plan.short_len * batch + extension_steps * plan.long_len
+        twin = sdpa_twin(pretrain, plan.sdpa_heads, plugins)
+        steps = _steps(tokens, plan.short_len * batch, "sdpa budget")
+        result.append(Stage("sdpa", build("sdpa", twin, [f"train.steps={steps}"]), None, steps * plan.short_len * batch, plan.short_len))
+    return result
+
+
+def parameter_count(recipe: Recipe, plugins: Plugins) -> int:
+    from megaseq.model import build_model
+
+    return sum(p.numel() for p in build_model(recipe, plugins).parameters())
+
+
+def sdpa_twin(recipe: Recipe, heads: int, plugins: Plugins) -> dict[str, Any]:
+    """The recipe (as TOML data) with every layer softmax attention + dense SwiGLU, the SwiGLU width chosen
+    so that the total parameter count is as close as possible to ``recipe``'s."""
+    target = parameter_count(recipe, plugins)
+    raw = recipe.to_dict()
+    raw["model"] = {**raw["model"], "layer_pattern": ["sdpa"], "moe": None, "dense_layers": 0, "ffn": "swiglu"}
+    raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}
+    raw["attention"] = {"sdpa": {"n_heads": heads}}
+    raw.pop("moe", None)
+    raw["train"] = {**raw["train"], "memory_policies": []}
+    raw.pop("memory", None)
+
+    def count(hidden: int) -> int:
+        trial = copy.deepcopy(raw)
+        trial["ffn"] = {"swiglu": {"hidden": hidden}}
+        return parameter_count(validate_recipe(trial, plugins, source="sdpa twin"), plugins)
+
+    # the count is affine in the SwiGLU width: two probes give it exactly
+    low, high = count(8), count(16)
+    hidden = max(1, round(8 + (target - low) * 8 / (high - low)))
+    raw["ffn"] = {"swiglu": {"hidden": hidden}}
+    return raw
