@@ -64,6 +64,27 @@ def test_softplus_gate_range() -> None:
     assert g.min() < -10, "softplus gate is unbounded below: large inputs give large decays"
 
 
+def test_gates_start_with_the_same_decay_and_can_learn() -> None:
+    """At initialisation a token with f = 0 gets log-decay -A dt in both gate forms (fla's decay spectrum),
+    and the bounded gate is not saturated: its gradient reaches dt_bias. The bounded gate once reused the
+    softplus form's bias, which gave g ~ -1e-17 and gradients ~1e-13 (a gate that never forgets)."""
+    softplus = build_layer({**SMALL, "gate": "softplus"}, D_MODEL)  # same seed: same A and dt draws
+    bounded = build_layer(SMALL, D_MODEL)
+    zeros = torch.zeros(1, 4, D_MODEL)
+    torch.testing.assert_close(bounded.forget_gate(zeros), softplus.forget_gate(zeros), rtol=1e-5, atol=0)
+    g = bounded.forget_gate(zeros)
+    assert g.max() < -1e-4, "some channel starts without decay"
+    g.sum().backward()
+    assert bounded.dt_bias.grad.abs().min() > 1e-4, "the bounded gate is saturated at initialisation"
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -0.5])
+def test_bounded_gate_init_is_finite_for_any_bound(lower_bound: float) -> None:
+    layer = build_layer({**SMALL, "gate_lower_bound": lower_bound}, D_MODEL)
+    g = layer.forget_gate(torch.zeros(1, 1, D_MODEL))
+    assert torch.isfinite(layer.dt_bias).all() and (g > lower_bound).all() and (g < 0).all()
+
+
 def test_causal_conv_matches_conv1d() -> None:
     x, weight = inputs(2, 11, 6), inputs(6, 4, seed=1)
     history = inputs(2, 3, 6, seed=2)

@@ -101,11 +101,21 @@ class KimiDeltaAttention(nn.Module):
         # PyTorch's default for a depthwise Conv1d (fan-in = kernel size)
         bound = self.conv_weight.shape[1] ** -0.5
         nn.init.uniform_(self.conv_weight, -bound, bound)
-        # fla's: decay rates A ~ U(1, 16); dt ~ logU(1e-3, 0.1) stored as its inverse softplus
+        # fla's: decay rates A ~ U(1, 16); dt ~ logU(1e-3, 0.1), so that a token with f = 0 starts with the
+        # log-decay g = -A dt of the softplus gate. The softplus gate stores dt_bias = softplus^-1(dt). The
+        # bounded gate must not reuse that bias: exp(A_log) * dt_bias would be -7..-110, where the sigmoid is
+        # saturated (g ~ 1e-17, gradient ~ 1e-13: a gate that never forgets and cannot learn to). It gets the
+        # bias giving the same starting decay, lower_bound * sigmoid(A b) = -A dt, i.e. b = logit(A dt / -lower_bound) / A,
+        # with the sigmoid capped at 1/2 so that a bound closer to 0 than -2 A dt keeps the gate unsaturated.
         with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            rate = torch.empty_like(self.A_log).uniform_(1, 16)
+            self.A_log.copy_(rate.log())
             dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)).exp().clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if self.gate == "softplus":
+                self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            else:
+                rate = rate.repeat_interleave(self.head_dim)
+                self.dt_bias.copy_(torch.logit((rate * dt / -self.gate_lower_bound).clamp(max=0.5)) / rate)
 
     def init_cache(self, batch_size: int, *, device: torch.device, dtype: torch.dtype) -> KDACache:
         channels, width = self.conv_weight.shape
