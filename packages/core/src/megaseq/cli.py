@@ -36,7 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from megaseq.train.trainer import Trainer
 
         result = Trainer(recipe, plugins, progress=not args.no_progress).run(mode)
-        print_eval(result.out_dir)
+        print_eval(result.out_dir, recipe)
         return 0
 
     from megaseq.distributed.launch import WorkerFailed, preflight, run_torchrun, run_with_ray
@@ -46,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if in_torchrun():
         result = run_torchrun(recipe, mode, progress=not args.no_progress)
         if result is not None:
-            print_eval(result.out_dir)
+            print_eval(result.out_dir, recipe)
         return 0
     rundir.prepare(recipe.out_dir, mode)  # once, here: restarted workers must not refuse or wipe their own run
     try:
@@ -54,12 +54,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     except WorkerFailed as exc:
         print(f"megaseq: error: {exc}", file=sys.stderr)
         return 1
-    print_eval(out_dir)
+    print_eval(out_dir, recipe)
     return 0
 
 
-def print_eval(out_dir: Path) -> None:
-    """The held-out table the run wrote (rank 0 of a distributed run writes it)."""
+def print_eval(out_dir: Path, recipe: Any) -> None:
+    """The held-out table the run wrote (rank 0 of a distributed run writes it); after a run on the
+    experiment's data, how far it is from the context-extension experiment."""
     from megaseq.eval.positions import format_table
 
     heldout = json.loads((out_dir / "eval" / "heldout.json").read_text())
@@ -67,6 +68,11 @@ def print_eval(out_dir: Path) -> None:
           f"(bits/base by context position):")
     print(format_table(heldout["results"]))
     print(f"\nwrote {out_dir}/eval/heldout.json, heldout_by_position.png; checkpoints in {out_dir}/checkpoints")
+    if (recipe.data.train, recipe.data.heldout) == ("grch37-chr20", "grch37-chrX"):
+        from megaseq.experiment.summary import comparison
+
+        t = recipe.train
+        print(comparison(heldout, t.steps * t.batch_size * t.grad_accum * recipe.data.seq_len, recipe.eval.markov_order))
 
 
 def memory_policy_override(value: str | None) -> list[str]:

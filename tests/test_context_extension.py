@@ -1,0 +1,123 @@
+"""A miniature of `megaseq experiment context-extension`: the pipeline and the report format, not the science.
+
+The hybrid (kda, kda, kda, dsa; chunked MoE) at widths of a few dozen, on the DNA excerpts shipped with
+core: 128-token pretraining and short continuation, 512-token long continuation and held-out windows,
+order-2 and order-3 Markov baselines. Then: running the command again does nothing, and bad input is one
+line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPE = """
+[run]
+name = "mini"
+device = "cpu"
+[data]
+train = "excerpt-chr20"
+heldout = "excerpt-chrX"
+[model]
+d_model = 32
+n_layers = 4
+layer_pattern = ["kda", "kda", "kda", "dsa"]
+moe = "chunked"
+dense_layers = 1
+[attention.kda]
+n_heads = 2
+head_dim = 16
+[attention.dsa]
+n_heads = 2
+head_dim = 8
+q_lora_rank = 16
+kv_lora_rank = 16
+index_heads = 2
+index_dim = 8
+topk = 16
+index_pool = 4
+[moe.chunked]
+n_experts = 4
+top_k = 2
+expert_hidden = 32
+[train]
+warmup_steps = 1
+log_every = 1
+"""
+
+MINI = [
+    "short_len=128", "long_len=512", "pretrain_tokens=1024", "pretrain_batch=2", "extension_tokens=1024",
+    "heldout=excerpt-chrX", "heldout_region=[0, 200000]", "eval_windows=4", "first_bucket=16",
+    "markov_orders=[2, 3]", "bootstrap_samples=200",
+]
+
+
+def experiment(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
+    recipe = tmp_path / "hybrid.toml"
+    recipe.write_text(RECIPE)
+    args = ["experiment", "context-extension", str(recipe), "--out", str(tmp_path / "out")]
+    for item in sets:
+        args += ["--set", item]
+    env = {**os.environ, "MEGASEQ_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megaseq.cli", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_miniature_experiment_writes_the_report(tmp_path):
+    proc = experiment(tmp_path, *MINI)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    names = ["pretrain", "long", "short", "sdpa", "markov-2", "markov-3"]
+    assert list(report["models"]) == names
+    assert report["columns"] == ["0-16", "16-32", "32-64", "64-128", "128-256", "256-512", "all", "<128", ">=128"]
+    assert report["heldout"]["windows"] == 4 and report["heldout"]["window_targets"] == 512
+    for name, model in report["models"].items():
+        bits = model["bits_per_base"]
+        assert len(bits["mean"]) == len(report["columns"])
+        assert all(lo <= m <= hi for lo, m, hi in zip(bits["low"], bits["mean"], bits["high"], strict=True)), name
+        assert 1.0 < bits["mean"][6] < 3.0, name
+        relative = model["relative_to_short"]["mean"]
+        assert relative == [0.0] * 9 if name == "short" else len(relative) == 9
+        assert model["eval"]["wall_s"] > 0 and model["eval"]["peak_rss_gib"] > 0
+    runs = {n: report["models"][n] for n in ("pretrain", "long", "short", "sdpa")}
+    assert runs["long"]["tokens_seen"] == runs["short"]["tokens_seen"] == 1024 + 1024 == runs["sdpa"]["tokens_seen"]
+    assert runs["long"]["steps"] == runs["short"]["steps"] == 2 and runs["long"]["seq_len"] == 512
+    assert abs(runs["sdpa"]["parameters"] - runs["long"]["parameters"]) / runs["long"]["parameters"] < 0.01
+    for run in runs.values():
+        assert run["train"]["wall_s"] > 0 and run["train"]["peak_rss_gib"] > 0 and run["train"]["steps"] == run["steps"]
+    targets = report["targets"]
+    assert set(targets) == {"hybrid_vs_markov", "long_vs_short_past_pretraining_length", "detectable_effect", "verdict"}
+    assert targets["verdict"].split(":")[0] in ("Yes", "Partly", "No")
+    assert set(report["markov_flat_within_interval"]) == {"markov-2", "markov-3"}
+    table = (out / "report.md").read_text()
+    assert "| positions | pretrain | long | short | sdpa | markov-2 | markov-3 |" in table
+    assert "| run | parameters |" in table and "Target 1" in table and "Target 2" in table
+    assert (out / "bits_by_bucket.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Bits/base on the held-out set" in proc.stdout
+
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")}
+    again = experiment(tmp_path, *MINI)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[experiment] start" not in again.stderr, "a finished experiment ran something again"
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")} == stamps
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["pretrain_tokens=0"], "pretrain_tokens: Input should be greater than or equal to 1"),
+        (["extension_tokens=100"], "extension_tokens: a budget of 100 tokens is less than one step of 512 tokens"),
+        (["heldout_region=[0, 400]"], "held-out set: excerpt-chrX [0, 400) has no window of 513 tokens without N"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, sets, message):
+    proc = experiment(tmp_path, *MINI, *sets)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("megaseq: error")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
