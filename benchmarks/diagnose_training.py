@@ -33,8 +33,6 @@ VARIANTS: dict[str, list[str]] = {
     "gate-softplus": ["attention.kda.gate='softplus'"],
     "batch-x4": ["train.batch_size=4"],
     "no-decay": ["train.weight_decay=0.0"],
-    "embed-x11": ["model.embed_scale=11.3"],
-    "lr-1e-3+embed+bias": ["train.lr=1e-3", "model.embed_scale=11.3", "moe.chunked.bias_update_rate=1e-2"],
 }
 
 

@@ -50,14 +50,3 @@ def test_untied_head_and_layernorm():
     model = tiny_model(tie_embeddings=False, norm="layernorm")
     assert model.head is not None and isinstance(model.final_norm, torch.nn.LayerNorm)
     assert model.logits(model(torch.randint(0, 5, (1, 3)))).shape == (1, 3, 5)
-
-
-def test_embed_scale_multiplies_the_blocks_input_only():
-    plain, scaled = tiny_model(), tiny_model(embed_scale=4.0)
-    seen = {}
-    for name, model in (("plain", plain), ("scaled", scaled)):
-        model.blocks[0].register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, args[0]))
-    tokens = torch.randint(0, 5, (1, 6))
-    plain(tokens), scaled(tokens)
-    torch.testing.assert_close(seen["scaled"], 4.0 * seen["plain"], rtol=0, atol=0)
-    assert scaled.head_weight is scaled.embed.weight and torch.equal(scaled.embed.weight, plain.embed.weight)

@@ -51,9 +51,6 @@ class ModelConfig(Section):
     norm_eps: float = Field(1e-6, gt=0)
     vocab_size: int = Field(5, ge=2, description="5 for DNA (A C G T N)")
     tie_embeddings: bool = True
-    embed_scale: float = Field(
-        1.0, gt=0, description="multiplies the token embeddings entering the first block (the LM head is unscaled)"
-    )
 
     @model_validator(mode="after")
     def _dense_layers(self) -> ModelConfig:

@@ -72,12 +72,9 @@ class Block(nn.Module):
 
 
 class LanguageModel(nn.Module):
-    def __init__(
-        self, blocks: list[Block], dims: ModelDims, norm: str, eps: float, tie: bool, embed_scale: float = 1.0
-    ) -> None:
+    def __init__(self, blocks: list[Block], dims: ModelDims, norm: str, eps: float, tie: bool) -> None:
         super().__init__()
         self.dims = dims
-        self.embed_scale = embed_scale
         self.embed = nn.Embedding(dims.vocab_size, dims.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(blocks)
@@ -94,8 +91,6 @@ class LanguageModel(nn.Module):
         """Final hidden states ``[B, T, d_model]`` (normalised; apply :meth:`logits` or the chunked loss)."""
         ctx = ctx or ForwardContext()
         x = self.embed(tokens)
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
         for i, block in enumerate(self.blocks):
             x = block(x, ctx, None if caches is None else caches[i])
         return self.final_norm(x)
