@@ -48,7 +48,10 @@ class ContextExtensionPlan(BaseModel):
     sdpa: bool = Field(True, description="train and evaluate the parameter-matched sdpa model")
     sdpa_heads: int = Field(4, ge=1, description="heads of the sdpa model")
     heldout: str = Field("grch37-chrX", description="held-out dataset (megaseq data list) or FASTA path")
-    heldout_region: tuple[int, int] = Field((20_000_000, 28_000_000), description="[start, end) token offsets")
+    heldout_region: tuple[int, int] = Field(
+        (10_000_000, 58_000_000),
+        description="[start, end) token offsets; chrX 10-58 Mb avoids the pseudo-autosomal start and the centromere",
+    )
     eval_windows: int = Field(ge=1, description="held-out windows of long_len scored")
     first_bucket: int = Field(128, ge=1, description="end of the first context-position bucket")
     markov_orders: list[int] = Field([8, 11], description="k-mer Markov baselines fitted on the training data")
