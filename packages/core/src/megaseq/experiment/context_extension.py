@@ -62,12 +62,13 @@ def train_stage(raw: dict, source: str, init_from: str | None, threads: int, res
         if start is None:
             raise RuntimeError(f"{init_from} has no checkpoint to start from")
         load_weights(start, trainer.model)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     trainer.run(resume=True, evaluate=False)
     record = {
         "steps": trainer.step,
         "tokens": trainer.tokens,
         "wall_s": time.perf_counter() - started,
+        "cpu_s": time.process_time() - cpu_started,
         "peak_rss_gib": peak_rss_gib(),
         "threads": threads,
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
@@ -91,7 +92,7 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
     plugins = _child_setup(threads)
     heldout = HeldoutSet(**spec["heldout"])
     tokens = tokenized(heldout.dataset)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if spec["kind"] == "markov":
         baseline = fitted_markov(spec["train"], spec["order"])
         fit_s = time.perf_counter() - started
@@ -118,7 +119,13 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
         extra = {"eval_context": context}
     np.savez(result + ".tmp.npz", sums=acc.sums, edges=np.asarray(acc.edges))
     os.replace(result + ".tmp.npz", result)
-    meta = {"wall_s": time.perf_counter() - started, "peak_rss_gib": peak_rss_gib(), "threads": threads, **extra}
+    meta = {
+        "wall_s": time.perf_counter() - started,
+        "cpu_s": time.process_time() - cpu_started,
+        "peak_rss_gib": peak_rss_gib(),
+        "threads": threads,
+        **extra,
+    }
     Path(result).with_suffix(".json").write_text(json.dumps(meta, indent=2))
 
 
@@ -178,28 +185,32 @@ def run_jobs(jobs: list[Job], parallel: int, out: Path, log_every: float = 60.0)
     done = {j.name for j in jobs if j.result.exists()}
     running: list[Job] = []
     last_log = time.perf_counter()
-    while pending or running:
-        for job in [j for j in pending if all(a in done for a in j.after)][: parallel - len(running)]:
-            pending.remove(job)
-            print(f"[experiment] start {job.name}", file=sys.stderr, flush=True)
-            job.process = context.Process(target=job.target, args=(*job.args, str(job.result)), name=job.name)
-            job.started = time.perf_counter()
-            job.process.start()
-            running.append(job)
-        time.sleep(0.2)
-        for job in list(running):
-            if job.process.exitcode is None:
-                continue
-            running.remove(job)
-            if job.process.exitcode != 0 or not job.result.exists():
-                for other in running:
-                    other.process.terminate()
-                raise UserError(f"experiment: {job.name} failed (exit {job.process.exitcode}); see the messages above")
-            done.add(job.name)
-            print(f"[experiment] done {job.name} in {time.perf_counter() - job.started:.0f} s", file=sys.stderr, flush=True)
-        if running and time.perf_counter() - last_log > log_every:
-            last_log = time.perf_counter()
-            print(f"[experiment] {_progress_line(running, out)}", file=sys.stderr, flush=True)
+    try:
+        while pending or running:
+            for job in [j for j in pending if all(a in done for a in j.after)][: parallel - len(running)]:
+                pending.remove(job)
+                print(f"[experiment] start {job.name}", file=sys.stderr, flush=True)
+                # daemonic: a child never outlives this process
+                job.process = context.Process(target=job.target, args=(*job.args, str(job.result)), name=job.name, daemon=True)
+                job.started = time.perf_counter()
+                job.process.start()
+                running.append(job)
+            time.sleep(0.2)
+            for job in list(running):
+                if job.process.exitcode is None:
+                    continue
+                running.remove(job)
+                if job.process.exitcode != 0 or not job.result.exists():
+                    raise UserError(f"experiment: {job.name} failed (exit {job.process.exitcode}); see the messages above")
+                done.add(job.name)
+                print(f"[experiment] done {job.name} in {time.perf_counter() - job.started:.0f} s", file=sys.stderr, flush=True)
+            if running and time.perf_counter() - last_log > log_every:
+                last_log = time.perf_counter()
+                print(f"[experiment] {_progress_line(running, out)}", file=sys.stderr, flush=True)
+    finally:
+        for job in running:
+            job.process.terminate()
+            job.process.join()
 
 
 def plan_jobs(plan: ContextExtensionPlan, all_stages: list[Stage], heldout: dict, train_data: str, out: Path, threads: int) -> list[Job]:

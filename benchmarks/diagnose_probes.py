@@ -1,0 +1,115 @@
+"""Measurements behind the diagnosis of the default recipe (docs/context-extension.md, "Diagnosis").
+
+    .venv/bin/python benchmarks/diagnose_probes.py gate                  # KDA forget gate at initialisation
+    .venv/bin/python benchmarks/diagnose_probes.py residual --steps 8     # what each block writes, step by step
+    .venv/bin/python benchmarks/diagnose_probes.py residual --set train.lr=1e-3
+    .venv/bin/python benchmarks/diagnose_probes.py markov-data           # Markov baselines by training tokens
+
+``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
+windows through it, printing for the embedding, every attention and feed-forward output and the residual
+stream after each block: the norm of the mean over tokens (what every token gets alike) / the mean norm of
+the per-token deviation from it (what tells tokens apart). ``markov-data`` fits Markov baselines on the first
+N tokens of shuffled chr20 training windows and scores them on 64 held-out chrX windows: what counting k-mers
+reaches with the data a model has seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def probe_gate(args: argparse.Namespace) -> None:
+    from megaseq.records import ModelDims
+    from megaseq_kda.config import KDAConfig
+    from megaseq_kda.layer import build
+
+    print(f"{'gate':9} {'g: 1%':>10} {'25%':>10} {'50%':>10} {'75%':>10} {'99%':>10} {'|dg/d dt_bias| 10%':>19} {'50%':>9}")
+    for gate in ("bounded", "softplus"):
+        torch.manual_seed(0)
+        layer = build(KDAConfig(n_heads=2, head_dim=64, gate=gate), ModelDims(d_model=128, n_layers=4, vocab_size=5), 0)
+        g = layer.forget_gate(torch.randn(1, 512, 128))  # unit-scale input, as after the block's RMSNorm
+        g.sum().backward()
+        q = torch.quantile(g.detach().flatten(), torch.tensor([0.01, 0.25, 0.5, 0.75, 0.99])).tolist()
+        grad = torch.quantile(layer.dt_bias.grad.abs(), torch.tensor([0.1, 0.5])).tolist()
+        print(f"{gate:9} " + " ".join(f"{v:10.2e}" for v in q) + f" {grad[0]:19.1e} {grad[1]:9.1e}")
+
+
+def _norms(v: torch.Tensor) -> str:
+    v = v.reshape(-1, v.shape[-1]).float()
+    mean = v.mean(0)
+    return f"{mean.norm():.2f}/{(v - mean).norm(dim=-1).mean():.2f}"
+
+
+def probe_residual(args: argparse.Namespace) -> None:
+    from megaseq.config import load_recipe
+    from megaseq.contracts import ForwardContext
+    from megaseq.plugins import get_plugins
+    from megaseq.train.trainer import Trainer
+
+    plugins = get_plugins()
+    sets = ["data.seq_len=1024", "train.batch_size=2", f"train.steps={args.steps}", "run.out_dir='runs/diagnose/residual'", *args.set]
+    trainer = Trainer(load_recipe(args.recipe, plugins, sets), plugins, progress=False, tensorboard=False)
+    model, outs = trainer.model, {}
+    model.embed.register_forward_hook(lambda mod, a, o: outs.__setitem__("emb", o.detach()))
+    for i, block in enumerate(model.blocks):
+        block.attention.register_forward_hook(lambda mod, a, o, i=i: outs.__setitem__(f"attn{i}", o.detach()))
+        block.ffn.register_forward_hook(lambda mod, a, o, i=i: outs.__setitem__(f"ffn{i}", o.detach()))
+    batch = trainer.train_windows.batch([5, 500, 5000, 9000])
+
+    def report(label: str) -> None:
+        with torch.no_grad():
+            model(batch.inputs, ForwardContext())
+        residual, parts = outs["emb"], [f"emb {_norms(outs['emb'])}"]
+        for i in range(len(model.blocks)):
+            residual = residual + outs[f"attn{i}"] + outs[f"ffn{i}"]
+            parts.append(f"attn{i} {_norms(outs[f'attn{i}'])} ffn{i} {_norms(outs[f'ffn{i}'])} R{i} {_norms(residual)}")
+        print(f"{label:7} " + " | ".join(parts), flush=True)
+
+    print("norm of the mean over tokens / mean norm of each token's deviation from it")
+    report("init")
+    for step in range(1, args.steps + 1):
+        trainer.train_step()
+        if step & (step - 1) == 0:  # powers of two
+            report(f"step {step}")
+
+
+def probe_markov_data(args: argparse.Namespace) -> None:
+    from megaseq.data.sources import tokenized
+    from megaseq.data.windows import GenomeWindows
+    from megaseq.eval.markov import MarkovBaseline
+
+    train = np.asarray(tokenized("grch37-chr20"))
+    heldout = GenomeWindows(np.asarray(tokenized("grch37-chrX")[20_000_000:28_000_000]), 8192)
+    batch = heldout.batch(np.linspace(0, len(heldout) - 1, 64).round().astype(int))
+    windows = GenomeWindows(train, 8192)
+    order = np.random.default_rng(0).permutation(len(windows))
+    orders = [2, 4, 6, 8, 11]
+    print(f"{'training tokens':>16} " + " ".join(f"{f'order {k}':>8}" for k in orders))
+    for tokens in (614_400, 3_686_400, 14_000_000, 60_000_000):
+        starts = np.sort(windows.starts[order[: min(len(order), tokens // 8192)]])
+        data = np.concatenate([np.append(train[s : s + 8193], 4) for s in starts]).astype(np.uint8)  # N between windows
+        bits = []
+        for k in orders:
+            losses = MarkovBaseline(k).fit(data).token_losses(batch.inputs, batch.targets)
+            bits.append(float((losses * batch.weights.double()).sum() / batch.weights.sum() / np.log(2)))
+        print(f"{len(starts) * 8192:16,} " + " ".join(f"{b:8.3f}" for b in bits), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("probe", choices=["gate", "residual", "markov-data"])
+    p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--set", action="append", default=[], help="recipe override (residual)")
+    args = p.parse_args()
+    {"gate": probe_gate, "residual": probe_residual, "markov-data": probe_markov_data}[args.probe](args)
+
+
+if __name__ == "__main__":
+    main()
