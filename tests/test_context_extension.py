@@ -58,11 +58,12 @@ MINI = [
 
 
 def experiment(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
+    """Run the command on the miniature; ``sets`` are plan keys (``--set``) or flags (``--resume``)."""
     recipe = tmp_path / "hybrid.toml"
     recipe.write_text(RECIPE)
     args = ["experiment", "context-extension", str(recipe), "--out", str(tmp_path / "out")]
     for item in sets:
-        args += ["--set", item]
+        args += [item] if item.startswith("--") else ["--set", item]
     env = {**os.environ, "MEGASEQ_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "megaseq.cli", *args], capture_output=True, text=True, env=env, timeout=600)
 
@@ -100,10 +101,22 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     assert (out / "bits_by_bucket.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Bits/base on the held-out set" in proc.stdout
 
+    for stage in ("pretrain", "long", "short", "sdpa"):  # each stage is a run directory, scored where `megaseq eval` writes
+        steps = runs[stage]["steps"]
+        assert (out / stage / "checkpoints" / f"step_{steps:07d}" / "manifest.json").exists()
+        assert (out / stage / "eval" / f"step_{steps:07d}" / "heldout_set.npz").exists()
+        assert (out / stage / "metrics.jsonl").exists()
+
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")}
-    again = experiment(tmp_path, *MINI)
+    again = experiment(tmp_path, *MINI, "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "[experiment] start" not in again.stderr, "a finished experiment ran something again"
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")} == stamps
+
+    refused = experiment(tmp_path, *MINI)  # neither --resume nor --overwrite: the run-directory rule
+    assert refused.returncode == 2 and "already holds a context-extension experiment" in refused.stderr
+    changed = experiment(tmp_path, *MINI, "eval_windows=3", "--resume")
+    assert changed.returncode == 2 and "--resume with a different plan (eval_windows: 4 -> 3)" in changed.stderr
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")} == stamps
 
 
@@ -113,6 +126,8 @@ def test_miniature_experiment_writes_the_report(tmp_path):
         (["pretrain_tokens=0"], "pretrain_tokens: Input should be greater than or equal to 1"),
         (["extension_tokens=100"], "extension_tokens: a budget of 100 tokens is less than one step of 512 tokens"),
         (["heldout_region=[0, 400]"], "held-out set: excerpt-chrX [0, 400) has no window of 513 tokens without N"),
+        (["long_len=1048576", "extension_tokens=1048576", "memory_gib=2"],
+         "experiment: stage long (seq_len 1048576) does not fit with train.memory_policy = []"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, sets, message):

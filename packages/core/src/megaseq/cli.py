@@ -160,7 +160,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from megaseq.experiment.context_extension import run_context_extension
 
     out = Path(args.out)
-    report = run_context_extension(args.recipe, args.scale, args.set, out, dry_run=args.dry_run)
+    mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
+    report = run_context_extension(args.recipe, args.scale, args.set, out, mode, dry_run=args.dry_run)
     if report:
         print((out / "report.md").read_text())
         print(f"wrote {out}/report.json, report.md, bits_by_bucket.png")
@@ -212,7 +213,7 @@ Writes heldout.json and heldout_by_position.png to --out, by default RUN/eval/st
 RUN/checkpoints (never into the checkpoint directory itself)."""
 
 
-CORE_COMMANDS = ("train", "eval", "plugins", "data", "plan")
+CORE_COMMANDS = ("train", "eval", "experiment", "plugins", "data", "plan")
 
 
 def plugin_commands(name: str | None = None) -> dict[str, Any]:
@@ -284,7 +285,8 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("experiment", help="run an experiment", description="Experiments that train and compare several models.")
-    xsub = x.add_subparsers(dest="experiment", required=True)
+    xsub = x.add_subparsers(title="experiments", metavar="EXPERIMENT")
+    x.set_defaults(func=missing_command("megaseq experiment", xsub))
     ce = xsub.add_parser(
         "context-extension",
         help="does training at long context teach the model to use it?",
@@ -295,8 +297,11 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     ce.add_argument("--scale", default="cpu", help="budget preset: cpu (about 2 h on 2 cores) or gpu")
     ce.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="plan key (e.g. pretrain_tokens=1e6), or recipe.KEY / STAGE.KEY recipe override")
-    ce.add_argument("--out", default="runs/context-extension", help="output directory (rerunning resumes)")
-    ce.add_argument("--dry-run", action="store_true", help="print the stages and exit")
+    ce.add_argument("--out", default="runs/context-extension", help="output directory (default runs/context-extension)")
+    start = ce.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue the experiment in --out: skip what is done")
+    start.add_argument("--overwrite", action="store_true", help="delete the experiment in --out and start over")
+    ce.add_argument("--dry-run", action="store_true", help="check the plan, print the stages and exit")
     ce.set_defaults(func=cmd_experiment)
 
     pl = sub.add_parser(

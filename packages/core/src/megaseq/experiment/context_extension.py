@@ -7,17 +7,28 @@ same budget; score all of them and k-mer Markov baselines on one fixed held-out 
 (``megaseq.experiment.report``). The plan and its stages are in ``megaseq.experiment.plan``.
 
 Every stage and every evaluation runs in its own process (so its wall time and peak memory are its own),
-``plan.jobs`` at a time, the machine's cores shared out between them as intra-op threads. Results are
-files: a finished stage writes ``OUT/STAGE/stage.json``, a finished evaluation ``OUT/eval/NAME.npz``, so
-running the command again skips what is done and resumes a stage from its newest checkpoint.
+``plan.jobs`` at a time, the machine's cores shared out between them as intra-op threads. Each stage is a
+training run with its own run directory ``OUT/STAGE`` (``megaseq.train.rundir``: metrics, verified
+checkpoints); a finished stage writes ``OUT/STAGE/stage.json``. A model is scored from its run's newest
+verified checkpoint into that run's ``eval/step_N/`` (where ``megaseq eval`` writes), as ``heldout_set.npz``
+(per-window, per-bucket loss sums) and ``heldout_set.json`` (time and memory); a Markov baseline into
+``OUT/baselines/markov-K.npz``. ``OUT`` follows the run-directory rule as a whole: a new experiment refuses
+a directory that holds one; ``--resume`` skips what is done and resumes an unfinished stage from its newest
+verified checkpoint (the plan must be the one it was started with); ``--overwrite`` deletes it first.
+
+Before anything trains: the plan and every stage's recipe are validated, the memory planner
+(``megaseq.memory``) must find that every stage fits in this machine's memory shared by ``plan.jobs``
+concurrent jobs, and the held-out set must have a window (one line each, exit status 2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +39,7 @@ import numpy as np
 
 from megaseq.config import load_recipe
 from megaseq.errors import UserError
-from megaseq.experiment.plan import ContextExtensionPlan, Stage, load_plan, parameter_count, stages
+from megaseq.experiment.plan import STAGES, ContextExtensionPlan, Stage, load_plan, parameter_count, stages
 from megaseq.experiment.report import write_report
 from megaseq.plugins import get_plugins
 
@@ -51,19 +62,17 @@ def _child_setup(threads: int) -> Any:
 
 def train_stage(raw: dict, source: str, init_from: str | None, threads: int, result: str) -> None:
     from megaseq.config import validate_recipe
-    from megaseq.train.checkpoint import latest_checkpoint, load_weights
+    from megaseq.train import checkpoint, rundir
     from megaseq.train.trainer import Trainer
 
     plugins = _child_setup(threads)
     recipe = validate_recipe(raw, plugins, source)
     trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
-    if init_from is not None and latest_checkpoint(trainer.checkpoint_root) is None:
-        start = latest_checkpoint(Path(init_from) / "checkpoints")
-        if start is None:
-            raise RuntimeError(f"{init_from} has no checkpoint to start from")
-        load_weights(start, trainer.model)
+    if init_from is not None and checkpoint.newest_verified(trainer.checkpoint_root).path is None:
+        load_newest(Path(init_from), trainer.model)  # a continuation starts from its parent's weights
+    mode = "resume" if rundir.run_outputs(trainer.out_dir) else "new"
     started, cpu_started = time.perf_counter(), time.process_time()
-    trainer.run(resume=True, evaluate=False)
+    trainer.run(mode, evaluate=False)
     record = {
         "steps": trainer.step,
         "tokens": trainer.tokens,
@@ -76,6 +85,29 @@ def train_stage(raw: dict, source: str, init_from: str | None, threads: int, res
     Path(result).write_text(json.dumps(record, indent=2))
 
 
+def load_newest(run_dir: Path, model: Any) -> Path:
+    """Load the newest verified checkpoint of ``run_dir`` into ``model``; returns its path."""
+    from megaseq.distributed.sharded import read_full_weights
+    from megaseq.train import checkpoint
+
+    found = checkpoint.newest_verified(run_dir / "checkpoints")
+    if found.path is None:
+        raise checkpoint.CheckpointError(f"{run_dir}: no usable checkpoint" + (f" ({found.report()})" if found.report() else ""))
+    checkpoint.load_weights(found.path, model, read_full_weights(found.path, checkpoint.read_meta(found.path)))
+    return found.path
+
+
+def model_eval_path(out: Path, stage: Stage) -> Path:
+    """Where the evaluation of ``stage``'s final checkpoint goes: ``OUT/STAGE/eval/step_N/heldout_set.npz``."""
+    from megaseq.train.checkpoint import step_name
+
+    return out / stage.name / "eval" / step_name(stage.steps) / "heldout_set.npz"
+
+
+def markov_eval_path(out: Path, order: int) -> Path:
+    return out / "baselines" / f"markov-{order}.npz"
+
+
 def evaluate(spec: dict, threads: int, result: str) -> None:
     """Score one model or Markov baseline on the held-out set; write per-window bucket sums to ``result``."""
     import torch
@@ -86,7 +118,6 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
     from megaseq.eval.evaluate import fitted_markov
     from megaseq.eval.heldout_set import HeldoutSet, score_windows
     from megaseq.model import build_model, chunked_token_losses
-    from megaseq.train.checkpoint import latest_checkpoint, load_weights
     from megaseq.train.trainer import pick_device
 
     plugins = _child_setup(threads)
@@ -102,7 +133,9 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
         recipe = validate_recipe(spec["recipe"], plugins, spec["source"])
         device = pick_device(recipe.run.device)
         model = build_model(recipe, plugins).eval()
-        load_weights(latest_checkpoint(Path(spec["run_dir"]) / "checkpoints"), model)
+        scored = load_newest(Path(spec["run_dir"]), model)
+        if scored.name != Path(result).parent.name:
+            raise RuntimeError(f"{spec['run_dir']}: the newest verified checkpoint is {scored.name}, not the final one")
         model.to(device)
         context = spec["eval_context"]
 
@@ -116,9 +149,7 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
                 return sliding_losses(model, inputs, targets, context, recipe.train.loss_chunk)
 
         acc = score_windows(heldout, tokens, spec["first_bucket"], losses)
-        extra = {"eval_context": context}
-    np.savez(result + ".tmp.npz", sums=acc.sums, edges=np.asarray(acc.edges))
-    os.replace(result + ".tmp.npz", result)
+        extra = {"eval_context": context, "checkpoint": str(scored)}
     meta = {
         "wall_s": time.perf_counter() - started,
         "cpu_s": time.process_time() - cpu_started,
@@ -126,7 +157,11 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
         "threads": threads,
         **extra,
     }
+    Path(result).parent.mkdir(parents=True, exist_ok=True)
     Path(result).with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    # the .npz, written last and renamed into place, is what marks this evaluation done
+    np.savez(result + ".tmp.npz", sums=acc.sums, edges=np.asarray(acc.edges))
+    os.replace(result + ".tmp.npz", result)
 
 
 def sliding_losses(model: Any, inputs: Any, targets: Any, context: int, loss_chunk: int) -> Any:
@@ -219,16 +254,18 @@ def plan_jobs(plan: ContextExtensionPlan, all_stages: list[Stage], heldout: dict
         init = str(out / stage.init_from) if stage.init_from else None
         args = (stage.recipe.to_dict(), stage.recipe.source, init, threads)
         jobs.append(Job(stage.name, train_stage, args, out / stage.name / "stage.json", (stage.init_from,) if init else ()))
-    evaluations = [
-        {"name": stage.name, "kind": "model", "recipe": stage.recipe.to_dict(), "source": stage.recipe.source,
-         "run_dir": str(out / stage.name), "eval_context": stage.eval_context}
-        for stage in all_stages
-    ] + [{"name": f"markov-{k}", "kind": "markov", "train": train_data, "order": k} for k in plan.markov_orders]
-    for spec in evaluations:
-        spec.update(heldout=heldout, first_bucket=plan.first_bucket)
-        after = (spec["name"],) if spec["kind"] == "model" else ()
-        jobs.append(Job(f"eval-{spec['name']}", evaluate, (spec, threads), out / "eval" / f"{spec['name']}.npz", after))
+    for stage in all_stages:
+        spec = {"name": stage.name, "kind": "model", "recipe": stage.recipe.to_dict(), "source": stage.recipe.source,
+                "run_dir": str(out / stage.name), "eval_context": stage.eval_context}
+        jobs.append(Job(f"eval-{stage.name}", evaluate, (spec | common(plan, heldout), threads), model_eval_path(out, stage), (stage.name,)))
+    for order in plan.markov_orders:
+        spec = {"name": f"markov-{order}", "kind": "markov", "train": train_data, "order": order}
+        jobs.append(Job(f"eval-markov-{order}", evaluate, (spec | common(plan, heldout), threads), markov_eval_path(out, order)))
     return jobs
+
+
+def common(plan: ContextExtensionPlan, heldout: dict) -> dict:
+    return {"heldout": heldout, "first_bucket": plan.first_bucket}
 
 
 def describe_plan(all_stages: list[Stage], plan: ContextExtensionPlan) -> str:
@@ -242,8 +279,75 @@ def describe_plan(all_stages: list[Stage], plan: ContextExtensionPlan) -> str:
     return "\n".join(lines)
 
 
-def run_context_extension(recipe_path: str, scale: str, sets: list[str], out: Path, dry_run: bool = False) -> dict:
-    """The whole experiment (module docstring). Returns the report (also written under ``out``)."""
+def check_memory(all_stages: list[Stage], plan: ContextExtensionPlan, plugins: Any) -> None:
+    """Every stage must fit, by the memory planner, in this machine's memory (``plan.memory_gib``, default
+    all of it) shared by ``plan.jobs`` jobs at once; a stage that does not is a one-line error before training."""
+    from megaseq.memory.plan import Layout, Machine
+    from megaseq.memory.plan import plan as memory_plan
+
+    for stage in all_stages:
+        recipe = stage.recipe
+        kind = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and _cuda()) else "cpu"
+        machine = Machine.detect(kind, plan.memory_gib)
+        if kind == "cpu":  # the jobs running at once share the machine's memory (a GPU job has the device)
+            machine = dataclasses.replace(machine, device_bytes=machine.device_bytes // plan.jobs)
+        policies = recipe.train.memory_policy
+        result = memory_plan(recipe, plugins, layout=Layout(), machine=machine,
+                             policies=policies if policies == "auto" or policies else "none")
+        if result.chosen is None:
+            policy = "any memory policy set" if policies == "auto" else f"train.memory_policy = {policies}"
+            shorter = ", a smaller long_len" if stage.name == "long" else ""
+            raise UserError(
+                f"experiment: stage {stage.name} (seq_len {recipe.data.seq_len}) does not fit with {policy}: "
+                f"{result.summary()} ({plan.jobs} job(s) at once; `megaseq plan` shows the estimate); set "
+                f"{stage.name}.train.memory_policy=auto{shorter} or jobs=1"
+            )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+EXPERIMENT_OUTPUTS = ("plan.json", "report.json", "report.md", "bits_by_bucket.png", "baselines", *STAGES)
+
+
+def prepare_out(out: Path, plan: ContextExtensionPlan, mode: str) -> None:
+    """The run-directory rule (``megaseq.train.rundir``) for the experiment's directory as a whole."""
+    present = [name for name in EXPERIMENT_OUTPUTS if (out / name).exists()]
+    if mode == "new" and present:
+        raise UserError(
+            f"{out} already holds a context-extension experiment ({', '.join(present)}); continue it with --resume "
+            f"or start over with --overwrite (deletes its {', '.join(EXPERIMENT_OUTPUTS)})"
+        )
+    if mode == "resume" and (out / "plan.json").exists():
+        saved = json.loads((out / "plan.json").read_text())
+        current = plan.model_dump(mode="json")
+        changed = [k for k in current if saved.get(k) != current[k]]
+        if changed:
+            k = changed[0]
+            raise UserError(
+                f"{out}: --resume with a different plan ({k}: {saved.get(k)!r} -> {current[k]!r}"
+                + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
+                + "); rerun with the same --scale and --set, or start over with --overwrite"
+            )
+    if mode == "overwrite":
+        for name in present:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write there ({exc.strerror})") from None
+    (out / "plan.json").write_text(json.dumps(plan.model_dump(mode="json"), indent=2))
+
+
+def run_context_extension(
+    recipe_path: str, scale: str, sets: list[str], out: Path, mode: str = "new", dry_run: bool = False
+) -> dict:
+    """The whole experiment (module docstring), ``mode`` "new", "resume" or "overwrite". Returns the report
+    (also written under ``out``); nothing is written for ``dry_run``."""
     from megaseq.data.sources import tokenized
     from megaseq.eval.heldout_set import select_heldout
 
@@ -251,6 +355,7 @@ def run_context_extension(recipe_path: str, scale: str, sets: list[str], out: Pa
     plugins = get_plugins()
     recipe = load_recipe(recipe_path, plugins)
     all_stages = stages(plan, recipe.to_dict(), plugins, str(recipe_path), out)
+    check_memory(all_stages, plan, plugins)
     # the held-out set is chosen (and an empty one rejected) before anything trains
     heldout = select_heldout(tokenized(plan.heldout), plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows)
     print(describe_plan(all_stages, plan), file=sys.stderr)
@@ -258,12 +363,12 @@ def run_context_extension(recipe_path: str, scale: str, sets: list[str], out: Pa
         print(f"[experiment] only {len(heldout.starts)} valid held-out windows (asked for {plan.eval_windows})", file=sys.stderr)
     if dry_run:
         return {}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval").mkdir(exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(plan.model_dump(mode="json"), indent=2))
+    prepare_out(out, plan, mode)
     threads = max(1, (os.cpu_count() or 1) // plan.jobs)
-    heldout_spec = {k: v for k, v in vars(heldout).items()}
-    jobs = plan_jobs(plan, all_stages, heldout_spec, recipe.data.train, out, threads)
+    jobs = plan_jobs(plan, all_stages, dict(vars(heldout)), recipe.data.train, out, threads)
     run_jobs(jobs, plan.jobs, out)
     params = {s.name: parameter_count(s.recipe, plugins) for s in all_stages}
-    return write_report(out, plan, all_stages, heldout, params)
+    paths = {s.name: model_eval_path(out, s) for s in all_stages} | {
+        f"markov-{k}": markov_eval_path(out, k) for k in plan.markov_orders
+    }
+    return write_report(out, plan, all_stages, heldout, params, paths)

@@ -4,7 +4,7 @@ A plan is validated like a recipe (unknown keys and bad values are one-line erro
 preset (``cpu``: sized to about two hours on a quiet 2-core CPU; ``gpu``: the same experiment with a larger
 budget, longer context and a larger held-out set) plus ``--set KEY=VALUE`` overrides. Keys of the form
 ``STAGE.SECTION.KEY=VALUE`` (``STAGE`` one of :data:`STAGES`, or ``recipe`` for every stage) override the
-recipe of that stage, e.g. ``--set long.train.memory_policies=['offload']``.
+recipe of that stage, e.g. ``--set long.train.memory_policy=auto``.
 
 Stages (each a training run in its own directory):
 
@@ -57,7 +57,8 @@ class ContextExtensionPlan(BaseModel):
     markov_orders: list[int] = Field([8, 11], description="k-mer Markov baselines fitted on the training data")
     bootstrap_samples: int = Field(2000, ge=100)
     confidence: float = Field(0.95, gt=0, lt=1)
-    jobs: int = Field(2, ge=1, description="stages (and evaluations) run at once; threads are shared out")
+    jobs: int = Field(2, ge=1, description="stages (and evaluations) run at once; threads and memory are shared out")
+    memory_gib: float | None = Field(None, gt=0, description="memory the jobs share (default: this machine's RAM or GPU)")
     recipe_overrides: list[str] = Field([], description="recipe overrides for every stage")
     stage_overrides: dict[str, list[str]] = Field({}, description="recipe overrides per stage")
 
@@ -213,8 +214,8 @@ def sdpa_twin(recipe: Recipe, heads: int, plugins: Plugins) -> dict[str, Any]:
     raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}
     raw["attention"] = {"sdpa": {"n_heads": heads}}
     raw.pop("moe", None)
-    raw["train"] = {**raw["train"], "memory_policies": []}
-    raw.pop("memory", None)
+    raw["train"] = {**raw["train"], "memory_policy": []}
+    raw.pop("memory_policy", None)
 
     def count(hidden: int) -> int:
         trial = copy.deepcopy(raw)

@@ -64,11 +64,14 @@ def _pct(value: float) -> str:
     return f"{100 * value:+.2f}%"
 
 
-def build_report(out: Path, plan: Any, stages: list[Any], heldout: HeldoutSet, params: dict[str, int]) -> dict:
+def build_report(
+    out: Path, plan: Any, stages: list[Any], heldout: HeldoutSet, params: dict[str, int], paths: dict[str, Path]
+) -> dict:
+    """The report's data; ``paths``: each model's and baseline's evaluation (``.npz`` beside its ``.json``)."""
     names = [s.name for s in stages] + [f"markov-{k}" for k in plan.markov_orders]
     arrays, edges = {}, None
     for name in names:
-        with np.load(out / "eval" / f"{name}.npz") as saved:
+        with np.load(paths[name]) as saved:
             edges = saved["edges"].tolist()
             arrays[name] = per_window_bits(saved["sums"], edges, plan.short_len)
     assert edges is not None
@@ -80,7 +83,7 @@ def build_report(out: Path, plan: Any, stages: list[Any], heldout: HeldoutSet, p
         entry: dict[str, Any] = {"bits_per_base": mean_interval(arrays[name], weights, plan.confidence)}
         if REFERENCE in arrays:
             entry["relative_to_short"] = relative_interval(arrays[name], arrays[REFERENCE], weights, plan.confidence)
-        entry["eval"] = _read_json(out / "eval" / f"{name}.json")
+        entry["eval"] = _read_json(paths[name].with_suffix(".json"))
         if name in by_stage:
             stage = by_stage[name]
             run = _read_json(out / name / "stage.json")
@@ -262,8 +265,10 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def write_report(out: Path, plan: Any, stages: list[Any], heldout: HeldoutSet, params: dict[str, int]) -> dict:
-    report = build_report(out, plan, stages, heldout, params)
+def write_report(
+    out: Path, plan: Any, stages: list[Any], heldout: HeldoutSet, params: dict[str, int], paths: dict[str, Path]
+) -> dict:
+    report = build_report(out, plan, stages, heldout, params, paths)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
     plot(report, out / "bits_by_bucket.png")
