@@ -4,13 +4,17 @@
     .venv/bin/python benchmarks/diagnose_probes.py residual --steps 8     # what each block writes, step by step
     .venv/bin/python benchmarks/diagnose_probes.py residual --set train.lr=1e-3
     .venv/bin/python benchmarks/diagnose_probes.py markov-data           # Markov baselines by training tokens
+    .venv/bin/python benchmarks/diagnose_probes.py heldout --windows 24  # Markov baselines on the fixed held-out set
 
 ``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
 windows through it, printing for the embedding, every attention and feed-forward output and the residual
 stream after each block: the norm of the mean over tokens (what every token gets alike) / the mean norm of
 the per-token deviation from it (what tells tokens apart). ``markov-data`` fits Markov baselines on the first
 N tokens of shuffled chr20 training windows and scores them on 64 held-out chrX windows: what counting k-mers
-reaches with the data a model has seen.
+reaches with the data a model has seen. ``heldout`` scores the order-8 and order-11 baselines on the
+context-extension experiment's fixed held-out set (the ``cpu`` preset's, with ``--windows`` windows) with the
+experiment's own scorers: bits/base per bucket with its 95% bootstrap interval, and whether each curve is
+flat within its intervals (how many windows it takes to resolve a given effect).
 """
 
 from __future__ import annotations
@@ -101,14 +105,40 @@ def probe_markov_data(args: argparse.Namespace) -> None:
         print(f"{len(starts) * 8192:16,} " + " ".join(f"{b:8.3f}" for b in bits), flush=True)
 
 
+def probe_heldout(args: argparse.Namespace) -> None:
+    from megaseq.data.sources import tokenized
+    from megaseq.eval.bootstrap import flat_within_intervals, mean_interval, resample_weights
+    from megaseq.eval.evaluate import fitted_markov
+    from megaseq.eval.heldout_set import score_windows, select_heldout
+    from megaseq.experiment.plan import load_plan
+    from megaseq.experiment.report import columns, per_window_bits
+
+    plan = load_plan(args.scale, [f"eval_windows={args.windows}"])
+    tokens = tokenized(plan.heldout)
+    heldout = select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows)
+    print(f"{plan.heldout} {list(plan.heldout_region)}: {heldout.candidates} windows of {plan.long_len + 1} without N, "
+          f"{len(heldout.starts)} chosen; bits/base [95% interval]")
+    weights = resample_weights(len(heldout.starts), plan.bootstrap_samples, seed=0)
+    for order in plan.markov_orders:
+        acc = score_windows(heldout, tokens, plan.first_bucket, fitted_markov("grch37-chr20", order).token_losses)
+        ci = mean_interval(per_window_bits(acc.sums, acc.edges, plan.short_len), weights, plan.confidence)
+        n = len(acc.edges) - 1
+        print(f"order {order}: flat within its intervals: {flat_within_intervals(ci['low'][:n], ci['high'][:n])}")
+        for c, name in enumerate(columns(acc.edges, plan.short_len)):
+            print(f"  {name:>8} {ci['mean'][c]:.4f} [{ci['low'][c]:.4f}, {ci['high'][c]:.4f}]")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("probe", choices=["gate", "residual", "markov-data"])
+    p.add_argument("probe", choices=["gate", "residual", "markov-data", "heldout"])
     p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--set", action="append", default=[], help="recipe override (residual)")
+    p.add_argument("--scale", default="cpu", help="experiment preset whose held-out set is scored (heldout)")
+    p.add_argument("--windows", type=int, default=24, help="held-out windows (heldout)")
     args = p.parse_args()
-    {"gate": probe_gate, "residual": probe_residual, "markov-data": probe_markov_data}[args.probe](args)
+    probes = {"gate": probe_gate, "residual": probe_residual, "markov-data": probe_markov_data, "heldout": probe_heldout}
+    probes[args.probe](args)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 # name -> overrides on top of the common ones; each changes one factor of the recipe
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
+    "lr-4e-3": ["train.lr=4e-3"],
     "lr-1e-3": ["train.lr=1e-3"],
     "lr-2e-3": ["train.lr=2e-3"],
     "lr-8e-3": ["train.lr=8e-3"],
@@ -49,11 +50,10 @@ def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> su
         *args.set,
         *overrides,
     ]
-    cmd = [sys.executable, "-m", "megaseq.cli", "train", args.recipe, "--no-progress"]
+    cmd = [sys.executable, "-m", "megaseq.cli", "train", args.recipe, "--no-progress", "--overwrite"]
     for item in sets:
         cmd += ["--set", item]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = (out / "log.txt").open("w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

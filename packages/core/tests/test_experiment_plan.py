@@ -36,10 +36,10 @@ def test_presets_validate(scale):
 
 
 def test_set_routes_plan_keys_and_recipe_overrides():
-    plan = load_plan("cpu", [*SMALL, "recipe.train.lr=1e-3", "long.train.memory_policies=['x']", "sdpa.train.bf16=true"])
+    plan = load_plan("cpu", [*SMALL, "recipe.train.lr=1e-3", "long.train.memory_policy=['x']", "sdpa.train.bf16=true"])
     assert plan.short_len == 128 and plan.pretrain_tokens == 2048
     assert plan.recipe_overrides == ["train.lr=1e-3"]
-    assert plan.stage_overrides == {"long": ["train.memory_policies=['x']"], "sdpa": ["train.bf16=true"]}
+    assert plan.stage_overrides == {"long": ["train.memory_policy=['x']"], "sdpa": ["train.bf16=true"]}
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_bad_plans_are_one_line_errors(sets, message):
 
 
 def test_unknown_scale():
-    with pytest.raises(ConfigError, match="--scale 'tpu': choose one of cpu, gpu"):
+    with pytest.raises(ConfigError, match="--scale 'tpu': choose one of cpu, cpu-quick, gpu"):
         load_plan("tpu", [])
 
 

@@ -294,7 +294,8 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
         "parameter-matched sdpa model, and score all with Markov baselines on one fixed held-out set by context position.",
     )
     ce.add_argument("recipe", help="the model recipe, e.g. recipes/genome-cpu.toml")
-    ce.add_argument("--scale", default="cpu", help="budget preset: cpu (about 2 h on 2 cores) or gpu")
+    ce.add_argument("--scale", default="cpu",
+                    help="budget preset: cpu (about 1.5-2 h on 2 idle cores), cpu-quick (about 45 min) or gpu")
     ce.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="plan key (e.g. pretrain_tokens=1e6), or recipe.KEY / STAGE.KEY recipe override")
     ce.add_argument("--out", default="runs/context-extension", help="output directory (default runs/context-extension)")
