@@ -1,7 +1,7 @@
 """The context-extension experiment's plan: budgets, lengths, the held-out set, and the stages it implies.
 
 A plan is validated like a recipe (unknown keys and bad values are one-line errors) and comes from a scale
-preset (``cpu``: sized to about two hours on an idle 2-core CPU; ``cpu-quick``: a third of its training
+preset (``cpu``: sized to fit two hours on an idle 2-core CPU, about 1 h 35 min estimated; ``cpu-quick``: a third of its training
 budget, about 45 minutes, the same comparison and held-out set; ``gpu``: the same experiment with a larger
 budget, longer context and a larger held-out set) plus ``--set KEY=VALUE`` overrides. Keys of the form
 ``STAGE.SECTION.KEY=VALUE`` (``STAGE`` one of :data:`STAGES`, or ``recipe`` for every stage) override the
@@ -85,16 +85,16 @@ class ContextExtensionPlan(BaseModel):
 
 
 # Sized from the recipe's training throughput on a 2-core CPU (README, "The context-extension experiment",
-# has the estimate per stage): cpu about 1.5-2 h, cpu-quick about 45 min, both on the same held-out set.
+# has the estimate per stage): cpu about 1 h 35 min, cpu-quick about 45 min, both on the same held-out set.
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {
-        "pretrain_tokens": 6_291_456,
+        "pretrain_tokens": 4_194_304,
         "extension_tokens": 1_048_576,
         "extension_lr": 1e-3,
         "eval_windows": 24,
     },
     "cpu-quick": {
-        "pretrain_tokens": 2_097_152,
+        "pretrain_tokens": 1_572_864,
         "extension_tokens": 524_288,
         "extension_lr": 1e-3,
         "eval_windows": 24,
