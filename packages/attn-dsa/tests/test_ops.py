@@ -24,6 +24,7 @@ from megaseq_dsa.ops import (
     sparse_attention_reference,
     sparse_attention_with_lse,
 )
+from megaseq_dsa.ops.sparse import values_are_key_columns
 
 TOL = 1e-5
 SMALL_BLOCKS = {"query_block": 7, "key_block": 5}  # many blocks, none aligned with T, documents or pools
@@ -496,3 +497,31 @@ def test_sparse_attention_rejects_fewer_keys_than_queries():
     q, k, v = attention_inputs(5, batch=1)
     with pytest.raises(ValueError, match="Tk >= Tq"):
         sparse_attention(q, k[:, :4], v[:, :4], torch.zeros(1, 5, 8, dtype=torch.int32), 0.3)
+
+
+@pytest.mark.parametrize("dim_v", [16, 12])
+@pytest.mark.parametrize("chunk_size", [5, None])
+def test_sparse_attention_with_values_inside_the_keys_matches_reference(dim_v: int, chunk_size: int | None):
+    """MLA's shared latent, v = k[..., :Dv]: rows are gathered once and k's gradient carries dK and dV."""
+    seq_len = 53
+    q, k, _ = attention_inputs(seq_len)
+    indices = random_indices(2, seq_len, 19, seed=6)
+    grad_out = torch.randn(2, seq_len, 3, dim_v, generator=torch.Generator().manual_seed(7))
+
+    def run(fn, dtype, **kwargs):
+        q_, k_ = (x.detach().to(dtype).requires_grad_() for x in (q, k))
+        out = fn(q_, k_, k_[..., :dim_v], indices, 0.3, **kwargs)
+        return (out, *torch.autograd.grad(out, (q_, k_), grad_out.to(out.dtype)))
+
+    fast = run(sparse_attention, torch.float32, chunk_size=chunk_size)
+    oracle = run(sparse_attention_reference, torch.float64)
+    for got, want in zip(fast, oracle, strict=True):
+        assert_close(got, want)
+
+
+def test_values_are_key_columns_only_for_a_leading_view():
+    k = torch.randn(2, 9, 8)
+    assert values_are_key_columns(k, k) and values_are_key_columns(k, k[..., :5])
+    assert not values_are_key_columns(k, k[..., 1:6])  # not the leading columns
+    assert not values_are_key_columns(k, k[..., :5].clone())  # a copy: gradients must go to v itself
+    assert not values_are_key_columns(k, k[:, 1:, :5])  # other rows

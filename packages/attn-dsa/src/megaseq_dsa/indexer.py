@@ -12,15 +12,21 @@ over heads and L1-normalised (the mean over heads) and is a fixed target (no gra
 - sparse training: the query's selected keys (p is then the main attention itself, a softmax over them, and
   softmax(I) is renormalised over them).
 
-The loss is computed in query chunks under activation checkpointing, so neither the L x L scores nor the
-per-chunk tiles are kept for backward: memory is O(chunk x keys), and backward recomputes each chunk.
+Computed in query chunks, so memory is O(chunk x keys), never L x L. Because the target is fixed, the loss's
+gradient needs nothing from later layers but a scalar: each chunk's gradient with respect to the indexer's
+inputs is formed in the same pass as its loss (dKL/dI = softmax(I) - p on the visible keys, then through the
+head weights and the relu), and backward only scales it. So nothing is recomputed and autograd keeps one
+gradient per input (index queries, keys and head weights), not the inputs and the main queries and keys.
+Selected keys are gathered as flat rows (``index_select``) with the main key and the index key of a token
+side by side, and their gradients scattered back with one ``index_add_`` per chunk.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 # One chunk's largest score tile takes about this many bytes.
 CHUNK_BYTES = 64 * 2**20
@@ -65,53 +71,132 @@ def indexer_kl(
     doc_start [Tk]. indices [B, Tq, S] (-1 = padding): KL over those keys (sparse training); None: over every
     visible key (dense warm-up). The main attention is softmax(scale q . key) over the same keys.
     """
-    batch, rows, heads, _ = q.shape
+    batch, _, heads, _ = q.shape
     keys = key.shape[1] if indices is None else indices.shape[-1]
     if chunk is None:
         chunk = max(1, CHUNK_BYTES // (4 * batch * keys * max(heads, q_idx.shape[2], key.shape[-1])))
-    q, key = q.detach(), key.detach()
-    total = q_idx.new_zeros((), dtype=torch.promote_types(q_idx.dtype, torch.float32))
-    for c0 in range(0, rows, chunk):
-        c1 = min(c0 + chunk, rows)
-        pos = query_pos[c0:c1]
-        if indices is None:
-            k0, k1 = int(doc_start[pos].min()), int(pos.max()) + 1
-            key_ids = torch.arange(k0, k1, device=pos.device)
-            visible = (key_ids >= doc_start[pos][:, None]) & (key_ids <= pos[:, None])
-            part = checkpoint(
-                _chunk_kl, q_idx[:, c0:c1], k_idx[:, k0:k1], weights[:, c0:c1], q[:, c0:c1], key[:, k0:k1], scale,
-                visible.expand(batch, -1, -1), use_reentrant=False,
-            )
-        else:
-            # gathering inside the checkpoint keeps the gathered [chunk, S, D] rows out of what backward saves
-            part = checkpoint(
-                _gathered_chunk_kl, q_idx[:, c0:c1], k_idx, weights[:, c0:c1], q[:, c0:c1], key, scale,
-                indices[:, c0:c1], use_reentrant=False,
-            )
-        total = total + part
-    return total
+    return _IndexerKL.apply(q_idx, k_idx, weights, q.detach(), key.detach(), scale, query_pos, doc_start, indices, chunk)
 
 
-def _gathered_chunk_kl(
-    q_idx: Tensor, k_idx: Tensor, weights: Tensor, q: Tensor, key: Tensor, scale: float, ids: Tensor
-) -> Tensor:
-    """:func:`_chunk_kl` over the keys ``ids [B, C, S]`` of each query (-1 = padding)."""
-    batch_ids = torch.arange(ids.shape[0], device=ids.device)[:, None, None]
-    safe = ids.long().clamp_min(0)
-    return _chunk_kl(q_idx, k_idx[batch_ids, safe], weights, q, key[batch_ids, safe], scale, ids >= 0)
+class _IndexerKL(torch.autograd.Function):
+    """The summed KL; its gradients with respect to (q_idx, k_idx, weights) are formed in forward (module
+    docstring) and scaled by the incoming scalar in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q_idx: Tensor,
+        k_idx: Tensor,
+        weights: Tensor,
+        q: Tensor,
+        key: Tensor,
+        scale: float,
+        query_pos: Tensor,
+        doc_start: Tensor,
+        indices: Tensor | None,
+        chunk: int,
+    ) -> Tensor:
+        batch, rows, heads, dim = q.shape
+        dtype = torch.promote_types(q_idx.dtype, torch.float32)
+        want_grads = any(ctx.needs_input_grad[:3])
+        total = torch.zeros((), dtype=dtype, device=q.device)
+        if want_grads:
+            grad_q_idx = torch.empty(q_idx.shape, dtype=dtype, device=q.device)
+            grad_weights = torch.empty(weights.shape, dtype=dtype, device=q.device)
+            grad_k_idx = torch.zeros(k_idx.shape, dtype=dtype, device=q.device)
+        if indices is not None:
+            # [key | k_idx] of every token as flat rows: one gather serves both scores.
+            table = torch.cat([key.to(dtype), k_idx.to(dtype)], -1).view(-1, dim + k_idx.shape[-1])
+            offsets = torch.arange(batch, device=q.device)[:, None, None] * key.shape[1]
+            # reused by every chunk: a fresh multi-MB tensor per chunk would pay for its page faults each time
+            buffer = table.new_empty(batch * min(chunk, rows) * indices.shape[-1], table.shape[1])
+        for c0 in range(0, rows, chunk):
+            c1 = min(c0 + chunk, rows)
+            n = c1 - c0
+            if indices is None:
+                # Dense warm-up: the chunk's queries share the key range [k0, k1); one group per batch row.
+                pos = query_pos[c0:c1]
+                k0, k1 = int(doc_start[pos].min()), int(pos.max()) + 1
+                key_ids = torch.arange(k0, k1, device=pos.device)
+                visible = (key_ids >= doc_start[pos][:, None]) & (key_ids <= pos[:, None])
+                kl, grads = _kl_and_grads(
+                    q_idx[:, c0:c1], weights[:, c0:c1], q[:, c0:c1], k_idx[:, k0:k1], key[:, k0:k1],
+                    visible.expand(batch, -1, -1), scale, dtype, want_grads,
+                )
+            else:
+                # Sparse: each query has its own keys; one group per (batch row, query).
+                ids = indices[:, c0:c1]
+                flat = (ids.long().clamp_min(0) + offsets).view(-1)
+                gathered = torch.index_select(table, 0, flat, out=buffer[: len(flat)]).view(batch * n, -1, table.shape[1])
+                kl, grads = _kl_and_grads(
+                    q_idx[:, c0:c1].reshape(batch * n, 1, *q_idx.shape[2:]),
+                    weights[:, c0:c1].reshape(batch * n, 1, -1),
+                    q[:, c0:c1].reshape(batch * n, 1, heads, dim),
+                    gathered[..., dim:],
+                    gathered[..., :dim],
+                    (ids >= 0).view(batch * n, 1, -1),
+                    scale,
+                    dtype,
+                    want_grads,
+                )
+            total += kl
+            if grads is None:
+                continue
+            d_q_idx, d_weights, d_keys = grads
+            grad_q_idx[:, c0:c1] = d_q_idx.view(batch, n, *q_idx.shape[2:])
+            grad_weights[:, c0:c1] = d_weights.view(batch, n, -1)
+            if indices is None:
+                grad_k_idx[:, k0:k1] += d_keys
+            else:
+                grad_k_idx.view(-1, k_idx.shape[-1]).index_add_(0, flat, d_keys.reshape(len(flat), -1))
+        if want_grads:
+            ctx.save_for_backward(grad_q_idx, grad_k_idx, grad_weights)
+            ctx.dtypes = (q_idx.dtype, k_idx.dtype, weights.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grads = [(grad * g).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
+        return (*grads, None, None, None, None, None, None, None)
 
 
-def _chunk_kl(
-    q_idx: Tensor, k_idx: Tensor, weights: Tensor, q: Tensor, key: Tensor, scale: float, visible: Tensor
-) -> Tensor:
-    """Summed KL of one chunk of C queries over K keys: keys shared by the chunk ([B, K, D]) or per query
-    ([B, C, K, D]); visible [B, C, K]."""
-    pattern = "bchd,bkd->bchk" if key.dim() == 3 else "bchd,bckd->bchk"
-    dtype = torch.promote_types(q_idx.dtype, torch.float32)
+def _kl_and_grads(
+    q_idx: Tensor,
+    weights: Tensor,
+    q: Tensor,
+    k_idx: Tensor,
+    key: Tensor,
+    visible: Tensor,
+    scale: float,
+    dtype: torch.dtype,
+    want_grads: bool,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+    """Summed KL of G groups of n queries, each group over its own S keys, and (if wanted) its gradients.
+
+    q_idx [G, n, Hi, Di], weights [G, n, Hi], q [G, n, H, D], k_idx [G, S, Di], key [G, S, D],
+    visible [G, n, S] -> KL, (dKL/dq_idx [G, n, Hi, Di], dKL/dweights [G, n, Hi], dKL/dk_idx [G, S, Di]).
+    """
+    groups, n, heads_idx, dim_idx = q_idx.shape
+    heads, slots = q.shape[2], key.shape[1]
+    q_idx, weights, q, k_idx, key = (x.to(dtype) for x in (q_idx, weights, q, k_idx, key))
+    hidden = ~visible
     with torch.no_grad():
-        main = torch.einsum(pattern, q.to(dtype), key.to(dtype)) * scale
-        target = main.masked_fill(~visible[:, :, None], float("-inf")).softmax(-1).mean(2)
-    per_head = torch.einsum(pattern, q_idx.to(dtype), k_idx.to(dtype)).relu()
-    index = torch.einsum("bchk,bch->bck", per_head, weights.to(dtype))
-    log_q = index.masked_fill(~visible, float("-inf")).log_softmax(-1).masked_fill(~visible, 0.0)
-    return (torch.xlogy(target, target) - target * log_q).sum()
+        scores = torch.bmm(q.reshape(groups, n * heads, -1), key.transpose(1, 2)).mul_(scale)
+        scores = scores.view(groups, n, heads, slots).masked_fill_(hidden[:, :, None], float("-inf"))
+        target = scores.softmax(-1).mean(2)  # [G, n, S]
+    per_head = torch.bmm(q_idx.reshape(groups, n * heads_idx, dim_idx), k_idx.transpose(1, 2)).relu_()
+    per_head = per_head.view(groups * n, heads_idx, slots)
+    index = torch.bmm(weights.reshape(groups * n, 1, heads_idx), per_head).view(groups, n, slots)
+    log_q = index.masked_fill_(hidden, float("-inf")).log_softmax(-1).masked_fill_(hidden, 0.0)
+    kl = (torch.xlogy(target, target) - target * log_q).sum()
+    if not want_grads:
+        return kl, None
+    # dKL/dI = softmax(I) sum(p) - p on the visible keys; both terms are 0 on the hidden ones.
+    d_index = log_q.exp_().masked_fill_(hidden, 0.0).mul_(target.sum(-1, keepdim=True)).sub_(target)
+    d_index = d_index.view(groups * n, slots, 1)
+    d_weights = torch.bmm(per_head, d_index).view(groups, n, heads_idx)
+    d_per_head = (per_head > 0) * weights.reshape(groups * n, heads_idx, 1) * d_index.view(groups * n, 1, slots)
+    d_per_head = d_per_head.view(groups, n * heads_idx, slots)
+    d_q_idx = torch.bmm(d_per_head, k_idx).view(groups, n, heads_idx, dim_idx)
+    d_k_idx = torch.bmm(d_per_head.transpose(1, 2), q_idx.reshape(groups, n * heads_idx, dim_idx))
+    return kl, (d_q_idx, d_weights, d_k_idx)

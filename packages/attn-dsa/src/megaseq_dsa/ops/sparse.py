@@ -16,11 +16,18 @@ a per-query batched matmul over the chunk, the scale folded into the score produ
 gathered rows, scores and gradients of a chunk live in buffers reused by every chunk. Softmax statistics and
 accumulators are fp32 (float64 inputs stay float64). A row without any index outputs 0 (its lse is -inf).
 Indices in a row must be distinct (a repeated index would be counted twice); `select_topk` guarantees that.
+
+Shared values (MLA's latent): when v is the leading columns of k (``v = k[..., :Dv]``, the same storage and
+strides), each selected row is gathered once as K, V being its first Dv columns, and both gradients arrive
+as one: dK_g + [dV_g | 0] = [dS^T | P^T] [scale Q ; dO 0], a single product over 2H per query, returned
+through k (v's gradient is then None: it is inside k's). That halves the bytes gathered and scattered,
+which bound this operation on CPU (the products per query have only H rows).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megaseq.dtypes import compute_dtype
 
@@ -37,28 +44,43 @@ def default_chunk_size(batch: int, slots: int, dim: int, dim_v: int, dtype: torc
     return max(1, CHUNK_BYTES // max(per_query, 1))
 
 
+def values_are_key_columns(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether v is k's leading columns (a view sharing k's storage and row layout): MLA's shared latent."""
+    return (
+        v.shape[:-1] == k.shape[:-1]
+        and v.shape[-1] <= k.shape[-1]
+        and v.dtype == k.dtype
+        and v.data_ptr() == k.data_ptr()
+        and v.stride() == k.stride()
+    )
+
+
 class _Chunks:
     """Gathers and scores query chunks into buffers allocated once per call: a fresh multi-MB tensor per chunk
     would pay for its page faults every time (measured: several times slower gathers at 32 MB chunks).
 
-    Keys and values are gathered together from kv [B*Tk, D + Dv]: one row copy of D + Dv numbers per index
-    instead of two of D and Dv (the gather is bound by per-row memory traffic, not by arithmetic).
+    Rows are gathered from kv [B*Tk, width]: k itself when the values are its leading columns (``shared``),
+    else [k | v], so that one row copy per index serves both (the gather is bound by per-row memory traffic,
+    not by arithmetic). Keys are the first ``dim`` columns of a gathered row; values the first ``dim_v``
+    (shared) or the last ``dim_v``.
     """
 
     def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, chunk: int, heads: int
+        self, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, chunk: int, heads: int, shared: bool
     ) -> None:
         batch, self.n_keys, self.dim = k.shape
         dtype = compute_dtype(k.dtype)
-        self.kv = torch.cat([k, v], dim=-1).view(batch * self.n_keys, -1).to(dtype)
+        kv = k if shared else torch.cat([k, v], dim=-1)
+        self.kv = kv.reshape(batch * self.n_keys, -1).to(dtype)
+        self.values = slice(0, v.shape[-1]) if shared else slice(self.dim, None)
         slots = indices.shape[-1]
         rows = batch * min(chunk, indices.shape[1])
         self.gathered = torch.empty(rows * slots, self.kv.shape[1], dtype=dtype, device=k.device)
         self.scores = torch.empty(rows, heads, slots, dtype=dtype, device=k.device)
 
     def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """indices [B, C, S] -> flat rows [B*C*S], gathered [K | V] rows [B*C, S, D + Dv], and valid
-        [B*C, 1, S] (None when every index is valid)."""
+        """indices [B, C, S] -> flat rows [B*C*S], gathered rows [B*C, S, width], and valid [B*C, 1, S]
+        (None when every index is valid)."""
         batch, chunk, slots = indices.shape
         valid = indices >= 0
         # Padding reads row 0 of its sequence; its probability is exactly 0, so it adds nothing anywhere.
@@ -87,7 +109,7 @@ class SparseAttention(torch.autograd.Function):
         batch, n_queries, heads, dim = q.shape
         dim_v = v.shape[-1]
         dtype = compute_dtype(q.dtype)
-        chunks = _Chunks(k, v, indices, chunk_size, heads)
+        chunks = _Chunks(k, v, indices, chunk_size, heads, values_are_key_columns(k, v))
         o = q.new_empty(batch, n_queries, heads, dim_v)
         lse = torch.empty(batch, n_queries, heads, dtype=dtype, device=q.device)
         for c0 in range(0, n_queries, chunk_size):
@@ -101,7 +123,7 @@ class SparseAttention(torch.autograd.Function):
             row_sum = probs.sum(-1, keepdim=True)
             # A non-empty row holds exp(0) = 1 at its max, so row_sum >= 1 and the clamp only turns the
             # empty rows' 0 / 0 into 0 / 1.
-            out = torch.bmm(probs, kv[..., dim:]).div_(row_sum.clamp_min(1.0))
+            out = torch.bmm(probs, kv[..., chunks.values]).div_(row_sum.clamp_min(1.0))
             o[:, c0:c1] = out.view(batch, c1 - c0, heads, dim_v)
             lse[:, c0:c1] = (row_max + row_sum.log()).view(batch, c1 - c0, heads)
         ctx.save_for_backward(q, k, v, indices, o, lse)
@@ -114,15 +136,17 @@ class SparseAttention(torch.autograd.Function):
         q, k, v, indices, o, lse = ctx.saved_tensors
         scale, chunk_size = ctx.scale, ctx.chunk_size
         batch, n_queries, heads, dim = q.shape
-        n_keys, dim_v = v.shape[1:]
+        dim_v = v.shape[-1]
         dtype = compute_dtype(q.dtype)
-        chunks = _Chunks(k, v, indices, chunk_size, heads)
+        shared = values_are_key_columns(k, v)
+        chunks = _Chunks(k, v, indices, chunk_size, heads, shared)
         delta = (grad_o.to(dtype) * o.to(dtype)).sum(-1, keepdim=True)  # rowsum(dO * O): [B, Tq, H, 1]
         # Empty rows have lse = -inf; 0 there makes exp(-inf - 0) = 0 instead of NaN.
         lse = lse.masked_fill(lse == float("-inf"), 0.0)[..., None]
         grad_q = torch.empty(q.shape, dtype=dtype, device=q.device)
-        grad_kv = torch.zeros(batch * n_keys, dim + dim_v, dtype=dtype, device=q.device)
-        # [dK_g | dV_g] of one chunk, written in place by the two products and scattered with one index_add_.
+        grad_kv = torch.zeros(chunks.kv.shape, dtype=dtype, device=q.device)
+        # The gradient of a chunk's gathered rows, written in place by the products and scattered with one
+        # index_add_.
         grad_gathered = torch.empty_like(chunks.gathered)
         for c0 in range(0, n_queries, chunk_size):
             c1 = min(c0 + chunk_size, n_queries)
@@ -131,18 +155,20 @@ class SparseAttention(torch.autograd.Function):
             grad_out = grad_o[:, c0:c1].reshape(-1, heads, dim_v).to(dtype)
             probs = chunks.scores_of(q_chunk, kv, valid, scale)
             probs.sub_(lse[:, c0:c1].reshape(-1, heads, 1)).exp_()  # P = exp(S - lse)
-            grad_scores = torch.bmm(grad_out, kv[..., dim:].transpose(1, 2))  # dP
+            grad_scores = torch.bmm(grad_out, kv[..., chunks.values].transpose(1, 2))  # dP
             grad_scores.sub_(delta[:, c0:c1].reshape(-1, heads, 1)).mul_(probs)  # dS = P (dP - delta)
             grad_q[:, c0:c1] = torch.bmm(grad_scores, kv[..., :dim]).view(batch, c1 - c0, heads, dim)
-            grads = grad_gathered[: len(rows)].view(len(q_chunk), -1, dim + dim_v)
-            torch.bmm(
-                grad_scores.transpose(1, 2), q_chunk * scale, out=grads[..., :dim]
-            )  # dK_g = scale dS^T q
-            torch.bmm(probs.transpose(1, 2), grad_out, out=grads[..., dim:])  # dV_g = P^T dO
+            grads = grad_gathered[: len(rows)].view(len(q_chunk), -1, chunks.kv.shape[1])
+            if shared:  # dK_g + [dV_g | 0] = [dS^T | P^T] [scale q ; dO | 0]
+                right = torch.cat([q_chunk * scale, F.pad(grad_out, (0, dim - dim_v))], dim=1)
+                torch.bmm(torch.cat([grad_scores, probs], dim=1).transpose(1, 2), right, out=grads)
+            else:
+                torch.bmm(grad_scores.transpose(1, 2), q_chunk * scale, out=grads[..., :dim])  # dK_g
+                torch.bmm(probs.transpose(1, 2), grad_out, out=grads[..., dim:])  # dV_g = P^T dO
             grad_kv.index_add_(0, rows, grads.view(len(rows), -1))
         grad_q = grad_q.mul_(scale).to(q.dtype)
         grad_k = grad_kv[:, :dim].reshape(k.shape).to(k.dtype)
-        grad_v = grad_kv[:, dim:].reshape(v.shape).to(v.dtype)
+        grad_v = None if shared else grad_kv[:, dim:].reshape(v.shape).to(v.dtype)
         return grad_q, grad_k, grad_v, None, None, None
 
 
