@@ -28,8 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-# One chunk's largest score tile takes about this many bytes.
+# One chunk's largest score tile takes about this many bytes (dense warm-up).
 CHUNK_BYTES = 64 * 2**20
+# One chunk's gathered key rows take about this many bytes (sparse): products per query are small and bound by
+# memory traffic, so chunks that stay in cache are faster than big ones (as in ``ops/sparse.py``).
+GATHER_BYTES = 4 * 2**20
 
 
 class LightningIndexer(nn.Module):
@@ -72,9 +75,10 @@ def indexer_kl(
     visible key (dense warm-up). The main attention is softmax(scale q . key) over the same keys.
     """
     batch, _, heads, _ = q.shape
-    keys = key.shape[1] if indices is None else indices.shape[-1]
-    if chunk is None:
-        chunk = max(1, CHUNK_BYTES // (4 * batch * keys * max(heads, q_idx.shape[2], key.shape[-1])))
+    if chunk is None and indices is None:
+        chunk = max(1, CHUNK_BYTES // (4 * batch * key.shape[1] * max(heads, q_idx.shape[2], key.shape[-1])))
+    elif chunk is None:
+        chunk = max(1, GATHER_BYTES // (4 * batch * indices.shape[-1] * (key.shape[-1] + k_idx.shape[-1])))
     return _IndexerKL.apply(q_idx, k_idx, weights, q.detach(), key.detach(), scale, query_pos, doc_start, indices, chunk)
 
 

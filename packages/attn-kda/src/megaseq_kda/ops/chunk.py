@@ -19,8 +19,14 @@ sub-diagonal at a time from exp(g_{j+1} + ... + g_s), j <= s (a custom autograd 
 [T, 16, K] tensor is ever stored). Cumulative log-decays are summed in float64 (differences of large sums
 would lose accuracy in fp32); everything else runs in fp32 (float64 for float64 inputs).
 
-Memory: the sequential part is a custom autograd Function that stores only the state entering each chunk
-([.., n_chunks, K, V]) and per-token tensors; its backward is a hand-written reverse loop over chunks.
+Memory: one custom autograd Function runs the whole op. Forward saves only its inputs (q, k, v, g, beta: what
+the layer holds anyway) and the state entering each chunk ([.., n_chunks, K, V], K V / 64 floats per token and
+head), about 4 K + K V / 64 floats per token and head instead of the ~30 K that autograd would keep through
+the intra-chunk tensors. Backward walks groups of chunks from last to first: it recomputes a group's
+intra-chunk tensors with autograd on, runs the reverse recurrence over the group's chunks from the saved
+states (the hand-written part), and differentiates the group's intra-chunk graph at once. Forward and
+backward touch at most one group of intra-chunk tensors at a time (``GROUP_HEAD_TOKENS`` tokens x heads),
+so their temporaries do not grow with the sequence. The price is one more intra-chunk forward.
 
 Documents (``cu_seqlens``) are laid out in chunk slots, each document starting at a fresh chunk and its tail
 padded with k = v = g = beta = 0 (such tokens leave the state untouched), so a single pass over the chunks
@@ -33,6 +39,7 @@ computes (M, final(0)) without outputs from the same intra-chunk pieces (``q=Non
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +50,8 @@ from megaseq_kda.ops.inputs import check_kda_inputs, documents_of
 
 CHUNK = 64
 SUBCHUNK = 16
+# Forward and backward hold the intra-chunk tensors of about this many (token, head) pairs at a time.
+GROUP_HEAD_TOKENS = 16384
 
 
 def chunk_kda(
@@ -61,14 +70,12 @@ def chunk_kda(
     n_seqs = check_kda_inputs(q, k, v, g, beta, initial_state, documents)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
-    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     layout = _ChunkLayout.build(B, T, documents, q.device)
-    q, k, v, g, beta = (layout.to_chunks(x.to(dtype)) for x in (q, k, v, g, beta[..., None]))
     if initial_state is None:
-        initial_state = q.new_zeros(n_seqs, H, K, v.shape[-1])
-    Qg, Kg, W, U, A_qk, chunk_decay = _intra_chunk(q * scale, k, v, g, beta.squeeze(-1))
-    o, final_state = _ChunkRecurrence.apply(Qg, Kg, W, U, A_qk, chunk_decay, initial_state.to(dtype), layout)
-    return layout.from_chunks(o, T).to(out_dtype), final_state if output_final_state else None
+        initial_state = q.new_zeros(n_seqs, H, K, v.shape[-1], dtype=compute_dtype(q.dtype))
+    group = max(1, GROUP_HEAD_TOKENS // (layout.rows * H * CHUNK))
+    o, final_state = _ChunkedKDA.apply(q, k, v, g, beta, initial_state, scale, layout, group)
+    return o, final_state if output_final_state else None
 
 
 @dataclass(frozen=True)
@@ -80,11 +87,11 @@ class _ChunkLayout:
     of the initial/final states that enter/leave there.
     """
 
+    rows: int
     n_chunks: int
     starts: dict[int, slice]
     ends: dict[int, slice]
-    token_of_slot: torch.Tensor | None  # [n_chunks * CHUNK]; padding slots point at an extra zero token T
-    slot_of_token: torch.Tensor | None  # [T]
+    token_of_slot: torch.Tensor | None  # [n_chunks * CHUNK]; padding slots point at T (one past the last token)
 
     @classmethod
     def build(cls, batch: int, length: int, documents: Documents | None, device: torch.device) -> "_ChunkLayout":
@@ -92,7 +99,7 @@ class _ChunkLayout:
         every layer of a forward shares it)."""
         if documents is None:
             n_chunks = max(1, math.ceil(length / CHUNK))
-            return cls(n_chunks, {0: slice(None)}, {n_chunks - 1: slice(None)}, None, None)
+            return cls(batch, n_chunks, {0: slice(None)}, {n_chunks - 1: slice(None)}, None)
         return documents.derive(("megaseq_kda.chunk_layout", CHUNK, device), lambda: cls._packed(documents, device))
 
     @classmethod
@@ -114,33 +121,53 @@ class _ChunkLayout:
         ] + token
         token_of_slot = torch.full((n_chunks * CHUNK,), length, dtype=torch.long)
         token_of_slot[slot_of_token] = token
-        return cls(n_chunks, starts, ends, token_of_slot.to(device), slot_of_token.to(device))
+        return cls(1, n_chunks, starts, ends, token_of_slot.to(device))
+
+    def groups(self, size: int) -> list[tuple[int, int]]:
+        """Consecutive runs ``[c0, c1)`` of at most ``size`` chunks covering all of them."""
+        return [(c, min(c + size, self.n_chunks)) for c in range(0, self.n_chunks, size)]
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, T, H, D]`` -> ``[rows, H, n_chunks, CHUNK, D]`` with zero padding."""
-        _, T, H, D = x.shape
-        if self.token_of_slot is None:
-            x = F.pad(x, (0, 0, 0, 0, 0, self.n_chunks * CHUNK - T))
-        else:
-            x = torch.cat([x[0], x.new_zeros(1, H, D)]).index_select(0, self.token_of_slot)[None]
-        return x.reshape(-1, self.n_chunks, CHUNK, H, D).permute(0, 3, 1, 2, 4).contiguous()
+        """``[B, T, H, D]`` -> ``[rows, H, n_chunks, CHUNK, D]`` with zero padding (all of :meth:`slots`)."""
+        return self.slots(x, 0, self.n_chunks, x.dtype)
 
-    def from_chunks(self, x: torch.Tensor, length: int) -> torch.Tensor:
-        """``[rows, H, n_chunks, CHUNK, D]`` -> ``[B, T, H, D]``, dropping the padding."""
-        rows, H, _, _, D = x.shape
-        x = x.permute(0, 2, 3, 1, 4).reshape(rows, self.n_chunks * CHUNK, H, D)
-        if self.slot_of_token is None:
-            return x[:, :length]
-        return x[0].index_select(0, self.slot_of_token)[None]
+    def slots(self, x: torch.Tensor, c0: int, c1: int, dtype: torch.dtype) -> torch.Tensor:
+        """Chunks ``[c0, c1)`` of ``x [B, T, H, D]`` as ``[rows, H, c1 - c0, CHUNK, D]`` in ``dtype``, zero padded."""
+        _, T, H, D = x.shape
+        n = c1 - c0
+        if self.token_of_slot is None:
+            part = x[:, c0 * CHUNK : c1 * CHUNK].to(dtype)
+            part = F.pad(part, (0, 0, 0, 0, 0, n * CHUNK - part.shape[1]))
+        else:
+            tokens = self.token_of_slot[c0 * CHUNK : c1 * CHUNK]
+            padding = (tokens == T)[:, None, None]
+            part = x[0].index_select(0, tokens.clamp_max(max(T - 1, 0))) if T else x.new_zeros(len(tokens), H, D)
+            part = part.to(dtype).masked_fill_(padding, 0.0)[None]
+        return part.reshape(-1, n, CHUNK, H, D).permute(0, 3, 1, 2, 4).contiguous()
+
+    def put(self, out: torch.Tensor, x: torch.Tensor, c0: int, c1: int) -> None:
+        """Write chunks ``[c0, c1)`` of ``x [rows, H, n, CHUNK, D]`` into ``out [B, T, H, D]``, dropping the
+        padding (the inverse of :meth:`slots`)."""
+        rows, H, n, _, D = x.shape
+        flat = x.permute(0, 2, 3, 1, 4).reshape(rows, n * CHUNK, H, D)
+        T = out.shape[1]
+        if self.token_of_slot is None:
+            end = min(c1 * CHUNK, T)
+            out[:, c0 * CHUNK : end] = flat[:, : end - c0 * CHUNK]
+            return
+        tokens = self.token_of_slot[c0 * CHUNK : c1 * CHUNK]
+        real = tokens < T
+        out[0].index_copy_(0, tokens[real], flat[0][real].to(out.dtype))
 
 
 def _intra_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, ...]:
-    """Everything that needs no state, batched over all chunks (ordinary autograd, O(T * (K + V + C)) saved).
+    """Everything that needs no state, batched over a group of chunks ``[rows, H, n, CHUNK, D]``.
 
-    Returns Qg = exp(G) * q, Kg = exp(G_last - G) * k, W, U, A_qk and the per-chunk decay exp(G_last).
+    Returns Qg = exp(G) * scale q, Kg = exp(G_last - G) * k, W, U, A_qk and the per-chunk decay exp(G_last).
     """
+    q = q * scale
     # Float64 log-decay: exponents are differences of cumulative sums that can be large (|G| ~ 300 for
     # g = -5), and in fp32 the difference of two such sums would lose ~|G| * 6e-8 of absolute accuracy.
     G = g.to(torch.float64).cumsum(-2)
@@ -239,62 +266,95 @@ def _split_subchunks(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], -1, SUBCHUNK, x.shape[-1])
 
 
-class _ChunkRecurrence(torch.autograd.Function):
-    """The sequential part: for each chunk, v_new = U - W S; o = Qg S + A_qk v_new;
-    S_next = decay * S + Kg^T v_new. Saves only the state entering each chunk; reverse loop for dS."""
+class _ChunkedKDA(torch.autograd.Function):
+    """The whole op (module docstring): ``(q, k, v, g, beta, initial_state, scale, layout, group)`` ->
+    ``(o [B, T, H, V] in q's dtype, final states [N, H, K, V])``. For each chunk, with S the state entering it:
+    v_new = U - W S; o = Qg S + A_qk v_new; S_next = decay * S + Kg^T v_new."""
 
     @staticmethod
-    def forward(
-        ctx,
-        Qg: torch.Tensor,
-        Kg: torch.Tensor,
-        W: torch.Tensor,
-        U: torch.Tensor,
-        A_qk: torch.Tensor,
-        chunk_decay: torch.Tensor,
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
         initial_state: torch.Tensor,
+        scale: float,
         layout: _ChunkLayout,
+        group: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, H, n_chunks, _, K = W.shape
-        states = W.new_empty(rows, H, n_chunks, K, U.shape[-1])
-        v_new = torch.empty_like(U)
+        dtype = compute_dtype(q.dtype)
+        _, _, H, K = q.shape
+        states = q.new_empty(layout.rows, H, layout.n_chunks, K, v.shape[-1], dtype=dtype)
+        o = q.new_empty(v.shape)
         finals = []
-        for c in range(n_chunks):
-            if c in layout.starts:
-                S = initial_state[layout.starts[c]]
-            states[:, :, c] = S
-            v_new[:, :, c] = U[:, :, c] - W[:, :, c] @ S
-            S = chunk_decay[:, :, c, :, None] * S + Kg[:, :, c].transpose(-1, -2) @ v_new[:, :, c]
-            if c in layout.ends:
-                finals.append(S)
-        ctx.layout = layout
-        ctx.save_for_backward(Qg, Kg, W, A_qk, chunk_decay, states, v_new)
-        return Qg @ states + A_qk @ v_new, torch.cat(finals)
+        for c0, c1 in layout.groups(group):
+            chunks = [layout.slots(x, c0, c1, dtype) for x in (q, k, v, g, beta[..., None])]
+            Qg, Kg, W, U, A_qk, decay = _intra_chunk(*chunks[:4], chunks[4].squeeze(-1), scale)
+            v_new = torch.empty_like(U)
+            for c in range(c0, c1):
+                i = c - c0
+                if c in layout.starts:
+                    S = initial_state[layout.starts[c]].to(dtype)
+                states[:, :, c] = S
+                v_new[:, :, i] = U[:, :, i] - W[:, :, i] @ S
+                S = decay[:, :, i, :, None] * S + Kg[:, :, i].transpose(-1, -2) @ v_new[:, :, i]
+                if c in layout.ends:
+                    finals.append(S)
+            layout.put(o, Qg @ states[:, :, c0:c1] + A_qk @ v_new, c0, c1)
+        ctx.save_for_backward(q, k, v, g, beta, states)
+        ctx.layout, ctx.scale, ctx.group = layout, scale, group
+        ctx.initial = (initial_state.shape, initial_state.dtype)
+        return o, torch.cat(finals)
 
     @staticmethod
-    def backward(ctx, d_o: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        Qg, Kg, W, A_qk, chunk_decay, states, v_new = ctx.saved_tensors
-        layout = ctx.layout
-        # The parts of the gradients that come straight from the outputs need no loop.
-        d_v_new = A_qk.transpose(-1, -2) @ d_o
-        d_states = Qg.transpose(-1, -2) @ d_o
-        d_states_after = torch.empty_like(states)
-        d_initial = torch.zeros_like(d_final)
-        for c in reversed(range(states.shape[2])):
-            if c in layout.ends:
-                dS = d_final[layout.ends[c]]  # replaces, not adds: a sequence's last state flows nowhere else
-            d_states_after[:, :, c] = dS
-            d_v_new[:, :, c] += Kg[:, :, c] @ dS
-            dS = (
-                d_states[:, :, c]
-                + chunk_decay[:, :, c, :, None] * dS
-                - W[:, :, c].transpose(-1, -2) @ d_v_new[:, :, c]
+    def backward(ctx: Any, d_o: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, g, beta, states = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        dtype = states.dtype
+        inputs = (q, k, v, g, beta[..., None])
+        grads = [torch.zeros(x.shape, dtype=dtype, device=x.device) for x in inputs]
+        initial_shape, initial_dtype = ctx.initial
+        d_initial = torch.zeros(initial_shape, dtype=dtype, device=q.device)
+        d_final = d_final.to(dtype)
+        for c0, c1 in reversed(layout.groups(ctx.group)):
+            leaves = [layout.slots(x, c0, c1, dtype).requires_grad_() for x in inputs]
+            with torch.enable_grad():
+                intra = _intra_chunk(*leaves[:4], leaves[4].squeeze(-1), scale)
+            Qg, Kg, W, U, A_qk, decay = (x.detach() for x in intra)
+            S = states[:, :, c0:c1]
+            d_out = layout.slots(d_o, c0, c1, dtype)
+            v_new = U - W @ S
+            # The parts of the gradients that come straight from the outputs need no loop.
+            d_v_new = A_qk.transpose(-1, -2) @ d_out
+            d_states = Qg.transpose(-1, -2) @ d_out
+            d_states_after = torch.empty_like(S)
+            for c in reversed(range(c0, c1)):
+                i = c - c0
+                if c in layout.ends:
+                    dS = d_final[layout.ends[c]]  # replaces, not adds: a sequence's last state flows nowhere else
+                d_states_after[:, :, i] = dS
+                d_v_new[:, :, i] += Kg[:, :, i] @ dS
+                dS = d_states[:, :, i] + decay[:, :, i, :, None] * dS - W[:, :, i].transpose(-1, -2) @ d_v_new[:, :, i]
+                if c in layout.starts:
+                    d_initial[layout.starts[c]] = dS
+            d_intra = (
+                d_out @ S.transpose(-1, -2),  # Qg
+                v_new @ d_states_after.transpose(-1, -2),  # Kg
+                -(d_v_new @ S.transpose(-1, -2)),  # W
+                d_v_new,  # U
+                d_out @ v_new.transpose(-1, -2),  # A_qk
+                (d_states_after * S).sum(-1),  # decay
             )
-            if c in layout.starts:
-                d_initial[layout.starts[c]] = dS
-        d_Qg = d_o @ states.transpose(-1, -2)
-        d_Kg = v_new @ d_states_after.transpose(-1, -2)
-        d_W = -(d_v_new @ states.transpose(-1, -2))
-        d_A_qk = d_o @ v_new.transpose(-1, -2)
-        d_decay = (d_states_after * states).sum(-1)
-        return d_Qg, d_Kg, d_W, d_v_new, d_A_qk, d_decay, d_initial, None
+            for grad, part in zip(grads, torch.autograd.grad(intra, leaves, d_intra), strict=True):
+                layout.put(grad, part, c0, c1)
+        d_beta = grads.pop().squeeze(-1)
+        return (
+            *(grad.to(x.dtype) for grad, x in zip([*grads, d_beta], (q, k, v, g, beta), strict=True)),
+            d_initial.to(initial_dtype),
+            None,
+            None,
+            None,
+        )
+
