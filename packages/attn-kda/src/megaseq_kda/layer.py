@@ -14,16 +14,24 @@ Per token x, per head h (K = V = head_dim):
 ShortConv is a causal depthwise convolution over time; it restarts at document boundaries and reads its
 history from the cache (decoding) or from the preceding segment on another rank (context parallelism,
 ``megaseq_kda.parallel``). Gates, beta, the state and the output norm are computed in fp32.
+
+Memory: backward keeps the input, q, k, v, g, beta, the op's output and one state per chunk (the op keeps its
+inputs and recomputes its intra-chunk tensors: ``ops/chunk.py``). The front (projections, convolution, SiLU,
+L2 norm, gates) and the tail (norm, output gate, output projection) are cheap per token and would otherwise
+keep ~6 buffers of 3 x width and ~5 of width: they run in blocks of ``BLOCK_TOKENS`` under activation
+checkpointing and are recomputed in backward one block at a time, so their temporaries are one block's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from megaseq.contracts import ForwardContext, Tile
 from megaseq.documents import Documents, as_documents
@@ -32,10 +40,13 @@ from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq_kda.backends import BACKENDS
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.ops import naive_recurrent_kda
+from megaseq_kda.ops.chunk import CHUNK, GROUP_HEAD_TOKENS
 from megaseq_kda.parallel import context_parallel_kda, conv_histories
 
 L2_EPS = 1e-6
 NORM_EPS = 1e-5
+# The front and the tail are run and recomputed this many tokens at a time.
+BLOCK_TOKENS = 4096
 
 
 @dataclass
@@ -145,96 +156,149 @@ class KimiDeltaAttention(nn.Module):
                 f"segments of {ctx.cp.segment_len} (seq_len {ctx.cp.seq_len} over {ctx.cp.world_size} ranks)"
             )
         op = BACKENDS.load(self.backend, x.device)
+        if cache is not None:
+            projected = self.qkv_proj(x)
+            q, k, v = self._qkv(projected, cache.conv, 0, None)
+            g, beta = self._gates(x)
+            cache.conv = torch.cat([cache.conv, projected], 1)[:, -(self.conv_weight.shape[1] - 1) :]
+            step = naive_recurrent_kda if x.shape[1] == 1 else op  # one token: the recurrence is cheapest
+            o, cache.state = step(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+            return self._tail(o, x)
         documents = None  # read once per forward by the context, shared with every other layer
         if ctx.documents is not None:
             length = ctx.cp.seq_len if ctx.cp is not None else x.shape[1]
             documents = as_documents(ctx.documents, batch=x.shape[0], length=length, who="attention.kda: cu_seqlens")
-        dtype = compute_dtype(x.dtype)
-        q, k, v = self._qkv(self._convolve(self.qkv_proj(x), ctx, cache, documents), dtype)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.beta_proj(x).to(dtype))
-        if cache is not None:
-            step = naive_recurrent_kda if x.shape[1] == 1 else op  # one token: the recurrence is cheapest
-            o, cache.state = step(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
-        elif ctx.cp is not None:
-            o = context_parallel_kda(op, q, k, v, g, beta, ctx.cp, documents)
-        else:
-            o, _ = op(q, k, v, g, beta, cu_seqlens=documents)
-        return self._output(o, x, dtype)
+        spans: list[tuple[int, int]] = [(0, x.shape[1])]
+        histories: list[Tensor | None] = [None]
+        if ctx.cp is not None:  # the projected tails of the segments before each of this rank's two (only the tails projected)
+            history_len = self.conv_weight.shape[1] - 1
+            tails = [self.qkv_proj(segment[:, -history_len:]) for segment in x.chunk(2, dim=1)]
+            spans, histories = ctx.cp.segments(), conv_histories(tails, ctx.cp, history_len)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+            if ctx.cp is not None:
+                return context_parallel_kda(op, q, k, v, g, beta, ctx.cp, documents)
+            return op(q, k, v, g, beta, cu_seqlens=documents)[0]
+
+        return self._blockwise(x, spans, histories, documents, attend)
 
     def forward_tile(
         self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Tokens ``[tile.start, tile.stop)`` (``megaseq.contracts.SequenceTiling``). The carry is what the
         decoding cache holds, the convolution's last inputs and the recurrent state after the tile; with
-        packing, the tile's first document piece starts from that state only if it continues a document."""
+        packing, the tile's first document piece starts from that state only if it continues a document.
+        Inside the tile, front and tail run in blocks recomputed in backward, as in :meth:`forward`."""
         if ctx.cp is not None:
             raise ValueError("attention.kda: sequence tiles run without context parallelism")
         op = BACKENDS.load(self.backend, x.device)
-        dtype = compute_dtype(x.dtype)
         batch = x.shape[0]
-        projected = self.qkv_proj(x)
         channels, width = self.conv_weight.shape
-        conv_history, state = history[-1] if history else (projected.new_zeros(batch, width - 1, channels), None)
-        doc_positions, pieces, continues = None, None, True
+        conv_history, state = history[-1] if history else (None, None)
+        documents, pieces, continues = None, None, True
         if ctx.documents is not None:
             documents = as_documents(ctx.documents, batch=batch, length=tile.seq_len, who="attention.kda: cu_seqlens")
-            doc_positions = documents.positions_in_doc(x.device)[tile.start : tile.stop]
             pieces, continues = documents.window(tile.start, tile.stop)
-        q, k, v = self._qkv(causal_conv(projected, self.conv_weight.to(projected.dtype), conv_history, doc_positions), dtype)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.beta_proj(x).to(dtype))
-        initial = None
-        if state is not None or pieces is not None:
-            zeros = q.new_zeros(batch if pieces is None else 1, self.n_heads, self.head_dim, self.head_dim, dtype=dtype)
-            initial = state if state is not None and continues else zeros
-            if pieces is not None:  # one state per document piece: only the first may continue
-                initial = torch.cat([initial, zeros.new_zeros(pieces.n_docs - 1, *zeros.shape[1:])])
-        o, final = op(q, k, v, g, beta, initial_state=initial, output_final_state=True, cu_seqlens=pieces)
-        final = final if pieces is None else final[-1:]
-        carry = (torch.cat([conv_history, projected], 1)[:, -(width - 1) :], final)
-        return self._output(o, x, dtype), carry
+        final: list[Tensor] = []
 
-    def _qkv(self, convolved: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k (L2-normalised in ``dtype``) and v ``[B, T, H, D]`` from the convolved projections."""
-        q, k, v = F.silu(convolved).unflatten(-1, (3, self.n_heads, self.head_dim)).unbind(2)
-        q, k = (
-            y * torch.rsqrt(y.to(dtype).square().sum(-1, keepdim=True) + L2_EPS).to(y.dtype) for y in (q, k)
-        )
+        def attend(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+            initial = None
+            if state is not None or pieces is not None:
+                rows = batch if pieces is None else 1
+                zeros = q.new_zeros(rows, self.n_heads, self.head_dim, self.head_dim, dtype=g.dtype)
+                initial = state if state is not None and continues else zeros
+                if pieces is not None:  # one state per document piece: only the first may continue
+                    initial = torch.cat([initial, zeros.new_zeros(pieces.n_docs - 1, *zeros.shape[1:])])
+            o, last = op(q, k, v, g, beta, initial_state=initial, output_final_state=True, cu_seqlens=pieces)
+            final.append(last if pieces is None else last[-1:])
+            return o
+
+        out = self._blockwise(x, [(tile.start, tile.stop)], [conv_history], documents, attend)
+        # the convolution's last inputs: only the tile's last few tokens are projected again
+        if conv_history is None:
+            conv_history = x.new_zeros(batch, width - 1, channels)
+        conv_tail = torch.cat([conv_history, self.qkv_proj(x[:, -(width - 1) :])], 1)[:, -(width - 1) :]
+        return out, (conv_tail, final[0])
+
+    def _blockwise(
+        self,
+        x: Tensor,
+        spans: list[tuple[int, int]],
+        histories: list[Tensor | None],
+        documents: Documents | None,
+        attend: Callable[..., Tensor],
+    ) -> Tensor:
+        """Front, ``attend(q, k, v, g, beta) -> o`` and tail over x, whose pieces cover the global ``spans``
+        with the convolution ``histories`` before each. Front and tail run in blocks of tokens, each
+        recomputed in backward on its own (memory plan in the module docstring): what they keep is the
+        block inputs, their temporaries one block's."""
+        blocks = self._blocks(x, spans, histories)
+        front = [self._recomputed(self._front, x[:, a:b], history, start, documents) for a, b, start, history in blocks]
+        q, k, v, g, beta = (torch.cat(parts, 1) if len(parts) > 1 else parts[0] for parts in zip(*front, strict=True))
+        o = attend(q, k, v, g, beta)
+        out = [self._recomputed(self._tail, o[:, a:b], x[:, a:b]) for a, b, _, _ in blocks]
+        return torch.cat(out, 1) if len(out) > 1 else out[0]
+
+    @staticmethod
+    def _recomputed(fn, *args):  # type: ignore[no-untyped-def]
+        """fn(*args), under activation checkpointing when gradients are on."""
+        return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+
+    def _blocks(
+        self, x: Tensor, spans: list[tuple[int, int]], histories: list[Tensor | None]
+    ) -> list[tuple[int, int, int, Tensor | None]]:
+        """``(a, b, start, history)`` per block of at most ``BLOCK_TOKENS`` of x: local ``[a, b)``, the global
+        position of its first token, and the ``conv_size - 1`` projected inputs before it. Blocks never cross
+        a piece of x (a context-parallel segment); a block's history inside a piece is the projected tail of
+        the block before it (recomputed here for those few tokens), the first block's the piece's history."""
+        history_len = self.conv_weight.shape[1] - 1
+        blocks, offset = [], 0
+        for (start, end), history in zip(spans, histories, strict=True):
+            for a in range(0, max(end - start, 1), BLOCK_TOKENS):  # an empty piece is one empty block
+                b = min(a + BLOCK_TOKENS, end - start)
+                if a:
+                    history = self.qkv_proj(x[:, offset + a - history_len : offset + a])
+                blocks.append((offset + a, offset + b, start + a, history))
+            offset += end - start
+        return blocks
+
+    def _front(
+        self, x: Tensor, history: Tensor | None, start: int, documents: Documents | None
+    ) -> tuple[Tensor, ...]:
+        """x (global tokens from ``start``) -> q, k, v, g, beta; ``history``: the ``conv_size - 1`` projected
+        inputs before x (None: zeros, the sequence starts with x)."""
+        return *self._qkv(self.qkv_proj(x), history, start, documents), *self._gates(x)
+
+    def _qkv(
+        self, projected: Tensor, history: Tensor | None, start: int, documents: Documents | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Convolution (restarting at document starts), SiLU and L2 norm in ``compute_dtype``: q, k, v as
+        views of one tensor (so that what the op keeps of them is one 3 x width buffer)."""
+        if history is None:  # made here, not by the caller: a block's inputs are what backward keeps
+            history = projected.new_zeros(projected.shape[0], self.conv_weight.shape[1] - 1, projected.shape[2])
+        doc_positions = None
+        if documents is not None:
+            doc_positions = documents.positions_in_doc(projected.device)[start : start + projected.shape[1]]
+        convolved = causal_conv(projected, self.conv_weight.to(projected.dtype), history, doc_positions)
+        qkv = F.silu(convolved).unflatten(-1, (3, self.n_heads, self.head_dim))
+        dtype = compute_dtype(qkv.dtype)
+        inv_norms = torch.rsqrt(qkv[:, :, :2].to(dtype).square().sum(-1, keepdim=True) + L2_EPS).to(qkv.dtype)
+        q, k, v = (qkv * torch.cat([inv_norms, torch.ones_like(inv_norms[:, :, :1])], 2)).unbind(2)  # v: x 1
         return q, k, v
 
-    def _output(self, o: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
-        """The per-head norm, the output gate and the output projection of the op's output ``o``."""
+    def _gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The forget gate g and beta, in ``compute_dtype``."""
+        return self.forget_gate(x), torch.sigmoid(self.beta_proj(x).to(compute_dtype(x.dtype)))
+
+    def _tail(self, o: Tensor, x: Tensor) -> Tensor:
+        """The op's output -> the layer's: per-head RMSNorm, output gate, output projection (gate and norm in
+        ``compute_dtype``)."""
+        dtype = compute_dtype(x.dtype)
         o = o.to(dtype)
         o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + NORM_EPS) * self.norm_weight.to(dtype)
         out_gate = torch.sigmoid(self.out_gate_up(self.out_gate_down(x)).to(dtype))
         o = out_gate * o.flatten(-2)
         return self.out_proj(o.to(x.dtype))
-
-    def _convolve(
-        self, projected: Tensor, ctx: ForwardContext, cache: KDACache | None, documents: Documents | None
-    ) -> Tensor:
-        """The short convolution over ``projected [B, T, C]`` with the history each case calls for."""
-        batch, length, channels = projected.shape
-        history_len = self.conv_weight.shape[1] - 1
-        weight = self.conv_weight.to(projected.dtype)
-        if cache is not None:
-            out = causal_conv(projected, weight, cache.conv)
-            cache.conv = torch.cat([cache.conv, projected], 1)[:, -history_len:]
-            return out
-        if ctx.cp is None:
-            spans = [(0, length)]
-            segments = [projected]
-            histories = [projected.new_zeros(batch, history_len, channels)]
-        else:
-            spans = ctx.cp.segments()
-            segments = list(projected.chunk(2, dim=1))
-            histories = conv_histories(segments, ctx.cp, history_len)
-        outputs = []
-        for (start, end), segment, history in zip(spans, segments, histories, strict=True):
-            doc_positions = None if documents is None else documents.positions_in_doc(projected.device)[start:end]
-            outputs.append(causal_conv(segment, weight, history, doc_positions))
-        return torch.cat(outputs, 1)
 
 
 def build(config: KDAConfig, dims: ModelDims, layer_idx: int) -> KimiDeltaAttention:
@@ -242,14 +306,13 @@ def build(config: KDAConfig, dims: ModelDims, layer_idx: int) -> KimiDeltaAttent
 
 
 def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
-    """fp32 bytes, as measured on the chunked op with saved-tensor hooks and resident memory
-    (``benchmarks/component_memory.py``; the planner's accuracy test holds this to the measurement).
-
-    Saved per token (floats): the input (d_model), about 39 per channel of width (the projections before and
-    after the convolution, the gates, q/k/v/g/beta and the op's per-token W, U and sub-chunk tensors, the
-    output before and after its norm), 3 x 64 per head for the in-chunk score matrices, 5 per head (beta and
-    the norm statistics), the two low-rank gate projections, and one K x V state per head per 64-token chunk.
-    Temporary: backward's per-token gradients, about 3.5 floats per channel of width, over the whole call."""
+    """fp32 bytes. Saved per token: the input, q, k, v (one 3 x width buffer), g (width), beta (one per head),
+    the op's output (width) and one K x V state per head per 64-token chunk; the front (projections,
+    convolution, gates) and the tail (norm, output gate, projection) are recomputed in backward, the op's
+    intra-chunk tensors too. Temporary (in backward; measured with large allocations unmapped when freed):
+    the op's gradients of q, k, v, g and the incoming one of its output (5 x width per token), one group of
+    chunks' intra-chunk graph (~40 x head_dim per token and head) and one block of the recomputed front and
+    tail (~24 x width per token)."""
     width = config.n_heads * config.head_dim
     rank = config.gate_rank or config.head_dim
     d = dims.d_model
@@ -257,10 +320,10 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         d * 3 * width + 3 * width * config.conv_size + d * config.n_heads + 2 * (d * rank + rank * width)
     )
     parameters += config.n_heads + width + config.head_dim + width * d
-    per_token = d + 39 * width + 3 * 64 * config.n_heads + 5 * config.n_heads + 2 * rank
-    per_token += config.n_heads * config.head_dim**2 / 64
+    per_token = d + 5 * width + config.n_heads + config.n_heads * config.head_dim**2 / CHUNK
+    temporary = 5 * width * seq_len + 40 * GROUP_HEAD_TOKENS * config.head_dim + 24 * BLOCK_TOKENS * width
     # a sequence tile hands on the recurrent state (fp32) and the convolution's last inputs
     carry = TileCarry(per_tile=4 * (config.n_heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))
     return MemoryEstimate(
-        parameters=parameters * 4, saved_per_token=per_token * 4, temporary=int(14 * width * seq_len), tiling=carry
+        parameters=parameters * 4, saved_per_token=per_token * 4, temporary=int(4 * temporary), tiling=carry
     )
