@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megaseq.config import validate_recipe
 from megaseq.contracts import ForwardContext
-from megaseq.model import build_model, chunked_token_losses
+from megaseq.model import RMSNorm, build_model, chunked_token_losses
 from megaseq.testing import fresh_plugins
 
 
@@ -50,3 +50,69 @@ def test_untied_head_and_layernorm():
     model = tiny_model(tie_embeddings=False, norm="layernorm")
     assert model.head is not None and isinstance(model.final_norm, torch.nn.LayerNorm)
     assert model.logits(model(torch.randint(0, 5, (1, 3)))).shape == (1, 3, 5)
+
+
+def saved_bytes(run) -> int:
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+def test_rmsnorm_matches_the_formula_in_float64_and_keeps_input_and_rstd():
+    """Hand-written backward against autograd of the formula in float64 (max error <= 1e-6 x max |ref|), on a
+    row of large and a row of tiny values; backward keeps x and one rstd per token, not the normalised x."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 12, generator=gen)
+    x[0, 0] *= 1e3
+    x[1, 3] *= 1e-3
+    norm = RMSNorm(12, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(12, generator=gen) + 0.5)
+    grad = torch.randn(2, 7, 12, generator=gen)
+
+    def reference(x64: torch.Tensor, w64: torch.Tensor) -> torch.Tensor:
+        return x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6) * w64
+
+    x32 = x.clone().requires_grad_()
+    out = norm(x32)
+    got = (out, *torch.autograd.grad(out, (x32, norm.weight), grad))
+    x64, w64 = x.double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    ref = reference(x64, w64)
+    want = (ref, *torch.autograd.grad(ref, (x64, w64), grad.double()))
+    for name, a, b in zip(("output", "dx", "dweight"), got, want, strict=True):
+        assert a.dtype == torch.float32
+        assert (a.double() - b).abs().max() <= 1e-6 * max(1.0, b.abs().max().item()), name
+    kept = saved_bytes(lambda: norm(x.clone().requires_grad_()))
+    assert kept == 4 * (x.numel() + 2 * 7 + 12), kept  # x, rstd, the weight
+
+
+def test_swiglu_matches_the_formula_and_keeps_what_its_estimate_says():
+    """The hand-written gate backward against autograd of w2(silu(w1 x) * w3 x) in float64; backward keeps the
+    input, the w1 and w3 outputs and the gated product (w2's input), which is the memory estimate."""
+    from megaseq.builtins.config import SwiGLUConfig
+    from megaseq.builtins.swiglu import build, memory_estimate
+    from megaseq.records import ModelDims
+
+    config, dims = SwiGLUConfig(hidden=24), ModelDims(d_model=16, n_layers=2, vocab_size=5)
+    torch.manual_seed(0)
+    ffn = build(config, dims, 0)
+    x = torch.randn(2, 9, 16) * 3
+    grad = torch.randn(2, 9, 16)
+    x32 = x.clone().requires_grad_()
+    out = ffn(x32, ForwardContext())
+    params = [ffn.w1.weight, ffn.w3.weight, ffn.w2.weight]
+    got = (out, *torch.autograd.grad(out, (x32, *params), grad))
+    x64, (w1, w3, w2) = x.double().requires_grad_(), (p.detach().double().requires_grad_() for p in params)
+    ref = (F.silu(x64 @ w1.t()) * (x64 @ w3.t())) @ w2.t()
+    want = (ref, *torch.autograd.grad(ref, (x64, w1, w3, w2), grad.double()))
+    for a, b in zip(got, want, strict=True):
+        assert (a.double() - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item())
+    kept = saved_bytes(lambda: ffn(x.clone().requires_grad_(), ForwardContext()))
+    weights = 4 * sum(p.numel() for p in params)
+    assert kept - weights == memory_estimate(config, dims, 18).saved_per_token * 18

@@ -21,14 +21,39 @@ from megaseq.records import ModelDims
 
 
 class RMSNorm(nn.Module):
+    """``(x * rstd).to(x.dtype) * weight`` with ``rstd = (mean(x^2) + eps)^-1/2`` computed in fp32."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm that keeps only its input and ``rstd`` (one number per token) for backward, not the normalised
+    input too (recomputed there): half the bytes plain autograd would keep."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        grad_normed = (grad * weight).float()
+        # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed))
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:

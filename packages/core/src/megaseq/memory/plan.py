@@ -60,11 +60,12 @@ CPU_RUNTIME_BYTES = int(0.378 * GiB)
 CUDA_RUNTIME_BYTES = int(2.0 * GiB)
 # Gradients with respect to hidden states alive at once during backward, in units of N x d_model x 4 bytes.
 GRAD_STREAM = 3
-# Per token outside the blocks: the final norm (2 x d_model floats), its output kept for the chunked loss
-# (d_model floats), and the inputs, targets, weights and per-token losses (8 + 8 + 4 + 4 bytes).
-HEAD_FLOATS, HEAD_BYTES = 3, 24
-# What each RMSNorm keeps per token, in d_model floats: its fp32 input and its normalised output.
-NORM_FLOATS = 2
+# Per token outside the blocks: the final norm (its input, d_model floats, and rstd, 4 bytes), its output kept
+# for the chunked loss (d_model floats), and the inputs, targets, weights and per-token losses (8 + 8 + 4 + 4).
+HEAD_FLOATS, HEAD_BYTES = 2, 28
+# What each RMSNorm keeps per token: its input (d_model floats) and rstd (NORM_BYTES); the normalised output
+# is recomputed in backward (``megaseq.model.RMSNorm``).
+NORM_FLOATS, NORM_BYTES = 1, 4
 
 
 @dataclass(frozen=True)
@@ -370,7 +371,7 @@ def estimate(
     offload_min = min((e.offload_min_bytes for e in effects if e.offload_min_bytes is not None), default=None)
     act = 0.5 if t.bf16 else 1.0  # components report fp32 bytes; autocast keeps most activations in bf16
     x = 4 * m.d_model  # block input: the fp32 residual stream
-    norms = 2 * NORM_FLOATS * 4 * m.d_model
+    norms = 2 * (NORM_FLOATS * 4 * m.d_model + NORM_BYTES)
     rows = tokens // length  # sequences per micro-batch on this device
 
     runtime = machine.runtime_bytes + (training_data_bytes(recipe) if machine.kind == "cpu" else 0)
