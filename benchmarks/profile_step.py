@@ -8,8 +8,8 @@ of the parts can be checked against the whole. Times are CPU seconds of this pro
 with one intra-op thread they depend little on what else the machine runs. Best of ``--repeat`` runs.
 
 Memory: "saved" is what autograd keeps from the component's forward until its backward, per token (distinct
-storages reached through saved-tensor hooks, its input included when it is saved), beside the component's
-own ``MemoryEstimate.saved_per_token`` where its record provides one.
+storages reached through saved-tensor hooks, its input included when it is saved, parameters not), beside
+the component's own ``MemoryEstimate.saved_per_token`` where its record provides one.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_step.py --seq-len 8192
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_step.py --seq-len 65536 --repeat 1
@@ -37,12 +37,13 @@ def cpu_seconds(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def saved_bytes(run: Callable[[], object]) -> int:
-    """Bytes of the distinct storages autograd saves while ``run`` executes."""
+def saved_bytes(run: Callable[[], object], exclude: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves while ``run`` executes, but those in ``exclude``."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in exclude:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -107,7 +108,7 @@ def main() -> None:
                 with autocast:
                     return run(ctx), ctx
 
-            saved = saved_bytes(forward) / args.seq_len
+            saved = saved_bytes(forward, parameters) / args.seq_len
             out, _ = forward()
             grad = torch.randn(out.shape).to(out.dtype)
 
@@ -122,6 +123,7 @@ def main() -> None:
             both = cpu_seconds(forward_backward, args.repeat)
             return fwd, max(both - fwd, 0.0), saved
 
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
         rows: list[tuple[str, float, float, float, float | None]] = []
         dims = model.dims
         for label, module, record, with_ctx in parts:

@@ -449,3 +449,40 @@ def test_backward_never_keeps_the_selected_keys_per_query():
     assert ctx.losses, "the indexer loss must be part of the graph for this test to mean anything"
     per_token = sum(storages.values()) / tokens
     assert per_token < 64 * 32 * 4, f"{per_token:.0f} bytes saved per token"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"mode": "sparse", "topk": 64, "index_pool": 4},
+        {"mode": "sparse", "topk": 64, "rope": True, "rope_dim": 8},
+        {"mode": "dense_warmup", "freeze_main_in_warmup": False, "rope": True, "rope_dim": 8},
+        {"mode": "dense_warmup"},
+    ],
+    ids=["sparse", "sparse-rope", "dense", "dense-frozen"],
+)
+def test_backward_keeps_what_the_memory_estimate_says(config: dict):
+    """Bytes autograd keeps per token (the slope between two lengths, so per-layer constants drop out) equal the
+    estimate's ``saved_per_token``: the memory planner sums these estimates."""
+    from megaseq.records import ModelDims
+
+    dims = ModelDims(64, 2, 5)
+    full = {**SMALL, "query_chunk": 16, **config}
+    torch.manual_seed(0)
+    layer = build_component("attention", "dsa", full, dims)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def saved(tokens: int) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(torch.randn(1, tokens, 64, requires_grad=True), ForwardContext())
+        return sum(storages.values())
+
+    per_token = (saved(512) - saved(256)) / 256
+    assert per_token == memory_estimate(DSAConfig(**full), dims, 512).saved_per_token

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaseq.contracts import ForwardContext, Tile
 from megaseq.documents import Documents, as_documents
+from megaseq.model import RMSNorm
 from megaseq.parallel import gather_sequence
 from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq.rotary import rotary
@@ -105,11 +106,11 @@ class DeepSeekSparseAttention(nn.Module):
         self.rope_dim = config.rope_dim if config.rope else 0
         self.scale = (head_dim + self.rope_dim) ** -0.5
         self.q_down = nn.Linear(d_model, config.q_lora_rank, bias=False)
-        self.q_norm = nn.RMSNorm(config.q_lora_rank, eps=1e-6)
+        self.q_norm = RMSNorm(config.q_lora_rank, 1e-6)
         self.q_up = nn.Linear(config.q_lora_rank, heads * head_dim, bias=False)
         self.k_up = nn.Parameter(torch.randn(heads, head_dim, latent) * latent**-0.5)  # absorbed into q
         self.kv_down = nn.Linear(d_model, latent, bias=False)
-        self.kv_norm = nn.RMSNorm(latent, eps=1e-6)
+        self.kv_norm = RMSNorm(latent, 1e-6)
         self.v_up = nn.Parameter(torch.randn(heads, latent, head_dim) * latent**-0.5)
         self.out = nn.Linear(heads * head_dim, d_model, bias=False)
         if config.rope:
@@ -166,7 +167,10 @@ class DeepSeekSparseAttention(nn.Module):
             documents = as_documents(ctx.documents, batch=b, length=length, who="attention.dsa: cu_seqlens")
         c_q = self.q_norm(self.q_down(x))
         latent = self.kv_norm(self.kv_down(x))
-        q = torch.einsum("bthd,hdc->bthc", self.q_up(c_q).view(b, t, self.config.n_heads, -1), self.k_up)
+        # Absorbed query, all heads in one product: c_q (W_uq^T blockdiag_h(W_uk,h)) = [W_uk,h^T W_uq,h c_q]_h.
+        # Folding the two matrices first keeps no per-token up-projected query for backward.
+        absorb = self.q_up.weight.t() @ torch.block_diag(*self.k_up)
+        q = (c_q @ absorb.to(c_q.dtype)).view(b, t, self.config.n_heads, -1)
         key = latent
         if self.rope_dim:
             pos = self._rope_positions(t, ctx, cache, documents, x.device, tile)
@@ -224,8 +228,10 @@ class DeepSeekSparseAttention(nn.Module):
             tokens = b * (ctx.cp.seq_len if ctx.cp is not None else tile.seq_len if tile is not None else t)
             # The trainer logs it as aux/dsa_indexer; a separate KL metric would repeat that number.
             ctx.add_loss("dsa_indexer", self.config.indexer_loss_coef * kl / tokens)
-        o = torch.einsum("bthc,hcd->bthd", o, self.v_up)
-        return self.out(o.reshape(b, t, -1)), carry
+        # W_o concat_h(W_uv,h o_h) as one product with the folded blockdiag_h(W_uv,h) W_o^T: backward keeps only o
+        # (which the attention keeps anyway), not the per-head values.
+        project = torch.block_diag(*self.v_up) @ self.out.weight.t()
+        return o.reshape(b, t, -1) @ project.to(o.dtype), carry
 
     def _rope_positions(
         self, t: int, ctx: ForwardContext, cache: DSACache | None, documents: Documents | None, device: torch.device,
@@ -331,8 +337,13 @@ def build(config: DSAConfig, dims: ModelDims, layer_idx: int) -> DeepSeekSparseA
 
 
 def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
-    """fp32 bytes. Saved per token: the input, c_q, latent and key, queries in latent space (H x key width),
-    latent and up-projected outputs, the indexer's queries, key and weights, and the selected indices (int32).
+    """fp32 bytes. Saved per token (tested against what backward keeps): the input, the compressed query and
+    the latent before and after their norms (the norms keep their inputs), the key (the latent, with its
+    rotary part) and the absorbed query (H x key width), the attention's output (H x latent) and
+    logsumexp, the selected indices (int32, sparse), the indexer loss's gradients (the size of the indexer's
+    queries, key and weights), and the rotary angles. Dense warm-up: SDPA's output at the key width and
+    the padded values instead of the indices. The layer's input is taken to need a gradient (earlier layers
+    train): a frozen main path then still keeps what the input's gradient needs.
     Temporary (the largest of the steps, which run one after another): the selection's score block with its
     CPU selection copy and mask (~2.5 x SCORE_BLOCK_BYTES), or one chunk of the indexer loss (CHUNK_BYTES);
     sparse attention's chunk buffers are a few MiB."""
@@ -352,19 +363,15 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         + d * config.index_dim
         + d * config.index_heads
     )
-    index_width = config.index_heads * config.index_dim + config.index_dim + config.index_heads
-    per_token = (
-        d
-        + config.q_lora_rank
-        + latent
-        + key_width
-        + heads * key_width
-        + heads * (latent + config.head_dim)
-        + heads * config.head_dim
-        + index_width
-    )
+    indexer_grads = config.index_heads * config.index_dim + config.index_dim + config.index_heads
+    per_token = d + 2 * config.q_lora_rank + latent + key_width + heads * key_width + heads + 2 + indexer_grads
+    per_token += 2 * rope  # the rotary cos and sin of the query and of the key
     if config.mode == "sparse":
-        per_token += selected_slots(config.topk, config.index_pool)
+        per_token += heads * latent + selected_slots(config.topk, config.index_pool)
+    else:
+        per_token += key_width + heads * key_width
+        if not config.freeze_main_in_warmup:  # the output projection's input, for its weight's gradient
+            per_token += heads * latent
     return MemoryEstimate(
         parameters=4 * parameters,
         saved_per_token=4 * per_token,

@@ -21,7 +21,8 @@ from megaseq.records import ModelDims
 
 
 class RMSNorm(nn.Module):
-    """``(x * rstd).to(x.dtype) * weight`` with ``rstd = (mean(x^2) + eps)^-1/2`` computed in fp32."""
+    """``(x * rstd).to(x.dtype) * weight`` with ``rstd = (mean(x^2) + eps)^-1/2`` computed in fp32 (float64 for
+    float64 inputs)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -38,7 +39,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return (xf * rstd).to(x.dtype) * weight
@@ -46,11 +47,11 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
+        normed = x.to(rstd.dtype) * rstd
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        grad_normed = (grad * weight).float()
+        grad_normed = (grad * weight).to(rstd.dtype)
         # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed))
         grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_weight, None
