@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from megaseq import threads
 from megaseq.__about__ import __version__
 from megaseq.errors import UserError
 
@@ -344,6 +345,7 @@ def missing_command(prog: str, commands: argparse.Action):
 
 
 def main(argv: list[str] | None = None) -> int:
+    threads.apply_defaults()  # before anything imports torch: OpenMP reads its variables once, when it loads
     argv = sys.argv[1:] if argv is None else list(argv)
     _one_line_warnings()
     try:
