@@ -1,17 +1,30 @@
-"""Training throughput and peak memory of a recipe at several sequence lengths.
+"""Training throughput and peak memory of recipes at several sequence lengths, alone and two at once.
 
-Each configuration runs in a fresh subprocess so that its peak RSS is its own. One warm-up step is
-excluded from the timing. Prints a table; writes nothing else.
+Every measurement runs in fresh processes (so that each peak RSS is its own): one warm-up step, then
+``--steps`` timed steps. Columns: tokens/s (wall clock), CPU seconds per step (all threads of the process),
+peak RSS (``VmHWM``), the last loss, and the ratio of tokens/s to the recorded baseline where it has the same
+recipe, length and setting. Settings (``--settings``):
 
-    .venv/bin/python benchmarks/train_throughput.py                       # default recipe, 4k 16k 64k
-    .venv/bin/python benchmarks/train_throughput.py --seq-len 4096 --steps 2 --set model.layer_pattern='["kda"]'
+- ``alone``: one process with megaseq's thread default (``megaseq.threads``: one intra-op thread);
+- ``alone-2t``: one process with two OpenMP threads that spin-wait (OpenMP's default, what megaseq did
+  before it set its own);
+- ``pair`` / ``pair-2t``: the same, two processes at once (each row is one process; ``sum`` adds them).
+
+The recorded baseline (``benchmarks/baselines/train_throughput_a6711c6.json``) holds the numbers of the code
+before this benchmark's optimisations, with the command and date they were measured with. Wall-clock numbers
+mean something only on a machine that runs nothing else; on a shared one compare CPU seconds per step.
+
+    .venv/bin/python benchmarks/train_throughput.py                                   # default recipe, 8k 64k
+    .venv/bin/python benchmarks/train_throughput.py --seq-len 8192 --settings alone pair alone-2t pair-2t
+    .venv/bin/python benchmarks/train_throughput.py --recipe recipes/genome-cpu.toml recipes/genome-sdpa-cpu.toml \\
+        --seq-len 65536 --settings alone --steps 1                                     # the memory comparison
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
 import tempfile
@@ -19,9 +32,28 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+BASELINE = REPO / "benchmarks" / "baselines" / "train_throughput_a6711c6.json"
+SETTINGS = {
+    # name: (processes at once, OMP_NUM_THREADS or None for megaseq's default)
+    "alone": (1, None),
+    "alone-2t": (1, "2"),
+    "pair": (2, None),
+    "pair-2t": (2, "2"),
+}
 
 
-def measure(recipe: str, seq_len: int, steps: int, overrides: list[str]) -> dict:
+def peak_rss_gib() -> float:
+    """This process's peak resident set (``VmHWM``), in GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def child(recipe: str, seq_len: int, steps: int, overrides: list[str]) -> dict:
+    """One measurement, in this (fresh) process; its thread variables came from the parent."""
+    import torch
+
     from megaseq.config import load_recipe
     from megaseq.plugins import get_plugins
     from megaseq.train.trainer import Trainer
@@ -32,42 +64,95 @@ def measure(recipe: str, seq_len: int, steps: int, overrides: list[str]) -> dict
                 f"train.steps={steps + 1}", *overrides]
         trainer = Trainer(load_recipe(recipe, plugins, sets), plugins, progress=False, tensorboard=False)
         trainer.train_step()  # warm-up: first-call allocations and kernel selection
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             loss = trainer.train_step()["loss"]
-        elapsed = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {
-        "seq_len": seq_len,
-        "tokens_per_s": steps * seq_len / elapsed,
-        "s_per_step": elapsed / steps,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "tokens_per_s": steps * seq_len / wall,
+        "cpu_s_per_step": cpu / steps,
+        "peak_rss_gib": peak_rss_gib(),
         "loss": loss,
+        "threads": torch.get_num_threads(),
     }
+
+
+def run_setting(recipe: str, seq_len: int, setting: str, args: argparse.Namespace) -> list[dict | str]:
+    """Start the setting's processes together; their results (or one-line failures) in start order."""
+    from megaseq import threads
+
+    processes, count = SETTINGS[setting]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if count is None:
+        threads.apply_defaults(env)  # what the megaseq command sets
+    else:
+        env["OMP_NUM_THREADS"] = count
+    if args.code is not None:
+        env["PYTHONPATH"] = os.pathsep.join(str(src) for src in sorted(args.code.glob("packages/*/src")))
+    cmd = [sys.executable, __file__, "--child", recipe, str(seq_len), "--steps", str(args.steps)]
+    for item in args.set:
+        cmd += ["--set", item]
+    running = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(processes)]
+    results: list[dict | str] = []
+    for proc in running:
+        out, err = proc.communicate()
+        if proc.returncode:
+            results.append(err.strip().splitlines()[-1] if err.strip() else f"exit status {proc.returncode}")
+        else:
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def load_baseline(path: Path) -> tuple[dict, dict[tuple[str, int, str], dict]]:
+    if not path.is_file():
+        return {}, {}
+    data = json.loads(path.read_text())
+    return data, {(r["recipe"], r["seq_len"], r["setting"]): r for r in data["results"]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
-    p.add_argument("--seq-len", type=int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
+    p.add_argument("--recipe", nargs="+", default=[str(REPO / "recipes" / "genome-cpu.toml")])
+    p.add_argument("--seq-len", type=int, nargs="+", default=[8192, 65536])
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=["alone", "pair", "alone-2t"])
+    p.add_argument("--steps", type=int, default=2, help="timed steps per measurement (after one warm-up step)")
     p.add_argument("--set", action="append", default=[], help="recipe override, as for megaseq train")
-    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--baseline", type=Path, default=BASELINE, help="recorded results to compare with")
+    p.add_argument("--code", type=Path, help="measure the megaseq sources of this checkout (e.g. an older commit's "
+                   "worktree: how the baseline was recorded) instead of the installed ones")
+    p.add_argument("--child", nargs=2, metavar=("RECIPE", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.recipe, args.child, args.steps, args.set)))
+        print(json.dumps(child(args.child[0], int(args.child[1]), args.steps, args.set)))
         return
-    print(f"recipe: {args.recipe} {' '.join(args.set)}; batch 1 window, {args.steps} timed steps after 1 warm-up")
-    print(f"{'seq_len':>8} {'tokens/s':>10} {'s/step':>8} {'peak RSS GiB':>13} {'loss':>7}")
-    for seq_len in args.seq_len:
-        cmd = [sys.executable, __file__, "--recipe", args.recipe, "--steps", str(args.steps), "--child", str(seq_len)]
-        for item in args.set:
-            cmd += ["--set", item]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            print(f"{seq_len:>8} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
-            continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{r['seq_len']:>8} {r['tokens_per_s']:>10.0f} {r['s_per_step']:>8.2f} {r['peak_rss_gib']:>13.2f} {r['loss']:>7.3f}")
+
+    meta, baseline = load_baseline(args.baseline)
+    print(f"{' '.join(args.set)} batch 1 window, {args.steps} timed steps after 1 warm-up; {os.cpu_count()} CPUs")
+    if meta:
+        print(f"baseline: {args.baseline.name}: megaseq {meta['commit']}, {meta['date']}: {meta['command']}")
+    header = f"{'recipe':<18} {'seq_len':>7} {'setting':<9} {'threads':>7} {'tokens/s':>9} {'CPU s/step':>10} " \
+             f"{'peak GiB':>8} {'loss':>6} {'baseline tok/s':>14} {'speed-up':>8}"
+    print(header)
+    for recipe in args.recipe:
+        name = Path(recipe).stem
+        for seq_len in args.seq_len:
+            for setting in args.settings:
+                results = run_setting(recipe, seq_len, setting, args)
+                base = baseline.get((name, seq_len, setting))
+                for r in results:
+                    if isinstance(r, str):
+                        print(f"{name:<18} {seq_len:>7} {setting:<9} failed: {r}")
+                        continue
+                    ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x" if base else f"{'':>8}"
+                    base_tps = f"{base['tokens_per_s']:>14,.0f}" if base else f"{'-':>14}"
+                    print(f"{name:<18} {seq_len:>7} {setting:<9} {r['threads']:>7} {r['tokens_per_s']:>9,.0f} "
+                          f"{r['cpu_s_per_step']:>10.2f} {r['peak_rss_gib']:>8.2f} {r['loss']:>6.3f} {base_tps} {ratio}")
+                good = [r for r in results if isinstance(r, dict)]
+                if len(results) > 1 and len(good) == len(results):
+                    total = sum(r["tokens_per_s"] for r in good)
+                    print(f"{name:<18} {seq_len:>7} {setting:<9} {'sum':>7} {total:>9,.0f}")
+                sys.stdout.flush()
 
 
 if __name__ == "__main__":

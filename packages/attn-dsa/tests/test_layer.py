@@ -486,3 +486,24 @@ def test_backward_keeps_what_the_memory_estimate_says(config: dict):
 
     per_token = (saved(512) - saved(256)) / 256
     assert per_token == memory_estimate(DSAConfig(**full), dims, 512).saved_per_token
+
+
+def test_bf16_autocast_does_not_reach_inside_the_indexer_loss():
+    """The indexer loss and its gradients under a caller's bf16 autocast are bitwise the fp32 ones."""
+    from megaseq_dsa.indexer import indexer_kl
+
+    gen = torch.Generator().manual_seed(0)
+    q_idx, k_idx, w = (torch.randn(*shape, generator=gen).requires_grad_() for shape in ((1, 40, 2, 8), (1, 40, 8), (1, 40, 2)))
+    q, key = torch.randn(1, 40, 3, 8, generator=gen), torch.randn(1, 40, 8, generator=gen)
+    pos, starts = torch.arange(40), torch.zeros(40, dtype=torch.long)
+    indices = select_topk_reference(q_idx.detach(), k_idx.detach(), w.detach(), 8)
+
+    def run():
+        kl = indexer_kl(q_idx, k_idx, w, q, key, 0.3, pos, starts, indices, chunk=7)
+        return kl, *torch.autograd.grad(kl, (q_idx, k_idx, w))
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = run()
+    for a, b in zip(under_autocast, plain, strict=True):
+        assert torch.equal(a, b)

@@ -525,3 +525,23 @@ def test_values_are_key_columns_only_for_a_leading_view():
     assert not values_are_key_columns(k, k[..., 1:6])  # not the leading columns
     assert not values_are_key_columns(k, k[..., :5].clone())  # a copy: gradients must go to v itself
     assert not values_are_key_columns(k, k[:, 1:, :5])  # other rows
+
+
+def test_bf16_autocast_does_not_reach_inside_selection_or_attention():
+    """Scores, softmax statistics and products stay fp32 under a caller's bf16 autocast: selection, outputs
+    and gradients are bitwise those of the fp32 run."""
+    qi, ki, wi = indexer_inputs(70, dtype=torch.float32, seed=3)
+    q, k, _ = attention_inputs(70, batch=1, seed=4)
+    grad_out = torch.randn(1, 70, 3, 16, generator=torch.Generator().manual_seed(5))
+
+    def run():
+        indices = select_topk(qi, ki, wi, 16, pool=4)
+        q_, k_ = q.clone().requires_grad_(), k.clone().requires_grad_()
+        out = sparse_attention(q_, k_, k_, indices, 0.3)
+        return indices, out, *torch.autograd.grad(out, (q_, k_), grad_out)
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = run()
+    for a, b in zip(under_autocast, plain, strict=True):
+        assert torch.equal(a, b)

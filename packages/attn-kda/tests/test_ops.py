@@ -299,3 +299,14 @@ def test_bad_cu_seqlens_raise(offsets: list) -> None:
     del inputs["initial_state"]
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk_kda(**inputs, cu_seqlens=torch.tensor(offsets))
+
+
+def test_bf16_autocast_does_not_reach_inside_the_op() -> None:
+    """Gates, beta and the state stay fp32 under a caller's bf16 autocast: the op's outputs and gradients are
+    bitwise those of the fp32 run (without the op's own guard its products would run in bf16, ~1e-3 off)."""
+    inputs = make_inputs(B=1, T=150, H=2, K=16, V=16, gate="mixed")
+    plain = run_with_grads(chunk_kda, inputs, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = run_with_grads(chunk_kda, inputs, torch.float32)
+    for name, value in plain.items():
+        assert torch.equal(under_autocast[name], value), name

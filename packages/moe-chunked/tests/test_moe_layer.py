@@ -276,3 +276,21 @@ def test_bf16_close_to_fp32() -> None:
     assert torch.isfinite(xb.grad.float()).all() and all(
         torch.isfinite(p.grad.float()).all() for p in low.parameters()
     )
+
+
+def test_bf16_autocast_does_not_reach_inside_the_layer() -> None:
+    """Under a caller's bf16 autocast the layer routes and computes in its input's dtype: outputs, routing and
+    gradients are bitwise the fp32 run's (a bf16 router would flip near-tied choices; its forward would then
+    disagree with the fp32 recomputation in backward)."""
+
+    def run(autocast: bool) -> list[Tensor]:
+        module = make(chunk_tokens=5)
+        x = torch.randn(2, 9, D, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+        ctx = ForwardContext(routing=RoutingReplay())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = module(x, ctx)
+        out.square().sum().backward()
+        return [out, *ctx.routing.indices.values(), x.grad, *(p.grad for p in module.parameters())]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)

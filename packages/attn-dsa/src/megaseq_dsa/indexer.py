@@ -79,7 +79,10 @@ def indexer_kl(
         chunk = max(1, CHUNK_BYTES // (4 * batch * key.shape[1] * max(heads, q_idx.shape[2], key.shape[-1])))
     elif chunk is None:
         chunk = max(1, GATHER_BYTES // (4 * batch * indices.shape[-1] * (key.shape[-1] + k_idx.shape[-1])))
-    return _IndexerKL.apply(q_idx, k_idx, weights, q.detach(), key.detach(), scale, query_pos, doc_start, indices, chunk)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 softmaxes and products under any autocast
+        return _IndexerKL.apply(
+            q_idx, k_idx, weights, q.detach(), key.detach(), scale, query_pos, doc_start, indices, chunk
+        )
 
 
 class _IndexerKL(torch.autograd.Function):

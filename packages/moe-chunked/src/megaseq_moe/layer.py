@@ -96,6 +96,12 @@ class ChunkedMoE(nn.Module):
     # --- the chunked computation --------------------------------------------------------------------------
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        # Routing, experts and the backward's recomputation all run in the input's dtype, also under autocast:
+        # a bf16 router would pick other experts than the recomputation and the fp32 path (near-ties).
+        with torch.autocast(x.device.type, enabled=False):
+            return self._forward(x, ctx)
+
+    def _forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         batch, length, d = x.shape
         tokens = x.reshape(-1, d)
         group = self._ep_group(ctx)

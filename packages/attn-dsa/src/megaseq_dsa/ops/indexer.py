@@ -167,6 +167,21 @@ def select_topk(
     query_block: at most this many queries per block (fewer when a block's scores would pass
     SCORE_BLOCK_BYTES); key_block: keys per scoring tile.
     """
+    with torch.autocast(q_idx.device.type, enabled=False):  # scores in fp32 (or float64) under any autocast
+        return _select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_block, key_block)
+
+
+def _select_topk(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    topk: int,
+    cu_seqlens: torch.Tensor | Documents | None,
+    pool: int,
+    query_positions: torch.Tensor | None,
+    query_block: int,
+    key_block: int,
+) -> torch.Tensor:
     documents = None if cu_seqlens is None else as_documents(cu_seqlens)  # read to the host once, checked below
     positions = check_index_inputs(q_idx, k_idx, weights, documents, query_positions)
     check_topk_and_pool(topk, pool)

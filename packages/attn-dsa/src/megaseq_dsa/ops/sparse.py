@@ -133,6 +133,11 @@ class SparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_o, _grad_lse):  # type: ignore[override]
+        with torch.autocast(grad_o.device.type, enabled=False):
+            return SparseAttention._backward(ctx, grad_o)
+
+    @staticmethod
+    def _backward(ctx, grad_o):  # type: ignore[no-untyped-def]
         q, k, v, indices, o, lse = ctx.saved_tensors
         scale, chunk_size = ctx.scale, ctx.chunk_size
         batch, n_queries, heads, dim = q.shape
@@ -218,7 +223,8 @@ def sparse_attention_with_lse(
         )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return SparseAttention.apply(q, k, v, indices, scale, chunk_size)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 statistics and products, whatever the caller runs
+        return SparseAttention.apply(q, k, v, indices, scale, chunk_size)
 
 
 def sparse_attention(

@@ -17,7 +17,8 @@ sub-chunks: a block below the diagonal factorises as exp(G_s - G_r) * exp(G_r - 
 the row's sub-chunk (j < r <= s, so both factors decay), and the 16 x 16 diagonal blocks are formed one
 sub-diagonal at a time from exp(g_{j+1} + ... + g_s), j <= s (a custom autograd Function, so that no
 [T, 16, K] tensor is ever stored). Cumulative log-decays are summed in float64 (differences of large sums
-would lose accuracy in fp32); everything else runs in fp32 (float64 for float64 inputs).
+would lose accuracy in fp32); everything else runs in fp32 (float64 for float64 inputs), also under bf16
+autocast (which the op switches off inside: it takes bf16 inputs and returns its output in q's dtype).
 
 Memory: one custom autograd Function runs the whole op. Forward saves only its inputs (q, k, v, g, beta: what
 the layer holds anyway) and the state entering each chunk ([.., n_chunks, K, V], K V / 64 floats per token and
@@ -74,7 +75,8 @@ def chunk_kda(
     if initial_state is None:
         initial_state = q.new_zeros(n_seqs, H, K, v.shape[-1], dtype=compute_dtype(q.dtype))
     group = max(1, GROUP_HEAD_TOKENS // (layout.rows * H * CHUNK))
-    o, final_state = _ChunkedKDA.apply(q, k, v, g, beta, initial_state, scale, layout, group)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 inside, whatever autocast the caller runs
+        o, final_state = _ChunkedKDA.apply(q, k, v, g, beta, initial_state, scale, layout, group)
     return o, final_state if output_final_state else None
 
 
@@ -310,6 +312,11 @@ class _ChunkedKDA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_o: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        with torch.autocast(d_o.device.type, enabled=False):
+            return _ChunkedKDA._backward(ctx, d_o, d_final)
+
+    @staticmethod
+    def _backward(ctx: Any, d_o: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, g, beta, states = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         dtype = states.dtype
