@@ -104,11 +104,24 @@ def run_setting(recipe: str, seq_len: int, setting: str, args: argparse.Namespac
     return results
 
 
+# What megaseq at the baseline commit did by default in each setting's situation (one process alone, two at once).
+OLD_DEFAULT = {"alone": "alone-2t", "alone-2t": "alone-2t", "pair": "pair-2t", "pair-2t": "pair-2t"}
+
+
 def load_baseline(path: Path) -> tuple[dict, dict[tuple[str, int, str], dict]]:
     if not path.is_file():
         return {}, {}
     data = json.loads(path.read_text())
     return data, {(r["recipe"], r["seq_len"], r["setting"]): r for r in data["results"]}
+
+
+def compare(value: float, base: dict | None, key: str, higher_is_better: bool) -> str:
+    """``old value  ratio`` (ratio > 1: better now), or blanks without a recorded value."""
+    if base is None or base.get(key) is None:
+        return f"{'-':>9} {'':>6}"
+    old = base[key]
+    ratio = value / old if higher_is_better else old / value
+    return f"{old:>9,.2f} {ratio:>5.2f}x" if old < 100 else f"{old:>9,.0f} {ratio:>5.2f}x"
 
 
 def main() -> None:
@@ -130,28 +143,32 @@ def main() -> None:
     meta, baseline = load_baseline(args.baseline)
     print(f"{' '.join(args.set)} batch 1 window, {args.steps} timed steps after 1 warm-up; {os.cpu_count()} CPUs")
     if meta:
-        print(f"baseline: {args.baseline.name}: megaseq {meta['commit']}, {meta['date']}: {meta['command']}")
-    header = f"{'recipe':<18} {'seq_len':>7} {'setting':<9} {'threads':>7} {'tokens/s':>9} {'CPU s/step':>10} " \
-             f"{'peak GiB':>8} {'loss':>6} {'baseline tok/s':>14} {'speed-up':>8}"
-    print(header)
+        print(f"old: {args.baseline.name} (megaseq {meta['commit']}): tokens/s of what it did by default in the "
+              "same situation (alone: two spinning threads); CPU s/step and peak of the same setting")
+    print(f"{'recipe':<16} {'seq_len':>7} {'setting':<9} {'threads':>7} {'tokens/s':>9} {'old':>9} {'':>6} "
+          f"{'CPU s/step':>10} {'old':>9} {'':>6} {'peak GiB':>8} {'old':>9} {'':>6} {'loss':>6}")
     for recipe in args.recipe:
         name = Path(recipe).stem
         for seq_len in args.seq_len:
             for setting in args.settings:
                 results = run_setting(recipe, seq_len, setting, args)
-                base = baseline.get((name, seq_len, setting))
+                old_default = baseline.get((name, seq_len, OLD_DEFAULT[setting]))
+                same = baseline.get((name, seq_len, setting))
                 for r in results:
                     if isinstance(r, str):
-                        print(f"{name:<18} {seq_len:>7} {setting:<9} failed: {r}")
+                        print(f"{name:<16} {seq_len:>7} {setting:<9} failed: {r}")
                         continue
-                    ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x" if base else f"{'':>8}"
-                    base_tps = f"{base['tokens_per_s']:>14,.0f}" if base else f"{'-':>14}"
-                    print(f"{name:<18} {seq_len:>7} {setting:<9} {r['threads']:>7} {r['tokens_per_s']:>9,.0f} "
-                          f"{r['cpu_s_per_step']:>10.2f} {r['peak_rss_gib']:>8.2f} {r['loss']:>6.3f} {base_tps} {ratio}")
+                    print(
+                        f"{name:<16} {seq_len:>7} {setting:<9} {r['threads']:>7} {r['tokens_per_s']:>9,.0f} "
+                        f"{compare(r['tokens_per_s'], old_default, 'tokens_per_s', True)} "
+                        f"{r['cpu_s_per_step']:>10.2f} {compare(r['cpu_s_per_step'], same, 'cpu_s_per_step', False)} "
+                        f"{r['peak_rss_gib']:>8.2f} {compare(r['peak_rss_gib'], same or old_default, 'peak_rss_gib', False)} "
+                        f"{r['loss']:>6.3f}"
+                    )
                 good = [r for r in results if isinstance(r, dict)]
                 if len(results) > 1 and len(good) == len(results):
                     total = sum(r["tokens_per_s"] for r in good)
-                    print(f"{name:<18} {seq_len:>7} {setting:<9} {'sum':>7} {total:>9,.0f}")
+                    print(f"{name:<16} {seq_len:>7} {setting:<9} {'sum':>7} {total:>9,.0f}")
                 sys.stdout.flush()
 
 
