@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
 
+import megaseq_kda.layer
 from megaseq import backends as core_backends
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.records import ModelDims
@@ -182,6 +183,21 @@ def test_chunk_backend_equals_naive_backend(gate: str, batch: int, cu: list[int]
     naive = forward_backward({**SMALL, "gate": gate, "backend": "naive"}, x, cu_seqlens)
     for name, expected in naive.items():
         assert_close(chunk[name], expected, 1e-5, name)
+
+
+@pytest.mark.parametrize(("batch", "cu"), [(2, None), (1, [0, 5, 5, 70, 71])], ids=["batch", "packed"])
+def test_front_and_tail_blocks_do_not_change_results(
+    batch: int, cu: list[int] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The front and tail run in blocks of tokens (here 6, so that blocks cut documents and the convolution's
+    history crosses block boundaries): outputs and gradients equal the single-block run (to fp32 rounding)."""
+    x = inputs(batch, 71, D_MODEL)
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    whole = forward_backward({**SMALL, "backend": "chunk"}, x, cu_seqlens)
+    monkeypatch.setattr(megaseq_kda.layer, "BLOCK_TOKENS", 6)
+    blocks = forward_backward({**SMALL, "backend": "chunk"}, x, cu_seqlens)
+    for name, expected in whole.items():
+        assert_close(blocks[name], expected, 1e-6, name)
 
 
 def test_decode_in_pieces_of_mixed_lengths() -> None:
