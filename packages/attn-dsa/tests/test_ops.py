@@ -545,3 +545,50 @@ def test_bf16_autocast_does_not_reach_inside_selection_or_attention():
         under_autocast = run()
     for a, b in zip(under_autocast, plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["values-in-keys", "separate-values"])
+def test_attention_with_indexer_kl_equals_the_two_operations(shared: bool):
+    """One pass for attention and indexer loss equals sparse_attention plus indexer_kl (float64, 1e-12):
+    outputs, loss, and every gradient, with ragged padding, an empty row, two batch rows and more keys than
+    queries; the loss's gradient reaches the indexer's inputs only."""
+    from megaseq_dsa.indexer import indexer_kl
+    from megaseq_dsa.ops import sparse_attention_with_indexer_kl
+
+    n_queries, n_keys, slots = 23, 41, 9
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, n_queries, 3, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, n_keys, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, n_keys, 12, generator=gen, dtype=torch.float64)
+    q_idx = torch.randn(2, n_queries, 2, 8, generator=gen, dtype=torch.float64)
+    k_idx = torch.randn(2, n_keys, 8, generator=gen, dtype=torch.float64)
+    weights = torch.randn(2, n_queries, 2, generator=gen, dtype=torch.float64)
+    indices = random_indices(2, n_queries, slots, seed=8, n_keys=n_keys)
+    grad_out = torch.randn(2, n_queries, 3, 16 if shared else 12, generator=gen, dtype=torch.float64)
+    positions = torch.arange(n_keys - n_queries, n_keys)
+
+    def run(fused: bool):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, q_idx, k_idx, weights)]
+        q_, k_, v_, qi, ki, w = leaves
+        values = k_[..., :16] if shared else v_
+        if fused:
+            out, kl = sparse_attention_with_indexer_kl(q_, k_, values, indices, 0.3, qi, ki, w, chunk_size=5)
+        else:
+            out = sparse_attention(q_, k_, values, indices, 0.3, chunk_size=5)
+            kl = indexer_kl(qi, ki, w, q_, k_, 0.3, positions, torch.zeros(n_keys, dtype=torch.long), indices, 4)
+        kl_grads = torch.autograd.grad(kl, leaves, allow_unused=True, retain_graph=True)
+        out_grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+        return out, kl, kl_grads, out_grads
+
+    def assert_close(got, want):
+        assert (got - want).abs().max() <= 1e-12 * max(1.0, want.abs().max().item())
+
+    (out, kl, kl_grads, out_grads), (want_out, want_kl, want_kl_grads, want_out_grads) = run(True), run(False)
+    assert torch.isfinite(kl) and kl > 0
+    assert_close(out, want_out)
+    assert_close(kl, want_kl)
+    assert all(g is None for g in kl_grads[:3]), "the indexer loss reached the attention's inputs"
+    for got, want in zip((*kl_grads[3:], *out_grads), (*want_kl_grads[3:], *want_out_grads), strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert_close(got, want)

@@ -23,20 +23,24 @@ from megaseq.backends import Backend, Backends
 class DSAOps:
     """``select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk)`` ->
     int32 indices; ``sparse_attention(q, key, value, indices, scale, query_chunk)`` -> outputs.
-    ``query_chunk``: the layer's memory knob (``None``: by memory); a backend may ignore it."""
+    ``query_chunk``: the layer's memory knob (``None``: by memory); a backend may ignore it.
+    ``sparse_attention_with_indexer_kl(q, key, value, indices, scale, q_idx, k_idx, weights, query_chunk)`` ->
+    (outputs, summed indexer KL) in one pass, where the backend has it (else the layer calls
+    ``megaseq_dsa.indexer.indexer_kl`` after ``sparse_attention``)."""
 
     select_topk: Callable[..., Tensor]
     sparse_attention: Callable[..., Tensor]
+    sparse_attention_with_indexer_kl: Callable[..., tuple[Tensor, Tensor]] | None = None
 
 
 def _torch() -> DSAOps:
-    from megaseq_dsa.ops import select_topk, sparse_attention
+    from megaseq_dsa.ops import select_topk, sparse_attention, sparse_attention_with_indexer_kl
 
     def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk):
         block = {"query_block": query_chunk} if query_chunk else {}
         return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, **block)
 
-    return DSAOps(select, sparse_attention)
+    return DSAOps(select, sparse_attention, sparse_attention_with_indexer_kl)
 
 
 def _triton() -> DSAOps:

@@ -126,24 +126,26 @@ class _IndexerKL(torch.autograd.Function):
                 k0, k1 = int(doc_start[pos].min()), int(pos.max()) + 1
                 key_ids = torch.arange(k0, k1, device=pos.device)
                 visible = (key_ids >= doc_start[pos][:, None]) & (key_ids <= pos[:, None])
-                kl, grads = _kl_and_grads(
-                    q_idx[:, c0:c1], weights[:, c0:c1], q[:, c0:c1], k_idx[:, k0:k1], key[:, k0:k1],
-                    visible.expand(batch, -1, -1), scale, dtype, want_grads,
+                visible = visible.expand(batch, -1, -1)
+                target = attention_target(q[:, c0:c1], key[:, k0:k1], visible, scale, dtype)
+                kl, grads = kl_and_grads(
+                    target, q_idx[:, c0:c1], weights[:, c0:c1], k_idx[:, k0:k1], visible, want_grads
                 )
             else:
                 # Sparse: each query has its own keys; one group per (batch row, query).
                 ids = indices[:, c0:c1]
                 flat = (ids.long().clamp_min(0) + offsets).view(-1)
                 gathered = torch.index_select(table, 0, flat, out=buffer[: len(flat)]).view(batch * n, -1, table.shape[1])
-                kl, grads = _kl_and_grads(
+                visible = (ids >= 0).view(batch * n, 1, -1)
+                target = attention_target(
+                    q[:, c0:c1].reshape(batch * n, 1, heads, dim), gathered[..., :dim], visible, scale, dtype
+                )
+                kl, grads = kl_and_grads(
+                    target,
                     q_idx[:, c0:c1].reshape(batch * n, 1, *q_idx.shape[2:]),
                     weights[:, c0:c1].reshape(batch * n, 1, -1),
-                    q[:, c0:c1].reshape(batch * n, 1, heads, dim),
                     gathered[..., dim:],
-                    gathered[..., :dim],
-                    (ids >= 0).view(batch * n, 1, -1),
-                    scale,
-                    dtype,
+                    visible,
                     want_grads,
                 )
             total += kl
@@ -167,30 +169,31 @@ class _IndexerKL(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None)
 
 
-def _kl_and_grads(
-    q_idx: Tensor,
-    weights: Tensor,
-    q: Tensor,
-    k_idx: Tensor,
-    key: Tensor,
-    visible: Tensor,
-    scale: float,
-    dtype: torch.dtype,
-    want_grads: bool,
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
-    """Summed KL of G groups of n queries, each group over its own S keys, and (if wanted) its gradients.
+def attention_target(q: Tensor, key: Tensor, visible: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """The KL's fixed target for G groups of n queries over their S keys: the main attention distribution
+    softmax(scale q . key) averaged over heads. q [G, n, H, D], key [G, S, D], visible [G, n, S] -> [G, n, S]."""
+    groups, n, heads, _ = q.shape
+    with torch.no_grad():
+        scores = torch.bmm(q.to(dtype).reshape(groups, n * heads, -1), key.to(dtype).transpose(1, 2)).mul_(scale)
+        scores = scores.view(groups, n, heads, -1).masked_fill_(~visible[:, :, None], float("-inf"))
+        # a query that sees no key (padding only) has no distribution: 0, not softmax's 0 / 0
+        return scores.softmax(-1).mean(2).masked_fill_(~visible.any(-1, keepdim=True), 0.0)
 
-    q_idx [G, n, Hi, Di], weights [G, n, Hi], q [G, n, H, D], k_idx [G, S, Di], key [G, S, D],
-    visible [G, n, S] -> KL, (dKL/dq_idx [G, n, Hi, Di], dKL/dweights [G, n, Hi], dKL/dk_idx [G, S, Di]).
+
+def kl_and_grads(
+    target: Tensor, q_idx: Tensor, weights: Tensor, k_idx: Tensor, visible: Tensor, want_grads: bool
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+    """Summed KL(target || softmax(I)) of G groups of n queries, each group over its own S keys, and (if wanted)
+    its gradients, all in target's dtype.
+
+    target [G, n, S] (rows sum to 1 over the visible keys), q_idx [G, n, Hi, Di], weights [G, n, Hi],
+    k_idx [G, S, Di], visible [G, n, S] -> KL, (dKL/dq_idx [G, n, Hi, Di], dKL/dweights [G, n, Hi],
+    dKL/dk_idx [G, S, Di]).
     """
     groups, n, heads_idx, dim_idx = q_idx.shape
-    heads, slots = q.shape[2], key.shape[1]
-    q_idx, weights, q, k_idx, key = (x.to(dtype) for x in (q_idx, weights, q, k_idx, key))
+    slots = k_idx.shape[1]
+    q_idx, weights, k_idx = (x.to(target.dtype) for x in (q_idx, weights, k_idx))
     hidden = ~visible
-    with torch.no_grad():
-        scores = torch.bmm(q.reshape(groups, n * heads, -1), key.transpose(1, 2)).mul_(scale)
-        scores = scores.view(groups, n, heads, slots).masked_fill_(hidden[:, :, None], float("-inf"))
-        target = scores.softmax(-1).mean(2)  # [G, n, S]
     per_head = torch.bmm(q_idx.reshape(groups, n * heads_idx, dim_idx), k_idx.transpose(1, 2)).relu_()
     per_head = per_head.view(groups * n, heads_idx, slots)
     index = torch.bmm(weights.reshape(groups * n, 1, heads_idx), per_head).view(groups, n, slots)

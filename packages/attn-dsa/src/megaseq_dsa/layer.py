@@ -202,27 +202,29 @@ class DeepSeekSparseAttention(nn.Module):
             query_spans = [(0, t)]
             query_pos = torch.arange(t, device=x.device)
 
+        with_kl = cache is None and torch.is_grad_enabled()
+        kl = None
         if self.config.mode == "sparse":
             ops = BACKENDS.load(self.config.backend, x.device)
             indices = self._select(ops, q_idx, k_idx, idx_weights, query_pos, documents)
-            o = self._sparse(ops, q, key, indices)
+            value = key[..., : self.config.kv_lora_rank]
+            if with_kl and ops.sparse_attention_with_indexer_kl is not None:
+                # one pass over the selected keys for both (the KL's target is the attention itself)
+                o, kl = ops.sparse_attention_with_indexer_kl(
+                    q, key, value, indices, self.scale, q_idx, k_idx, idx_weights, self.config.query_chunk
+                )
+            else:
+                o = ops.sparse_attention(q, key, value, indices, self.scale, self.config.query_chunk)
         else:
             indices = None
             o = self._dense(q, key, query_spans, documents)
-        if cache is None and torch.is_grad_enabled():
-            doc_start = document_starts(documents, key.shape[1], x.device)
-            kl = indexer_kl(
-                q_idx,
-                k_idx,
-                idx_weights,
-                q,
-                key,
-                self.scale,
-                query_pos,
-                doc_start,
-                indices,
-                self.config.query_chunk,
-            )
+        if with_kl:
+            if kl is None:
+                doc_start = document_starts(documents, key.shape[1], x.device)
+                kl = indexer_kl(
+                    q_idx, k_idx, idx_weights, q, key, self.scale, query_pos, doc_start, indices,
+                    self.config.query_chunk,
+                )
             # Divided by the global token count: the shares of context-parallel ranks and of sequence tiles add
             # up to the one-rank mean.
             tokens = b * (ctx.cp.seq_len if ctx.cp is not None else tile.seq_len if tile is not None else t)
@@ -261,11 +263,6 @@ class DeepSeekSparseAttention(nn.Module):
         return ops.select_topk(
             q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos, config.query_chunk
         )
-
-    def _sparse(self, ops: DSAOps, q: Tensor, key: Tensor, indices: Tensor) -> Tensor:
-        """Softmax over each query's selected keys: latent outputs [B, Tq, H, kv_lora_rank]."""
-        value = key[..., : self.config.kv_lora_rank]
-        return ops.sparse_attention(q, key, value, indices, self.scale, self.config.query_chunk)
 
     def _dense(
         self, q: Tensor, key: Tensor, query_spans: list[tuple[int, int]], documents: Documents | None

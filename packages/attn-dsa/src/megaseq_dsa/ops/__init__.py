@@ -10,7 +10,7 @@ from megaseq_dsa.ops.reference import (
     select_topk_reference,
     sparse_attention_reference,
 )
-from megaseq_dsa.ops.sparse import sparse_attention, sparse_attention_with_lse
+from megaseq_dsa.ops.sparse import sparse_attention, sparse_attention_with_indexer_kl, sparse_attention_with_lse
 
 __all__ = [
     "indexer_scores_reference",
@@ -19,5 +19,6 @@ __all__ = [
     "selected_slots",
     "sparse_attention",
     "sparse_attention_reference",
+    "sparse_attention_with_indexer_kl",
     "sparse_attention_with_lse",
 ]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megaseq.dtypes import compute_dtype
+from megaseq_dsa.indexer import kl_and_grads
 
 # Gathered K and V of one chunk take about this many bytes. The products per query are tiny ([H, D] x [D, S])
 # and bound by memory traffic, so a chunk small enough to stay in cache (a few queries) beats big chunks
@@ -66,7 +67,14 @@ class _Chunks:
     """
 
     def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, chunk: int, heads: int, shared: bool
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        indices: torch.Tensor,
+        chunk: int,
+        heads: int,
+        shared: bool,
+        k_idx: torch.Tensor | None = None,
     ) -> None:
         batch, self.n_keys, self.dim = k.shape
         dtype = compute_dtype(k.dtype)
@@ -77,6 +85,16 @@ class _Chunks:
         rows = batch * min(chunk, indices.shape[1])
         self.gathered = torch.empty(rows * slots, self.kv.shape[1], dtype=dtype, device=k.device)
         self.scores = torch.empty(rows, heads, slots, dtype=dtype, device=k.device)
+        # The indexer loss's index keys, gathered at the same rows into their own buffer (the products want
+        # contiguous rows: a strided view of wider rows made them 2x slower).
+        if k_idx is not None:
+            self.index_keys = k_idx.reshape(batch * self.n_keys, -1).to(dtype)
+            self.index_gathered = torch.empty(rows * slots, k_idx.shape[-1], dtype=dtype, device=k.device)
+
+    def gather_index_keys(self, rows: torch.Tensor, queries: int) -> torch.Tensor:
+        """The index keys of flat rows [n * S] (from :meth:`gather`) as [n, S, Di]."""
+        out = torch.index_select(self.index_keys, 0, rows, out=self.index_gathered[: len(rows)])
+        return out.view(queries, -1, self.index_keys.shape[1])
 
     def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """indices [B, C, S] -> flat rows [B*C*S], gathered rows [B*C, S, width], and valid [B*C, 1, S]
@@ -102,19 +120,31 @@ class _Chunks:
 
 
 class SparseAttention(torch.autograd.Function):
-    """(q, k, v, indices, scale, chunk_size) -> (o, lse); lse [B, Tq, H] is not differentiable."""
+    """(q, k, v, indices, scale, chunk_size[, q_idx, k_idx, weights]) -> (o, lse, kl, dkl/dq_idx, dkl/dk_idx,
+    dkl/dweights); only o is differentiable (in q, k, v). With the indexer's inputs (detached), kl is the summed
+    indexer KL over the same selected keys (``megaseq_dsa.indexer``), its target the forward's own head-averaged
+    probabilities, and its gradients are formed here too; ``_GivenGradient`` attaches them to the indexer's
+    inputs, so the loss's graph never reaches the attention's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale: float, chunk_size: int):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, q, k, v, indices, scale: float, chunk_size: int, q_idx=None, k_idx=None, weights=None
+    ):
         batch, n_queries, heads, dim = q.shape
         dim_v = v.shape[-1]
         dtype = compute_dtype(q.dtype)
-        chunks = _Chunks(k, v, indices, chunk_size, heads, values_are_key_columns(k, v))
+        with_kl = q_idx is not None
+        chunks = _Chunks(k, v, indices, chunk_size, heads, values_are_key_columns(k, v), k_idx)
         o = q.new_empty(batch, n_queries, heads, dim_v)
         lse = torch.empty(batch, n_queries, heads, dtype=dtype, device=q.device)
+        kl = torch.zeros((), dtype=dtype, device=q.device)
+        if with_kl:
+            grad_q_idx = torch.empty(q_idx.shape, dtype=dtype, device=q.device)
+            grad_weights = torch.empty(weights.shape, dtype=dtype, device=q.device)
+            grad_k_idx = torch.zeros(batch * k_idx.shape[1], k_idx.shape[-1], dtype=dtype, device=q.device)
         for c0 in range(0, n_queries, chunk_size):
             c1 = min(c0 + chunk_size, n_queries)
-            _, kv, valid = chunks.gather(indices[:, c0:c1])
+            rows, kv, valid = chunks.gather(indices[:, c0:c1])
             q_chunk = q[:, c0:c1].reshape(-1, heads, dim).to(dtype)
             probs = chunks.scores_of(q_chunk, kv, valid, scale)
             row_max = probs.amax(-1, keepdim=True)
@@ -126,15 +156,37 @@ class SparseAttention(torch.autograd.Function):
             out = torch.bmm(probs, kv[..., chunks.values]).div_(row_sum.clamp_min(1.0))
             o[:, c0:c1] = out.view(batch, c1 - c0, heads, dim_v)
             lse[:, c0:c1] = (row_max + row_sum.log()).view(batch, c1 - c0, heads)
+            if not with_kl:
+                continue
+            n = len(q_chunk)
+            visible = indices[:, c0:c1].reshape(n, 1, -1) >= 0
+            target = probs.div_(row_sum.clamp_min(1.0)).mean(1, keepdim=True)  # [n, 1, S]
+            chunk_kl, grads = kl_and_grads(
+                target,
+                q_idx[:, c0:c1].reshape(n, 1, *q_idx.shape[2:]),
+                weights[:, c0:c1].reshape(n, 1, -1),
+                chunks.gather_index_keys(rows, n),
+                visible,
+                True,
+            )
+            kl += chunk_kl
+            if grads is not None:
+                d_q_idx, d_weights, d_k_idx = grads
+                grad_q_idx[:, c0:c1] = d_q_idx.view(batch, c1 - c0, *q_idx.shape[2:])
+                grad_weights[:, c0:c1] = d_weights.view(batch, c1 - c0, -1)
+                grad_k_idx.index_add_(0, rows, d_k_idx.reshape(len(rows), -1))
         ctx.save_for_backward(q, k, v, indices, o, lse)
         ctx.scale, ctx.chunk_size = scale, chunk_size
-        ctx.mark_non_differentiable(lse)
-        return o, lse
+        kl_grads = [q.new_empty(0)] * 3
+        if with_kl:
+            kl_grads = [grad_q_idx, grad_k_idx.view(k_idx.shape), grad_weights]
+        ctx.mark_non_differentiable(lse, kl, *kl_grads)
+        return o, lse, kl, *kl_grads
 
     @staticmethod
-    def backward(ctx, grad_o, _grad_lse):  # type: ignore[override]
+    def backward(ctx, grad_o, *_non_differentiable):  # type: ignore[override]
         with torch.autocast(grad_o.device.type, enabled=False):
-            return SparseAttention._backward(ctx, grad_o)
+            return *SparseAttention._backward(ctx, grad_o), None, None, None
 
     @staticmethod
     def _backward(ctx, grad_o):  # type: ignore[no-untyped-def]
@@ -216,15 +268,8 @@ def sparse_attention_with_lse(
     -inf for rows without an index; not differentiable).
     chunk_size: queries per chunk; default keeps a chunk's gathered K and V near CHUNK_BYTES.
     """
-    _check_attention_inputs(q, k, v, indices)
-    if chunk_size is None:
-        chunk_size = default_chunk_size(
-            q.shape[0], indices.shape[-1], q.shape[-1], v.shape[-1], compute_dtype(q.dtype)
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    with torch.autocast(q.device.type, enabled=False):  # fp32 statistics and products, whatever the caller runs
-        return SparseAttention.apply(q, k, v, indices, scale, chunk_size)
+    o, lse, *_ = _apply(q, k, v, indices, scale, chunk_size)
+    return o, lse
 
 
 def sparse_attention(
@@ -236,4 +281,67 @@ def sparse_attention(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Sparse MQA attention: softmax over the selected keys only. See `sparse_attention_with_lse`."""
-    return sparse_attention_with_lse(q, k, v, indices, scale, chunk_size)[0]
+    return _apply(q, k, v, indices, scale, chunk_size)[0]
+
+
+def sparse_attention_with_indexer_kl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attention` and, in the same pass over the selected keys, the indexer's summed KL over them:
+    ``(o, kl)``, kl equal to ``megaseq_dsa.indexer.indexer_kl(q_idx, k_idx, weights, q, k, scale, ...,
+    indices)`` and differentiable in q_idx [B, Tq, Hi, Di], k_idx [B, Tk, Di] and weights [B, Tq, Hi] only.
+    Sharing the pass saves the loss its own gather of the main keys and its own attention scores."""
+    if k_idx.shape[:2] != k.shape[:2] or q_idx.shape[:2] != q.shape[:2] or weights.shape != q_idx.shape[:3]:
+        raise ValueError(
+            f"q_idx [B, Tq, Hi, Di], k_idx [B, Tk, Di] and weights [B, Tq, Hi] must match q {tuple(q.shape[:2])} "
+            f"and k {tuple(k.shape[:2])}, got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}, {tuple(weights.shape)}"
+        )
+    o, _, kl, *kl_grads = _apply(q, k, v, indices, scale, chunk_size, (q_idx, k_idx, weights))
+    return o, _GivenGradient.apply(kl, q_idx, k_idx, weights, *kl_grads)
+
+
+class _GivenGradient(torch.autograd.Function):
+    """(value, *inputs, *gradients) -> value, whose gradient with respect to each input is the given one
+    (scaled by the incoming gradient): a loss whose gradient was formed with its value."""
+
+    @staticmethod
+    def forward(ctx, value, *inputs_and_grads):  # type: ignore[override]
+        inputs, grads = inputs_and_grads[: len(inputs_and_grads) // 2], inputs_and_grads[len(inputs_and_grads) // 2 :]
+        ctx.save_for_backward(*grads)
+        ctx.dtypes = [x.dtype for x in inputs]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grads = [(grad * g).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
+        return None, *grads, *([None] * len(grads))
+
+
+def _apply(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    chunk_size: int | None,
+    indexer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """SparseAttention's outputs (see there), checked arguments and chunk size filled in."""
+    _check_attention_inputs(q, k, v, indices)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(
+            q.shape[0], indices.shape[-1], q.shape[-1], v.shape[-1], compute_dtype(q.dtype)
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    detached = [x.detach() for x in indexer or ()]  # the loss reaches the indexer through _GivenGradient only
+    with torch.autocast(q.device.type, enabled=False):  # fp32 statistics and products, whatever the caller runs
+        return SparseAttention.apply(q, k, v, indices, scale, chunk_size, *detached)
