@@ -519,6 +519,24 @@ def test_sparse_attention_with_values_inside_the_keys_matches_reference(dim_v: i
         assert_close(got, want)
 
 
+def test_shared_values_survive_saved_tensor_hooks_that_copy():
+    """Offloading hands back each saved tensor as its own copy, so v no longer shares k's storage in backward:
+    the op must still treat the values as k's columns (bitwise the gradients without hooks; a backward that
+    re-detected the sharing from storage took the separate-values path and differed in rounding)."""
+    q, k, _ = attention_inputs(41)
+    indices = random_indices(2, 41, 13, seed=3)
+    grad_out = torch.randn(2, 41, 3, 12, generator=torch.Generator().manual_seed(4))
+
+    def run(hooks: bool) -> tuple[torch.Tensor, ...]:
+        q_, k_ = (x.detach().clone().requires_grad_() for x in (q, k))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone() if hooks else t, lambda t: t):
+            out = sparse_attention(q_, k_, k_[..., :12], indices, 0.3, chunk_size=5)
+        return (out, *torch.autograd.grad(out, (q_, k_), grad_out))
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_values_are_key_columns_only_for_a_leading_view():
     k = torch.randn(2, 9, 8)
     assert values_are_key_columns(k, k) and values_are_key_columns(k, k[..., :5])

@@ -6,8 +6,8 @@ one value per token (MLA in MQA mode), so a chunk of C queries gathers [C, S, D]
 once for all heads and computes scores with one batched matmul [C, H, D] x [C, D, S]. Only one chunk's
 gathered keys and values exist at a time, never [T, S, D].
 
-Forward saves q, k, v, indices, o and the per-row logsumexp. Backward recomputes each chunk's probabilities
-P = exp(S - lse) flash-attention style:
+Forward saves q, k, v (k alone when v is its leading columns), indices, o and the per-row logsumexp. Backward
+recomputes each chunk's probabilities P = exp(S - lse) flash-attention style:
 
     dV_g = P^T dO,  dP = dO V_g^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale dS K_g,  dK_g = scale dS^T Q
 
@@ -134,7 +134,8 @@ class SparseAttention(torch.autograd.Function):
         dim_v = v.shape[-1]
         dtype = compute_dtype(q.dtype)
         with_kl = q_idx is not None
-        chunks = _Chunks(k, v, indices, chunk_size, heads, values_are_key_columns(k, v), k_idx)
+        shared = values_are_key_columns(k, v)
+        chunks = _Chunks(k, v, indices, chunk_size, heads, shared, k_idx)
         o = q.new_empty(batch, n_queries, heads, dim_v)
         lse = torch.empty(batch, n_queries, heads, dtype=dtype, device=q.device)
         kl = torch.zeros((), dtype=dtype, device=q.device)
@@ -175,8 +176,10 @@ class SparseAttention(torch.autograd.Function):
                 grad_q_idx[:, c0:c1] = d_q_idx.view(batch, c1 - c0, *q_idx.shape[2:])
                 grad_weights[:, c0:c1] = d_weights.view(batch, c1 - c0, -1)
                 grad_k_idx.index_add_(0, rows, d_k_idx.reshape(len(rows), -1))
-        ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
+        # Shared values are saved as k alone: a saved-tensor hook (offloading) returns each saved tensor as its
+        # own copy, and backward must still know that v is k's leading columns.
+        ctx.save_for_backward(q, k, *([] if shared else [v]), indices, o, lse)
+        ctx.scale, ctx.chunk_size, ctx.shared_dim_v = scale, chunk_size, dim_v if shared else None
         kl_grads = [q.new_empty(0)] * 3
         if with_kl:
             kl_grads = [grad_q_idx, grad_k_idx.view(k_idx.shape), grad_weights]
@@ -190,12 +193,15 @@ class SparseAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_o):  # type: ignore[no-untyped-def]
-        q, k, v, indices, o, lse = ctx.saved_tensors
-        scale, chunk_size = ctx.scale, ctx.chunk_size
+        scale, chunk_size, shared = ctx.scale, ctx.chunk_size, ctx.shared_dim_v is not None
+        if shared:
+            q, k, indices, o, lse = ctx.saved_tensors
+            v = k[..., : ctx.shared_dim_v]
+        else:
+            q, k, v, indices, o, lse = ctx.saved_tensors
         batch, n_queries, heads, dim = q.shape
         dim_v = v.shape[-1]
         dtype = compute_dtype(q.dtype)
-        shared = values_are_key_columns(k, v)
         chunks = _Chunks(k, v, indices, chunk_size, heads, shared)
         delta = (grad_o.to(dtype) * o.to(dtype)).sum(-1, keepdim=True)  # rowsum(dO * O): [B, Tq, H, 1]
         # Empty rows have lse = -inf; 0 there makes exp(-inf - 0) = 0 instead of NaN.
