@@ -35,8 +35,9 @@ class SwiGLU(nn.Module):
 
 
 class _SiLUGate(torch.autograd.Function):
-    """``silu(a) * b`` keeping only a and b for backward (silu(a) and its derivative are recomputed there);
-    plain autograd would also keep silu(a)."""
+    """``silu(a) * b`` keeping only a and b for backward (silu(a) is recomputed there); plain autograd would also
+    keep silu(a). Backward runs the operations autograd would (so the gradients are bitwise autograd's), with
+    at most two hidden-wide temporaries besides the incoming gradient."""
 
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:  # type: ignore[override]
@@ -46,9 +47,8 @@ class _SiLUGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         a, b = ctx.saved_tensors
-        sig = torch.sigmoid(a)
-        silu = a * sig
-        return grad * b * (sig + silu * (1 - sig)), grad * silu
+        grad_a = torch.ops.aten.silu_backward(grad * b, a)
+        return grad_a, F.silu(a).mul_(grad)
 
 
 def build(config: SwiGLUConfig, dims: ModelDims, layer_idx: int) -> SwiGLU:
