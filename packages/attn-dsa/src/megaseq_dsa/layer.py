@@ -50,7 +50,8 @@ from megaseq_dsa.backends import BACKENDS, DSAOps
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl
 from megaseq_dsa.ops import selected_slots
-from megaseq_dsa.ops.indexer import SCORE_BLOCK_BYTES, document_starts
+from megaseq_dsa.ops.indexer import DEFAULT_QUERY_BLOCK, SCORE_BLOCK_BYTES, document_starts
+from megaseq_dsa.ops.sparse import CHUNK_BYTES as SPARSE_CHUNK_BYTES
 
 # Tokens a fresh decoding cache has room for before it first grows.
 INITIAL_CACHE_TOKENS = 256
@@ -341,9 +342,13 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     queries, key and weights), and the rotary angles. Dense warm-up: SDPA's output at the key width and
     the padded values instead of the indices. The layer's input is taken to need a gradient (earlier layers
     train): a frozen main path then still keeps what the input's gradient needs.
-    Temporary (the largest of the steps, which run one after another): the selection's score block with its
-    CPU selection copy and mask (~2.5 x SCORE_BLOCK_BYTES), or one chunk of the indexer loss (CHUNK_BYTES);
-    sparse attention's chunk buffers are a few MiB."""
+    Temporary (the largest of the steps, which run one after another): in backward, the gradients of the
+    attention's output and of the absorbed queries (H x (latent + key width) per token), of the compressed
+    query and of the key (q_lora_rank + key width), with sparse
+    attention's chunk buffers (a few MiB) or, dense, one chunk of the indexer loss (CHUNK_BYTES); in forward,
+    the selection's score block with its CPU selection copy and mask (~2.5 x the block, at most
+    SCORE_BLOCK_BYTES). Measured with ``benchmarks/component_memory.py`` on the default recipe's sparse layer:
+    14, 43 and 160 MiB at 4k, 16k and 64k."""
     d, heads, latent = dims.d_model, config.n_heads, config.kv_lora_rank
     rope = config.rope_dim if config.rope else 0
     key_width = latent + rope
@@ -369,9 +374,15 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         per_token += key_width + heads * key_width
         if not config.freeze_main_in_warmup:  # the output projection's input, for its weight's gradient
             per_token += heads * latent
+    grads = 4 * (heads * (latent + key_width) + config.q_lora_rank + key_width) * seq_len
+    if config.mode == "sparse":
+        block = 4 * min(DEFAULT_QUERY_BLOCK, seq_len) * -(-seq_len // config.index_pool)
+        temporary = max(grads + SPARSE_CHUNK_BYTES, 5 * min(block, SCORE_BLOCK_BYTES) // 2)
+    else:
+        temporary = max(grads, CHUNK_BYTES)
     return MemoryEstimate(
         parameters=4 * parameters,
         saved_per_token=4 * per_token,
-        temporary=max(5 * SCORE_BLOCK_BYTES // 2, CHUNK_BYTES),
+        temporary=temporary,
         tiling=TileCarry(per_token=4 * (key_width + config.index_dim)),  # each tile's keys and index keys
     )

@@ -309,10 +309,12 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     """fp32 bytes. Saved per token: the input, q, k, v (one 3 x width buffer), g (width), beta (one per head),
     the op's output (width) and one K x V state per head per 64-token chunk; the front (projections,
     convolution, gates) and the tail (norm, output gate, projection) are recomputed in backward, the op's
-    intra-chunk tensors too. Temporary (in backward; measured with large allocations unmapped when freed):
-    the op's gradients of q, k, v, g and the incoming one of its output (5 x width per token), one group of
-    chunks' intra-chunk graph (~40 x head_dim per token and head) and one block of the recomputed front and
-    tail (~24 x width per token)."""
+    intra-chunk tensors too. Temporary (in backward; measured with ``benchmarks/component_memory.py``, large
+    allocations unmapped when freed: 94, 224 and 320 MiB at 4k, 16k and 64k for the default recipe's layer):
+    the op's gradients of q, k, v, g and the incoming one of its output (5 x width per token), then the larger
+    of one group of chunks' intra-chunk graph (~40 x head_dim per token and head, at most
+    ``GROUP_HEAD_TOKENS`` of them) and one block of the recomputed front or tail (~24 x width per token, at
+    most ``BLOCK_TOKENS``): backward runs them one after another."""
     width = config.n_heads * config.head_dim
     rank = config.gate_rank or config.head_dim
     d = dims.d_model
@@ -321,7 +323,8 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     )
     parameters += config.n_heads + width + config.head_dim + width * d
     per_token = d + 5 * width + config.n_heads + config.n_heads * config.head_dim**2 / CHUNK
-    temporary = 5 * width * seq_len + 40 * GROUP_HEAD_TOKENS * config.head_dim + 24 * BLOCK_TOKENS * width
+    group = 40 * min(GROUP_HEAD_TOKENS, seq_len * config.n_heads) * config.head_dim
+    temporary = 5 * width * seq_len + max(group, 24 * min(BLOCK_TOKENS, seq_len) * width)
     # a sequence tile hands on the recurrent state (fp32) and the convolution's last inputs
     carry = TileCarry(per_tile=4 * (config.n_heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))
     return MemoryEstimate(
