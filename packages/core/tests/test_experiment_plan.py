@@ -119,3 +119,39 @@ def test_report_columns_pool_positions_inside_and_past_short_len():
 def test_verdict(within, beyond, start):
     rel = {key: [within[i], beyond[i]] for i, key in enumerate(("mean", "low", "high"))}
     assert verdict(rel, ["<4k", ">=4k"], 0, 1, 4096).startswith(start)
+
+
+HANGING_STAGES = """
+import os, sys, time
+from pathlib import Path
+from megaseq.experiment.context_extension import Job, run_jobs
+
+def hang(pid_dir, result):
+    Path(pid_dir, str(os.getpid())).touch()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    run_jobs([Job(f"stage{i}", hang, (str(out),), out / f"stage{i}.json") for i in range(2)], parallel=2, out=out)
+"""
+
+
+def test_a_terminated_experiment_takes_its_stages_with_it(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "stages.py"
+    script.write_text(HANGING_STAGES)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    deadline = time.monotonic() + 60
+    while len(pids := [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+        assert time.monotonic() < deadline and parent.poll() is None, "the stages did not start"
+        time.sleep(0.1)
+    parent.send_signal(signal.SIGTERM)
+    parent.wait(timeout=30)
+    for pid in pids:  # reaped by the parent's join: no such process, not even a zombie
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -220,6 +221,13 @@ def run_jobs(jobs: list[Job], parallel: int, out: Path, log_every: float = 60.0)
     done = {j.name for j in jobs if j.result.exists()}
     running: list[Job] = []
     last_log = time.perf_counter()
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # Python's default SIGTERM exits without running `finally`, and daemonic children are only reaped at a
+    # normal exit: a terminated experiment would leave its stages training as orphans.
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         while pending or running:
             for job in [j for j in pending if all(a in done for a in j.after)][: parallel - len(running)]:
@@ -243,6 +251,7 @@ def run_jobs(jobs: list[Job], parallel: int, out: Path, log_every: float = 60.0)
                 last_log = time.perf_counter()
                 print(f"[experiment] {_progress_line(running, out)}", file=sys.stderr, flush=True)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for job in running:
             job.process.terminate()
             job.process.join()
