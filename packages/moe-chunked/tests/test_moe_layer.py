@@ -95,10 +95,44 @@ def test_no_aux_loss_when_off_or_in_eval() -> None:
     assert ctx.losses == {}
 
 
-def test_balance_loss_refuses_context_parallelism() -> None:
-    cp = ContextParallel(group=None, rank=0, world_size=2, seq_len=8)
-    with pytest.raises(ValueError, match="cannot run under context parallelism"):
-        make(aux_loss_coef=0.3)(torch.randn(1, 4, D), ForwardContext(cp=cp))
+CP_LENGTH = 16
+CP_DOCUMENTS = torch.tensor([0, 5, 9, 16], dtype=torch.int32)  # boundaries inside the zig-zag segments
+
+
+def _balance_loss_run(rank: int, world: int, packed: bool) -> dict[str, Tensor]:
+    """One rank's (or, with ``world == 1``, the whole sequence's) loss share and gradients."""
+    import torch.distributed as dist
+
+    module = make(aux_loss_coef=0.3, chunk_tokens=3)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, CP_LENGTH, D, generator=gen)
+    grad_out = torch.randn(1, CP_LENGTH, D, generator=gen)
+    cp = ContextParallel(group=dist.group.WORLD, rank=rank, world_size=world, seq_len=CP_LENGTH) if world > 1 else None
+    local = cp.positions() if cp is not None else torch.arange(CP_LENGTH)
+    x = x[:, local].requires_grad_(True)
+    ctx = ForwardContext(cp=cp, cu_seqlens=CP_DOCUMENTS if packed else None)
+    out = module(x, ctx)
+    ((out * grad_out[:, local]).sum() + ctx.losses[AUX_LOSS_NAME]).backward()
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    return {"aux": ctx.losses[AUX_LOSS_NAME].detach(), "x_grad": x.grad[0], "positions": local, **grads}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sequence", "documents"])
+def test_balance_loss_shares_under_context_parallelism_add_up(packed: bool) -> None:
+    """Under CP=2 each rank's loss is a share: the shares, the parameter gradients summed over ranks and the
+    input gradients put back in place equal one process on the whole sequence."""
+    from megaseq.testing.distributed import run_gloo
+
+    whole = _balance_loss_run(0, 1, packed)
+    ranks = run_gloo(2, _balance_loss_run, packed)
+    assert_close(sum(r["aux"] for r in ranks), whole["aux"], "balance loss")
+    x_grad = torch.zeros_like(whole["x_grad"])
+    for r in ranks:
+        x_grad[r["positions"]] = r["x_grad"]
+    assert_close(x_grad, whole["x_grad"], "input gradient")
+    for name in whole:
+        if name not in ("aux", "x_grad", "positions"):
+            assert_close(sum(r[name] for r in ranks), whole[name], f"gradient of {name}")
 
 
 def saved_bytes(module: ChunkedMoE, n_tokens: int) -> int:

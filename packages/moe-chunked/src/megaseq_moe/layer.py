@@ -112,15 +112,13 @@ class ChunkedMoE(nn.Module):
             self.last_load = sum_over(torch.bincount(indices.reshape(-1), minlength=self.n_experts), group)
             self.step_load += self.last_load
         with_aux = self.training and self.aux_loss_coef > 0
-        if with_aux and ctx.cp is not None:
-            # the sequence-level balance loss needs each sequence's whole counts; CP shares would not add up
-            raise ValueError("chunked MoE: aux_loss_coef > 0 cannot run under context parallelism; set it to 0 (bias balancing still works)")
         segments, n_segments = self._segments(batch, length, ctx, x.device) if with_aux else (None, 0)
         out, affinity_sums = _ChunkedMoEFunction.apply(
             self, tokens, indices, segments, n_segments, group, *self._params()
         )
         if with_aux:
-            ctx.add_loss(AUX_LOSS_NAME, self._aux_loss(indices, segments, n_segments, affinity_sums))
+            cp_group = ctx.cp.group if ctx.cp is not None else None
+            ctx.add_loss(AUX_LOSS_NAME, self._aux_loss(indices, segments, n_segments, affinity_sums, cp_group))
         return out.view(batch, length, d)
 
     def _params(self) -> list[nn.Parameter]:
@@ -169,9 +167,16 @@ class ChunkedMoE(nn.Module):
         doc_ids = documents.doc_ids(device)
         return (doc_ids if ctx.cp is None else doc_ids[ctx.cp.positions(device)]), documents.n_docs
 
-    def _aux_loss(self, indices: Tensor, segments: Tensor, n_segments: int, affinity_sums: Tensor) -> Tensor:
+    def _aux_loss(
+        self, indices: Tensor, segments: Tensor, n_segments: int, affinity_sums: Tensor, cp_group: Any | None
+    ) -> Tensor:
         """Sequence-level balance loss (DeepSeek-V3): ``coef * mean_s sum_e f_se P_se``, ``f_se`` = E/(k T_s)
-        times the assignments of sequence s to expert e, ``P_se`` its mean normalised affinity."""
+        times the assignments of sequence s to expert e, ``P_se`` its mean normalised affinity.
+
+        Under context parallelism a sequence is spread over the ranks: the counts (``f``, ``T_s``, no gradient)
+        are summed over the group, and each rank multiplies them with its own affinity sums, so the ranks'
+        losses are shares that add up to the single-rank loss (the contract for auxiliary losses) and each
+        rank's gradient is its tokens' part of it."""
         e, k = self.n_experts, self.top_k
         counts = torch.zeros(n_segments * e, device=indices.device)
         counts.index_add_(
@@ -180,6 +185,7 @@ class ChunkedMoE(nn.Module):
             torch.ones(indices.numel(), device=indices.device),
         )
         tokens = torch.bincount(segments, minlength=n_segments).float()
+        counts, tokens = sum_over(counts, cp_group), sum_over(tokens, cp_group)
         present = tokens > 0
         per_token = tokens.clamp_min(1)[:, None]
         f = counts.view(n_segments, e) * e / (k * per_token)
