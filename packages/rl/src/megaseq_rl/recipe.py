@@ -14,21 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from megaseq.config import apply_overrides
+from megaseq.config import RunConfig, Section, apply_overrides
 from megaseq.errors import ConfigError
 from megaseq.plugins import Plugins
 from megaseq.records import ComponentConfig
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class RunSection(Section):
+class RunSection(RunConfig):
     name: str = "rl"
-    seed: int = 0
-    out_dir: str = Field("runs/{name}", description="'{name}' is replaced by run.name")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 class PolicySection(Section):
