@@ -42,6 +42,7 @@ from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
 from megaseq.testing import assert_close, build_component, check_deterministic, check_gradients, watch_host_syncs
+from megaseq.testing.checks import forward_backward
 
 # A context-parallel case: (config, x [B, T, d_model], grad_out [B, T, d_model], cu_seqlens or None).
 CPCase = tuple[dict[str, Any], Tensor, Tensor, Tensor | None]
@@ -246,15 +247,7 @@ class AttentionConformance:
         x = self.inputs(2, self.seq_len)
         grad_out = self.inputs(2, self.seq_len, seed=3)
 
-        def run() -> dict[str, Tensor]:
-            module.zero_grad(set_to_none=True)
-            xr = x.clone().requires_grad_(True)
-            out = module(xr, ForwardContext())
-            (out * grad_out).sum().backward()
-            grads = {f"gradient of {n}": p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-            return {"output": out.detach(), "input gradient": xr.grad, **grads}
-
-        check_deterministic(run, self.name)
+        check_deterministic(lambda: forward_backward(module, x, grad_out, ForwardContext()), self.name)
 
     def _assert_finite_forward_backward(self, x: Tensor, ctx: ForwardContext, what: str) -> None:
         module = self.build()

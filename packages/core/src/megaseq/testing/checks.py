@@ -82,6 +82,17 @@ def check_gradients(
         )
 
 
+def forward_backward(module: nn.Module, x: Tensor, grad_out: Tensor, ctx: Any) -> dict[str, Tensor]:
+    """One forward and backward of ``module`` on a fresh copy of ``x``: the output, the input gradient and every
+    parameter's gradient, by name (what the determinism check compares between repeats)."""
+    module.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(True)
+    out = module(xr, ctx)
+    (out * grad_out).sum().backward()
+    grads = {f"gradient of {n}": p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return {"output": out.detach(), "input gradient": xr.grad, **grads}
+
+
 def check_deterministic(run: Callable[[], dict[str, Tensor]], what: str) -> None:
     """``run()`` twice, with torch's global random generator moved in between: the results (a dict of
     tensors) must be identical, and ``run()`` must leave the generator's state as it found it (components
@@ -129,4 +140,4 @@ def watch_host_syncs(tensor: Tensor) -> tuple[Tensor, Callable[[], int]]:
     return tensor.as_subclass(Watched), lambda: count[0]
 
 
-__all__ = ["assert_close", "check_deterministic", "check_gradients", "watch_host_syncs"]
+__all__ = ["assert_close", "check_deterministic", "check_gradients", "forward_backward", "watch_host_syncs"]

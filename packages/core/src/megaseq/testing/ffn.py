@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
 from megaseq.testing import assert_close, build_component, check_deterministic, check_gradients, watch_host_syncs
+from megaseq.testing.checks import forward_backward
 
 
 class FeedForwardConformance:
@@ -103,15 +104,7 @@ class FeedForwardConformance:
         module = self.build(seed=5)
         x, grad_out = self.inputs(), self.inputs(seed=3)
 
-        def run() -> dict[str, Tensor]:
-            module.zero_grad(set_to_none=True)
-            xr = x.clone().requires_grad_(True)
-            out = module(xr, ForwardContext())
-            (out * grad_out).sum().backward()
-            grads = {f"gradient of {n}": p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-            return {"output": out.detach(), "input gradient": xr.grad, **grads}
-
-        check_deterministic(run, self.name)
+        check_deterministic(lambda: forward_backward(module, x, grad_out, ForwardContext()), self.name)
 
     def test_zero_input(self) -> None:
         module = self.build()
