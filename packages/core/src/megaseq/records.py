@@ -28,10 +28,13 @@ class NoConfig(ComponentConfig):
 class TileCarry:
     """What a component that runs in sequence tiles (``megaseq.contracts.SequenceTiling``) hands to later
     tiles, in bytes: ``per_token`` for every token of the earlier tiles (softmax attention: its keys and
-    values), ``per_tile`` once per tile boundary (KDA: the recurrent state and the convolution's tail)."""
+    values), ``per_tile`` once per tile boundary (KDA: the recurrent state and the convolution's tail);
+    ``temporary``: the largest transient buffer of one tile's call beyond the component's ``temporary`` at the
+    tile's length, which a tile that attends to the earlier tiles' keys adds (softmax attention: its mask)."""
 
     per_token: float = 0.0
     per_tile: int = 0
+    temporary: int = 0
 
 
 @dataclass(frozen=True)

@@ -192,5 +192,9 @@ def memory_estimate(config: SDPAConfig, dims: ModelDims, seq_len: int) -> Memory
         parameters=4 * dims.d_model * width * 4,
         saved_per_token=(dims.d_model + 4 * width + rope + config.n_heads) * 4,
         temporary=13 * width * seq_len,
-        tiling=TileCarry(per_token=2 * width * 4),  # a tile hands on its rotated keys and its values
+        # a tile hands on its rotated keys and its values; each block of a tile's queries (attend_suffix) builds
+        # a boolean mask over the keys it sees, which scaled_dot_product_attention turns into a float one, for at
+        # most TILE_SCORE_BYTES / (4 x heads x rows) query-key pairs: ~12 bytes a pair at the peak, in forward
+        # and in the recomputing backward (measured, 4k tokens in 1k tiles: tests/test_plan_accuracy.py)
+        tiling=TileCarry(per_token=2 * width * 4, temporary=12 * TILE_SCORE_BYTES // (4 * config.n_heads)),
     )

@@ -409,7 +409,8 @@ def estimate(
             carry = attention.tiling.per_token * tokens / layout.tp + attention.tiling.per_tile * n_tiles * rows
             tile_attention = c.at("attention", tile)
             # a tile re-creates its attention's activations and concatenates the earlier tiles' carry
-            work = (a + norms / 2) * tile * rows + tile_attention.temporary * rows / layout.tp + carry
+            tile_temp = tile_attention.temporary + attention.tiling.temporary
+            work = (a + norms / 2) * tile * rows + tile_temp * rows / layout.tp + carry
             kept = x * tokens + carry
             if c.ffn_tiles:
                 work += (f + norms / 2) * tile * rows + c.at("ffn", tile).temporary * rows / ffn_split
