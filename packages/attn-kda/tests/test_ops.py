@@ -1,4 +1,4 @@
-"""chunk_kda and kda_transition against the token-loop oracle (run in float64), on awkward sizes and gates.
+"""chunk_kda against the token-loop oracle (run in float64), on awkward sizes and gates.
 
 Tolerance for fp32 results: max |a - ref| <= 1e-5 * max(1, max |ref|), ref computed in float64.
 """
@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import megaseq_kda.ops.chunk as chunk_module
-import megaseq_kda.ops.transition
-from megaseq_kda.ops import chunk_kda, kda_affine_map, kda_transition, naive_recurrent_kda
+from megaseq_kda.ops import chunk_kda, naive_recurrent_kda
 from megaseq_kda.ops.chunk import _SubchunkDiagonalGrams
 
 FP32_TOL = 1e-5
@@ -184,95 +183,38 @@ def test_chunk_groups_do_not_change_results(group_head_tokens: int, monkeypatch:
     assert_all_close(run_with_grads(chunk_kda, batched, torch.float64), oracle, tol=1e-11)
 
 
-def oracle_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """prod_t (I - beta_t k_t k_t^T) Diag(exp(g_t)), later tokens on the left, token by token in float64."""
-    B, T, H, K = k.shape
-    k, g, beta = (x.double() for x in (k, g, beta))
-    M = torch.eye(K, dtype=torch.float64).expand(B, H, K, K)
-    eye = torch.eye(K, dtype=torch.float64)
-    for t in range(T):
-        householder = eye - beta[:, t, :, None, None] * k[:, t, :, :, None] * k[:, t, :, None, :]
-        M = householder @ (g[:, t, :, :, None].exp() * M)
-    return M
-
-
-def test_transition_matches_token_product_and_its_grads() -> None:
-    inputs = make_inputs(B=2, T=90, H=2, K=8, V=8, gate="mixed")
-    leaves = [inputs[name].clone().requires_grad_() for name in ("k", "g", "beta")]
-    oracle_leaves = [x.detach().double().requires_grad_() for x in leaves]
-    M, M_ref = kda_transition(*leaves), oracle_transition(*oracle_leaves)
-    assert M.dtype == torch.float32
-    assert_close(M, M_ref, "transition")
-    cotangent = torch.randn(M.shape, generator=torch.Generator().manual_seed(2))
-    (M * cotangent).sum().backward()
-    (M_ref * cotangent.double()).sum().backward()
-    for name, x, ref in zip(("dk", "dg", "dbeta"), leaves, oracle_leaves, strict=True):
-        assert_close(x.grad, ref.grad, name)
-
-
-def test_affine_map_equals_oracle_without_q(monkeypatch: pytest.MonkeyPatch) -> None:
-    """(M, S) with final(S0) = M S0 + S against the oracle, gradients included, over 5 chunks (an odd count
-    pads the tree) with mixed gates; the pass never forms q.k scores."""
-    gated_grams = chunk_module._gated_grams
-
-    def grams_without_q(q, *args):
-        assert q is None, "the transition pass formed q.k scores"
-        return gated_grams(q, *args)
-
-    monkeypatch.setattr(chunk_module, "_gated_grams", grams_without_q)
-    monkeypatch.setattr(megaseq_kda.ops.transition, "_gated_grams", grams_without_q)
-    inputs = make_inputs(B=2, T=300, H=2, K=8, V=6, gate="mixed")
-    leaves = [inputs[name].clone().requires_grad_() for name in ("k", "v", "g", "beta")]
-    oracle_leaves = [x.detach().double().requires_grad_() for x in leaves]
-    M, S = kda_affine_map(*leaves)
-    k, v, g, beta = oracle_leaves
-    _, S_ref = naive_recurrent_kda(torch.zeros_like(k), k, v, g, beta, output_final_state=True)
-    M_ref = oracle_transition(k, g, beta)
-    assert M.dtype == S.dtype == torch.float32
-    assert_close(M, M_ref, "M")
-    assert_close(S, S_ref, "S")
-    gen = torch.Generator().manual_seed(3)
-    d_M, d_S = torch.randn(M.shape, generator=gen), torch.randn(S.shape, generator=gen)
-    ((M * d_M).sum() + (S * d_S).sum()).backward()
-    ((M_ref * d_M.double()).sum() + (S_ref * d_S.double()).sum()).backward()
-    for name, x, ref in zip(("dk", "dv", "dg", "dbeta"), leaves, oracle_leaves, strict=True):
-        assert_close(x.grad, ref.grad, name)
-    assert kda_transition(*(inputs[n] for n in ("k", "g", "beta"))).shape == (2, 2, 8, 8)
-
-
-def test_transition_per_document() -> None:
-    lengths = [40, 0, 100]
-    offsets = torch.tensor([0, 40, 40, 140])
-    inputs = make_inputs(B=1, T=sum(lengths), H=2, K=8, V=8)
-    M = kda_transition(inputs["k"], inputs["g"], inputs["beta"], cu_seqlens=offsets)
-    for doc, (start, end) in enumerate(itertools.pairwise(offsets.tolist())):
-        expected = oracle_transition(*(inputs[name][:, start:end] for name in ("k", "g", "beta")))
-        assert_close(M[doc : doc + 1], expected, f"document {doc}")
-
-
-def test_state_update_is_affine_in_initial_state() -> None:
-    """final(S0) = M S0 + final(0), and a sequence split in two halves ("ranks") reproduces the full run."""
+def test_state_map_rides_on_extra_value_columns() -> None:
+    """What context parallelism relies on (``megaseq_kda/parallel.py``): one call on values ``[v | 0]`` from
+    the initial state ``[0 | I]`` gives the outputs from zero (first V columns), ``q_t^T P_t`` (last K) and
+    the final state ``[S_loc | M]``; then any initial state S0 gives ``o = o0 + (q^T P) S0`` and
+    ``final = M S0 + S_loc``, against the float64 oracle run from S0. Also per document: only the first
+    piece is seeded, so the others' extra columns stay zero."""
     inputs = make_inputs(B=2, T=300, H=2, K=16, V=24)
     q, k, v, g, beta, S0 = (inputs[name] for name in INPUT_NAMES)
-    o_full, final_full = chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True)
-    _, final_zero = chunk_kda(q, k, v, g, beta, output_final_state=True)
-    M = kda_transition(k, g, beta)
-    assert_close(M @ S0 + final_zero, final_full, "affine final state")
-
-    split = 137  # each "rank" computes from a zero state, then the second one folds in the first's (M, S)
-    first = [x[:, :split] for x in (q, k, v, g, beta)]
-    second = [x[:, split:] for x in (q, k, v, g, beta)]
-    _, local_state = chunk_kda(*first, output_final_state=True)
-    incoming = kda_transition(first[1], first[3], first[4]) @ S0 + local_state
-    o_second, final_second = chunk_kda(*second, initial_state=incoming, output_final_state=True)
-    assert_close(o_second, o_full[:, split:], "second rank's outputs")
-    assert_close(final_second, final_full, "second rank's final state")
-
+    eye = torch.eye(16).expand(2, 2, 16, 16)
+    seed = torch.cat([torch.zeros(2, 2, 16, 24), eye], -1)
+    o_aug, final_aug = chunk_kda(q, k, torch.cat([v, torch.zeros(2, 300, 2, 16)], -1), g, beta,
+                                 initial_state=seed, output_final_state=True)
     o_ref, final_ref = naive_recurrent_kda(
         *(x.double() for x in (q, k, v, g, beta)), initial_state=S0.double(), output_final_state=True
     )
-    assert_close(o_full, o_ref, "outputs vs oracle")
-    assert_close(final_full, final_ref, "final state vs oracle")
+    o = o_aug[..., :24] + torch.einsum("bthk,bhkv->bthv", o_aug[..., 24:], S0)
+    assert_close(o, o_ref, "outputs from S0")
+    assert_close(final_aug[..., 24:] @ S0 + final_aug[..., :24], final_ref, "final state from S0")
+
+    offsets = torch.tensor([0, 40, 40, 140])
+    docs = make_inputs(B=1, T=140, H=2, K=8, V=8)
+    q, k, v, g, beta = (docs[name] for name in INPUT_NAMES[:5])
+    seed = torch.cat([torch.cat([torch.zeros(1, 2, 8, 8), torch.eye(8).expand(1, 2, 8, 8)], -1), torch.zeros(2, 2, 8, 16)])
+    o_aug, final_aug = chunk_kda(q, k, torch.cat([v, torch.zeros(1, 140, 2, 8)], -1), g, beta,
+                                 initial_state=seed, output_final_state=True, cu_seqlens=offsets)
+    assert torch.equal(o_aug[:, 40:, :, 8:], torch.zeros_like(o_aug[:, 40:, :, 8:]))
+    assert torch.equal(final_aug[1:, ..., 8:], torch.zeros_like(final_aug[1:, ..., 8:]))
+    S_first = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(4))
+    o_ref, final_ref = naive_recurrent_kda(*(x[:, :40].double() for x in (q, k, v, g, beta)),
+                                           initial_state=S_first.double(), output_final_state=True)
+    assert_close(o_aug[:, :40, :, :8] + torch.einsum("bthk,bhkv->bthv", o_aug[:, :40, :, 8:], S_first), o_ref, "first piece")
+    assert_close(final_aug[:1, ..., 8:] @ S_first + final_aug[:1, ..., :8], final_ref, "first piece's final state")
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,12 @@ Tolerance: max abs error <= 1e-5 x max(1, max |reference|) (the suite's ``check_
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import megaseq_kda.ops.chunk as chunk_module
 from megaseq.contracts import ContextParallel
 from megaseq.testing.attention import assert_close, check_context_parallel
 from megaseq_kda.ops import chunk_kda
@@ -41,15 +43,18 @@ def test_four_ranks_equal_one_rank() -> None:
     check_context_parallel("kda", D_MODEL, cases, world=4)
 
 
-def test_one_backend_pass_per_segment() -> None:
-    """The backend runs once per local segment (the states crossing segments come from the q-free transition
-    pass), and the result equals one pass over the whole sequence: one gloo rank, two segments, documents
-    starting inside the first one."""
+def test_one_backend_pass_per_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend runs once per local segment (with K more value columns, which carry the segment's state
+    map) and nothing else does the intra-chunk work (the gated Gram matrices are built as often as in two
+    plain calls; a separate transition pass built them again), and the result equals one pass over the whole
+    sequence: one gloo rank, two segments, documents starting inside the first one."""
     gen = torch.Generator().manual_seed(0)
     q, k = (F.normalize(torch.randn(1, 150, 2, 8, generator=gen), dim=-1) for _ in range(2))
     v, g, beta = torch.randn(1, 150, 2, 8, generator=gen), -5 * torch.rand(1, 150, 2, 8), torch.rand(1, 150, 2)
     cu = torch.tensor([0, 40, 41, 150])
-    calls = []
+    calls, grams = [], []
+    diagonal_grams = chunk_module._SubchunkDiagonalGrams.apply
+    monkeypatch.setattr(chunk_module._SubchunkDiagonalGrams, "apply", lambda *a: grams.append(1) or diagonal_grams(*a))
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -62,4 +67,8 @@ def test_one_backend_pass_per_segment() -> None:
     finally:
         dist.destroy_process_group()
     assert len(calls) == 2
+    cp_grams, grams[:] = len(grams), []
+    for start, end, offsets in ((0, 75, [0, 40, 41, 75]), (75, 150, [0, 75])):
+        chunk_kda(*(x[:, start:end] for x in (q, k, v, g, beta)), cu_seqlens=torch.tensor(offsets))
+    assert cp_grams == len(grams) > 0
     assert_close(o, chunk_kda(q, k, v, g, beta, cu_seqlens=cu)[0], 1e-5, "context parallel output")

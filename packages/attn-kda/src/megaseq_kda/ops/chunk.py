@@ -33,8 +33,8 @@ Documents (``cu_seqlens``) are laid out in chunk slots, each document starting a
 padded with k = v = g = beta = 0 (such tokens leave the state untouched), so a single pass over the chunks
 handles ragged documents; the state is replaced by the document's initial state at each document start.
 
-Context parallel: the final state is affine in the initial one, final(S0) = M S0 + final(0); ``transition.py``
-computes (M, final(0)) without outputs from the same intra-chunk pieces (``q=None``: no q.k scores).
+Context parallel (``megaseq_kda/parallel.py``) needs nothing special: outputs and final state are linear in
+the initial state, so one call with K more value columns also gives the map of a segment.
 """
 
 import itertools
@@ -189,19 +189,16 @@ def _exp(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return exponent.to(dtype).exp()
 
 
-def _gated_grams(
-    q: torch.Tensor | None, k: torch.Tensor, g: torch.Tensor, G: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Per chunk, A_qk[s, j] = sum_d q_s k_j exp(G_s - G_j) for j <= s, and A_kk the same with k_s for j < s
-    (``q=None``: A_kk only, as the transition pass needs).
+def _gated_grams(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk, A_qk[s, j] = sum_d q_s k_j exp(G_s - G_j) for j <= s, and A_kk the same with k_s for j < s.
 
     Zero above the diagonal. Blocks below the diagonal are matmuls rebased on the first row r of their
     row sub-chunk; the diagonal 16 x 16 blocks come from ``_SubchunkDiagonalGrams``.
     """
-    diag_kk, *diag_qk = _SubchunkDiagonalGrams.apply(k, g, *([] if q is None else [q]))
+    diag_kk, diag_qk = _SubchunkDiagonalGrams.apply(k, g, q)
     G_sub = _split_subchunks(G)
     row_decay = _exp(G_sub - G_sub[..., :1, :], k.dtype)  # exp(G_s - G_r), r = first row of s's sub-chunk
-    pairs = [(k, diag_kk)] + ([] if q is None else [(q, diag_qk[0])])
+    pairs = [(k, diag_kk), (q, diag_qk)]
     rows = [[] for _ in pairs]
     for i in range(CHUNK // SUBCHUNK):
         first = i * SUBCHUNK
@@ -210,8 +207,8 @@ def _gated_grams(
         for out, (x, diag) in zip(rows, pairs, strict=True):
             x_rows = _split_subchunks(x)[..., i, :, :] * row_decay[..., i, :, :]
             out.append(F.pad(torch.cat([x_rows @ cols, diag[..., i, :, :]], -1), right_zeros))
-    A_kk, *A_qk = (torch.cat(r, -2) for r in rows)
-    return (A_qk[0] if A_qk else None), A_kk
+    A_kk, A_qk = (torch.cat(r, -2) for r in rows)
+    return A_qk, A_kk
 
 
 class _SubchunkDiagonalGrams(torch.autograd.Function):
