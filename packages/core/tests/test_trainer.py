@@ -164,3 +164,26 @@ def test_trainable_patterns_freeze_the_rest(tmp_path):
 
     with pytest.raises(UserError, match=r"train.trainable: '\*.nothing' matches no parameter"):
         Trainer(tiny(tmp_path, plugins, trainable=["*.nothing"]), plugins, progress=False, tensorboard=False)
+
+
+@pytest.mark.parametrize(("trim_heap", "per_step"), [(True, 2 * 2 * 3), (False, 0)])
+def test_heap_trimmed_at_every_block_boundary(tmp_path, monkeypatch, trim_heap, per_step):
+    """On CPU the heap's freed pages go back after every block's forward and before every block's backward
+    (2 layers x forward and backward x 3 micro-batches), and never with ``run.trim_heap = false``; the
+    header says which. Trimming changes no number: the loss equals the untrimmed run's."""
+    from megaseq.memory import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "available", lambda: True)
+    monkeypatch.setattr(heap, "return_freed_memory", lambda: calls.append(1))
+    plugins = fresh_plugins()
+    recipe = tiny(tmp_path, plugins, grad_accum=3, batch_size=3)
+    recipe = recipe.model_copy(update={"run": recipe.run.model_copy(update={"trim_heap": trim_heap})})
+    trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
+    assert ("heap: trimmed at block boundaries" in trainer.header()) == trim_heap
+    loss = trainer.train_step()["loss"]
+    assert len(calls) == per_step
+    torch.manual_seed(0)
+    untrimmed = tiny(tmp_path / "plain", plugins, grad_accum=3, batch_size=3)
+    untrimmed = untrimmed.model_copy(update={"run": untrimmed.run.model_copy(update={"trim_heap": False})})
+    assert Trainer(untrimmed, plugins, progress=False, tensorboard=False).train_step()["loss"] == loss

@@ -30,6 +30,11 @@ class RunConfig(Section):
     seed: int = 0
     out_dir: str = Field("runs/{name}", description="'{name}' is replaced by run.name")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    trim_heap: bool = Field(
+        True,
+        description="on CPU with glibc: give the heap's freed pages back at every block boundary of forward and "
+        "backward, so peak RSS follows live memory (megaseq/memory/heap.py)",
+    )
 
 
 class DataConfig(Section):

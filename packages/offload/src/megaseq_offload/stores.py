@@ -24,8 +24,6 @@ the layer in between. A tensor's device memory is not reused before its copy end
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
 import tempfile
@@ -38,46 +36,22 @@ import torch
 from torch import Tensor
 
 from megaseq.errors import UserError
+from megaseq.memory import heap
 
 ALIGN = 4096
 GROWTH = 256 * 2**20  # the least a store grows by when its reservation is used up
 TRIM_EVERY = 256 * 2**20  # bytes moved between two returns of freed heap memory to the system (CPU)
-
-
-def _glibc() -> Any:
-    """The C library if it is glibc (it has ``malloc_trim`` and ``mallopt``), else ``None``."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
-    except OSError:
-        return None
-
-
-_GLIBC = _glibc()
-_M_MMAP_THRESHOLD = -3
 MAP_LARGER_THAN = 2**20
 
 
 def map_large_allocations() -> None:
-    """Make glibc serve allocations of ``MAP_LARGER_THAN`` bytes or more by their own memory maps.
-
-    glibc serves allocations below its dynamic mmap threshold (which grows up to 32 MiB) from the heap, whose
-    freed chunks stay resident: a tensor moved to disk, or a recomputed layer's activations after its
-    backward, would keep counting in RSS (measured: 2.0 GiB instead of 0.76 GiB for the hybrid recipe at
-    16k tokens with offload). With their own maps, freed tensors leave at once. The price is a page fault
-    per fresh page (about +40% CPU time at 16k tokens on the hybrid recipe, less at longer lengths, where
-    most tensors are above 32 MiB and mapped anyway). Process-wide and permanent: it is called when an
-    offloading policy is applied to a CPU model."""
-    if _GLIBC is not None:
-        _GLIBC.mallopt(_M_MMAP_THRESHOLD, MAP_LARGER_THAN)
-
-
-def return_freed_memory() -> None:
-    """Give the heap's free pages back to the system (glibc ``malloc_trim(0)``; nothing elsewhere): what is
-    still heap-allocated and freed. One call takes tens of milliseconds, so the scratch file calls it every
-    ``TRIM_EVERY`` bytes it moves."""
-    if _GLIBC is not None:
-        _GLIBC.malloc_trim(0)
+    """Serve allocations of ``MAP_LARGER_THAN`` bytes or more by their own memory maps (core's
+    ``megaseq.memory.heap``): a tensor moved to disk, or a recomputed layer's activations after its backward,
+    would otherwise stay resident in glibc's heap (measured: 2.0 GiB instead of 0.76 GiB for the hybrid
+    recipe at 16k tokens with offload). The price is a page fault per fresh page (about +40% CPU time at 16k
+    tokens on the hybrid recipe). Process-wide and permanent: called when an offloading policy is applied to a
+    CPU model."""
+    heap.map_large_allocations(MAP_LARGER_THAN)
 
 
 def _align(n: int) -> int:
@@ -210,7 +184,7 @@ class ScratchFile:
         self.untrimmed += nbytes
         if self.untrimmed >= TRIM_EVERY:
             self.untrimmed = 0
-            return_freed_memory()
+            heap.return_freed_memory()
 
     def get(self, handle: FileHandle) -> Tensor:
         out, raw = _empty(handle.shape, handle.stride, handle.dtype)

@@ -46,6 +46,7 @@ from megaseq.distributed.layout import Layout, check_layout
 from megaseq.distributed.sharded import local_optimizer_state, read_local_weights, write_shard
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
+from megaseq.memory import heap
 from megaseq.memory.plan import describe_memory_policy
 from megaseq.model import LanguageModel, build_model, chunked_token_losses, describe
 from megaseq.plugins import Plugins
@@ -124,6 +125,17 @@ def data_windows(recipe: Recipe, which: str) -> GenomeWindows:
     return windows
 
 
+def heap_mode(trim_heap: bool, device: torch.device) -> str:
+    """What the run does with the C library's heap, for the run header (``megaseq.memory.heap``)."""
+    if device.type != "cpu":
+        return f"not trimmed (run.trim_heap acts on CPU runs; this one is on {device.type})"
+    if not trim_heap:
+        return "not trimmed (run.trim_heap = false)"
+    if not heap.available():
+        return "not trimmed (the C library is not glibc, which run.trim_heap needs)"
+    return "trimmed at block boundaries"
+
+
 def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) -> TrainingDiverged:
     """The one-line stop of the non-finite rule (``train.on_nonfinite = "stop"``)."""
     bad_aux = {k: v for k, v in aux.items() if not math.isfinite(v)}
@@ -185,6 +197,9 @@ class Trainer:
         ]
         for policy in self.policies:
             policy.apply(self.model)
+        self.heap = heap_mode(recipe.run.trim_heap, self.device)
+        if self.heap == "trimmed at block boundaries":
+            heap.trim_at_block_boundaries(self.model.blocks)
         if recipe.train.trainable is not None:
             freeze_except(self.model, recipe.train.trainable, recipe.source)
         self.optimizer = make_optimizer(self.model, recipe)
@@ -363,7 +378,7 @@ class Trainer:
             f"  plugins: {plugins}",
             f"  model: {describe(self.model)}",
             f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases; out: {self.out_dir}",
-            f"  memory: {describe_memory_policy(self.recipe, self.plan)}",
+            f"  memory: {describe_memory_policy(self.recipe, self.plan)}; heap: {self.heap}",
             *(f"  {note}" for note in self.notes),
         ])
 
