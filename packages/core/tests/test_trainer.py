@@ -183,6 +183,9 @@ def test_heap_trimmed_at_every_block_boundary(tmp_path, monkeypatch, trim_heap, 
     assert ("heap: trimmed at block boundaries" in trainer.header()) == trim_heap
     loss = trainer.train_step()["loss"]
     assert len(calls) == per_step
+    with torch.no_grad():  # evaluation and decoding do not trim
+        trainer.model(torch.zeros(1, 8, dtype=torch.long))
+    assert len(calls) == per_step
     torch.manual_seed(0)
     untrimmed = tiny(tmp_path / "plain", plugins, grad_accum=3, batch_size=3)
     untrimmed = untrimmed.model_copy(update={"run": untrimmed.run.model_copy(update={"trim_heap": False})})

@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -63,9 +64,13 @@ def map_large_allocations(min_bytes: int) -> None:
 
 def trim_at_block_boundaries(blocks: nn.ModuleList) -> list[RemovableHandle]:
     """Return freed heap memory after each block's forward and, in backward, when the gradient reaches the
-    block's output (before the block's own backward runs). The handles remove the forward hooks."""
+    block's output (before the block's own backward runs). Only forwards that record a graph trim: evaluation
+    and token-by-token decoding (a block call per token) keep little and would pay a call per block. The
+    handles remove the forward hooks."""
 
     def after_forward(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
         return_freed_memory()
         out = output[0] if isinstance(output, tuple) else output
         if isinstance(out, Tensor) and out.requires_grad:
