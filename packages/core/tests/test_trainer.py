@@ -166,21 +166,23 @@ def test_trainable_patterns_freeze_the_rest(tmp_path):
         Trainer(tiny(tmp_path, plugins, trainable=["*.nothing"]), plugins, progress=False, tensorboard=False)
 
 
-@pytest.mark.parametrize(("trim_heap", "per_step"), [(True, 2 * 2 * 3), (False, 0)])
-def test_heap_trimmed_at_every_block_boundary(tmp_path, monkeypatch, trim_heap, per_step):
+@pytest.mark.parametrize(("trim_heap", "from_tokens", "per_step"), [(True, 32768, 12), ("auto", 64, 12), ("auto", 65, 0), (False, 1, 0)])
+def test_heap_trimmed_at_every_block_boundary(tmp_path, monkeypatch, trim_heap, from_tokens, per_step):
     """On CPU the heap's freed pages go back after every block's forward and before every block's backward
-    (2 layers x forward and backward x 3 micro-batches), and never with ``run.trim_heap = false``; the
-    header says which. Trimming changes no number: the loss equals the untrimmed run's."""
+    (2 layers x forward and backward x 3 micro-batches of 64 tokens); with ``"auto"`` only from
+    ``TRIM_FROM_TOKENS`` tokens per device; never with ``false``; the header says which. Trimming changes no
+    number: the loss equals the untrimmed run's."""
     from megaseq.memory import heap
 
     calls = []
+    monkeypatch.setattr(heap, "TRIM_FROM_TOKENS", from_tokens)
     monkeypatch.setattr(heap, "available", lambda: True)
     monkeypatch.setattr(heap, "return_freed_memory", lambda: calls.append(1))
     plugins = fresh_plugins()
     recipe = tiny(tmp_path, plugins, grad_accum=3, batch_size=3)
     recipe = recipe.model_copy(update={"run": recipe.run.model_copy(update={"trim_heap": trim_heap})})
     trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
-    assert ("heap: trimmed at block boundaries" in trainer.header()) == trim_heap
+    assert ("heap: trimmed at block boundaries" in trainer.header()) == (per_step > 0)
     loss = trainer.train_step()["loss"]
     assert len(calls) == per_step
     with torch.no_grad():  # evaluation and decoding do not trim

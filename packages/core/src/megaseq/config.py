@@ -30,10 +30,10 @@ class RunConfig(Section):
     seed: int = 0
     out_dir: str = Field("runs/{name}", description="'{name}' is replaced by run.name")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    trim_heap: bool = Field(
-        True,
+    trim_heap: bool | Literal["auto"] = Field(
+        "auto",
         description="on CPU with glibc: give the heap's freed pages back at every block boundary of forward and "
-        "backward, so peak RSS follows live memory (megaseq/memory/heap.py)",
+        "backward, so peak RSS follows live memory; auto: from 32,768 tokens per device (megaseq/memory/heap.py)",
     )
 
 

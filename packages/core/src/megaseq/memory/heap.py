@@ -8,10 +8,12 @@ at 64k tokens, one step, no memory policy: peak RSS 4.26 GiB for about 2.5 GiB o
 
 Two remedies, both process-wide:
 
-- :func:`trim_at_block_boundaries` (the trainer's default on CPU, ``run.trim_heap``): ``malloc_trim(0)``
-  after every residual block's forward and before every block's backward. Each call hands the heap's free
-  pages back at once; the allocations that reuse them fault them in again. Hybrid at 64k: peak 2.47 GiB,
-  16 calls of about 48 ms over two steps (``benchmarks/train_throughput.py``, the offload README).
+- :func:`trim_at_block_boundaries` (``run.trim_heap``; by default on CPU runs from ``TRIM_FROM_TOKENS``
+  tokens per device): ``malloc_trim(0)`` after every residual block's forward and before every block's
+  backward. Each call hands the heap's free pages back at once; the allocations that reuse them fault them
+  in again. Hybrid at 64k: peak 3.73 -> 2.47 GiB for +14% CPU time (16 calls of about 48 ms over two
+  steps; the rest is page faults). At 8k it saved only 0.14 GiB (1.13 -> 0.99) for +10-16%, hence the
+  threshold (``benchmarks/train_throughput.py``; the offload README has the table).
 - :func:`map_large_allocations`: every allocation from ``min_bytes`` up gets its own map, which leaves at
   once when freed. Tighter, and what the offload policy uses, but every fresh page faults: at 64k the
   hybrid's step took 83% more CPU time with 1 MiB maps, 36% more with 4 MiB maps (2.41 and 2.96 GiB peak).
@@ -41,6 +43,9 @@ def _glibc() -> Any:
 
 _GLIBC = _glibc()
 _M_MMAP_THRESHOLD = -3
+# ``run.trim_heap = "auto"`` trims from this many tokens per device: below it the CPU recipes' activations
+# are about a GiB or less, and the page faults cost as large a share of a step as at 64k.
+TRIM_FROM_TOKENS = 32768
 
 
 def available() -> bool:
