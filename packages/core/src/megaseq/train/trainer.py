@@ -125,17 +125,17 @@ def data_windows(recipe: Recipe, which: str) -> GenomeWindows:
     return windows
 
 
-def heap_mode(trim_heap: bool | str, device: torch.device, tokens_per_device: int) -> str:
-    """What the run does with the C library's heap, for the run header (``megaseq.memory.heap``)."""
+def heap_mode(trim_heap: bool | str, device: torch.device, tokens_per_device: int) -> tuple[bool, str]:
+    """Whether the run trims the C library's heap (``megaseq.memory.heap``), and what the run header says."""
     if device.type != "cpu":
-        return f"not trimmed (run.trim_heap acts on CPU runs; this one is on {device.type})"
+        return False, f"not trimmed (run.trim_heap acts on CPU runs; this one is on {device.type})"
     if not trim_heap:
-        return "not trimmed (run.trim_heap = false)"
+        return False, "not trimmed (run.trim_heap = false)"
     if trim_heap == "auto" and tokens_per_device < heap.TRIM_FROM_TOKENS:
-        return f"not trimmed (run.trim_heap = 'auto' trims from {heap.TRIM_FROM_TOKENS:,} tokens per device, this run has {tokens_per_device:,})"
+        return False, f"not trimmed (run.trim_heap = 'auto' trims from {heap.TRIM_FROM_TOKENS:,} tokens per device, this run has {tokens_per_device:,})"
     if not heap.available():
-        return "not trimmed (the C library is not glibc, which run.trim_heap needs)"
-    return "trimmed at block boundaries"
+        return False, "not trimmed (the C library is not glibc, which run.trim_heap needs)"
+    return True, "trimmed at block boundaries"
 
 
 def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) -> TrainingDiverged:
@@ -199,8 +199,8 @@ class Trainer:
         ]
         for policy in self.policies:
             policy.apply(self.model)
-        self.heap = heap_mode(recipe.run.trim_heap, self.device, recipe.data.seq_len // self.parallel.layout.cp)
-        if self.heap == "trimmed at block boundaries":
+        trim, self.heap = heap_mode(recipe.run.trim_heap, self.device, recipe.data.seq_len // self.parallel.layout.cp)
+        if trim:
             heap.trim_at_block_boundaries(self.model.blocks)
         if recipe.train.trainable is not None:
             freeze_except(self.model, recipe.train.trainable, recipe.source)
