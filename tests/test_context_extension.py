@@ -2,14 +2,15 @@
 
 The hybrid (kda, kda, kda, dsa; chunked MoE) at widths of a few dozen, on the DNA excerpts shipped with
 core: 128-token pretraining and short continuation, 512-token long continuation and held-out windows,
-order-2 and order-3 Markov baselines. Then: running the command again does nothing, and bad input is one
-line with exit status 2.
+order-2 and order-3 Markov baselines. Then: running the command again does nothing, a changed plan resumes
+only on top of what it leaves unchanged, and bad input is one line with exit status 2.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,9 +116,31 @@ def test_miniature_experiment_writes_the_report(tmp_path):
 
     refused = experiment(tmp_path, *MINI)  # neither --resume nor --overwrite: the run-directory rule
     assert refused.returncode == 2 and "already holds a context-extension experiment" in refused.stderr
+    # --resume checks what it reuses: the held-out set of every evaluation, the recipe of every trained stage
     changed = experiment(tmp_path, *MINI, "eval_windows=3", "--resume")
-    assert changed.returncode == 2 and "--resume with a different plan (eval_windows: 4 -> 3)" in changed.stderr
+    assert changed.returncode == 2 and "heldout_set.npz: scored with a different heldout than this plan's" in changed.stderr
+    lower = experiment(tmp_path, *MINI, "extension_lr=0.0001", "--resume")
+    assert lower.returncode == 2 and f"{out / 'long'}: trained with a different recipe (train.lr 0.001 -> 0.0001)" in lower.stderr
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")} == stamps
+
+    # ... so a changed plan retrains only what it changes: the continuations, from the pretrain it keeps
+    first = json.loads((out / "report.json").read_text())["models"]
+    for stage in ("long", "short"):
+        shutil.rmtree(out / stage)
+    rerun = experiment(tmp_path, *MINI, "extension_lr=0.0001", "--resume")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    started = sorted(line.split()[-1] for line in rerun.stderr.splitlines() if line.startswith("[experiment] start"))
+    assert started == ["eval-long", "eval-short", "long", "short"]
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json") if p.parent.name not in ("long", "short")} == {
+        p: t for p, t in stamps.items() if p.parent.name not in ("long", "short")}
+    second = json.loads((out / "report.json").read_text())["models"]
+    for name in ("pretrain", "sdpa", "markov-2"):  # kept: the same scores (relative_to_short moved with short)
+        assert second[name]["bits_per_base"] == first[name]["bits_per_base"], name
+    assert second["long"]["bits_per_base"] != first["long"]["bits_per_base"]
+
+    shutil.rmtree(out / "pretrain")  # the continuations' weights came from a pretrain that is gone
+    orphaned = experiment(tmp_path, *MINI, "extension_lr=0.0001", "--resume")
+    assert orphaned.returncode == 2 and f"{out / 'long'}: continues stage pretrain, which is not finished" in orphaned.stderr
 
 
 @pytest.mark.parametrize(

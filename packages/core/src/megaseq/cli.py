@@ -301,7 +301,7 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
                     help="plan key (e.g. pretrain_tokens=1e6), or recipe.KEY / STAGE.KEY recipe override")
     ce.add_argument("--out", default="runs/context-extension", help="output directory (default runs/context-extension)")
     start = ce.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true", help="continue the experiment in --out: skip what is done")
+    start.add_argument("--resume", action="store_true", help="continue the experiment in --out: skip what is done and still matches the plan")
     start.add_argument("--overwrite", action="store_true", help="delete the experiment in --out and start over")
     ce.add_argument("--dry-run", action="store_true", help="check the plan, print the stages and exit")
     ce.set_defaults(func=cmd_experiment)

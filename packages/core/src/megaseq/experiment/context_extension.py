@@ -14,7 +14,12 @@ verified checkpoint into that run's ``eval/step_N/`` (where ``megaseq eval`` wri
 (per-window, per-bucket loss sums) and ``heldout_set.json`` (time and memory); a Markov baseline into
 ``OUT/baselines/markov-K.npz``. ``OUT`` follows the run-directory rule as a whole: a new experiment refuses
 a directory that holds one; ``--resume`` skips what is done and resumes an unfinished stage from its newest
-verified checkpoint (the plan must be the one it was started with); ``--overwrite`` deletes it first.
+verified checkpoint; ``--overwrite`` deletes it first. What ``--resume`` reuses is checked piece by piece
+(:func:`check_reuse`), not as a whole plan: a stage's checkpoints must come from the recipe the plan gives it
+now, its parent stage must be finished, and an evaluation must have been scored on the same held-out set.
+So a plan may change where nothing made under the old one is kept: change the continuations' learning rate,
+delete ``OUT/long`` and ``OUT/short``, and ``--resume`` retrains those two from the pretrain it keeps (or
+copy the finished stages into a new ``--out``).
 
 Before anything trains: the plan and every stage's recipe are validated, the memory planner
 (``megaseq.memory``) must find that every stage fits in this machine's memory shared by ``plan.jobs``
@@ -156,6 +161,7 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
         "cpu_s": time.process_time() - cpu_started,
         "peak_rss_gib": peak_rss_gib(),
         "threads": threads,
+        "scored_on": evaluation_record(spec),
         **extra,
     }
     Path(result).parent.mkdir(parents=True, exist_ok=True)
@@ -319,28 +325,66 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def evaluation_record(spec: dict) -> dict:
+    """What an evaluation's scores depend on besides the model: the held-out windows, the buckets and, for a
+    Markov baseline, its training data and order. Saved beside the scores; ``--resume`` compares it."""
+    keys = ("heldout", "first_bucket", "eval_context", "train", "order")
+    return json.loads(json.dumps({k: spec[k] for k in keys if k in spec}))  # tuples -> lists, as read back
+
+
+def check_reuse(out: Path, all_stages: list[Stage], jobs: list[Job]) -> list[str]:
+    """Refuse (one line) to resume on top of anything made under a different plan: a stage whose checkpoints
+    come from another recipe (``train.lr 0.001 -> 0.0001``), a stage with checkpoints whose parent is not
+    finished (its weights came from a parent that is gone), an evaluation scored on another held-out set.
+    Returns notes for what cannot be checked (evaluations saved before their record was)."""
+    from megaseq.train import checkpoint
+
+    for stage in all_stages:
+        found = checkpoint.newest_verified(out / stage.name / "checkpoints")
+        if found.path is None:
+            continue
+        saved = checkpoint.read_meta(found.path)["recipe"]
+        changes = checkpoint.recipe_changes(saved, stage.recipe.to_dict())
+        if changes:
+            raise UserError(
+                f"{out / stage.name}: trained with a different recipe ({changes[0]}"
+                + (f" and {len(changes) - 1} more" if len(changes) > 1 else "")
+                + f"); delete {out / stage.name} to train it again with this plan, or use another --out"
+            )
+        if stage.init_from and not (out / stage.init_from / "stage.json").exists():
+            raise UserError(
+                f"{out / stage.name}: continues stage {stage.init_from}, which is not finished in {out}; "
+                f"delete {out / stage.name} to train it again from the new {stage.init_from}"
+            )
+    notes = []
+    for job in jobs:
+        record_path = job.result.with_suffix(".json")
+        if job.target is not evaluate or not job.result.exists() or not record_path.exists():
+            continue
+        saved, current = json.loads(record_path.read_text()).get("scored_on"), evaluation_record(job.args[0])
+        if saved is None:
+            notes.append(f"{job.result}: reused without a check (saved before megaseq recorded its held-out set)")
+        elif saved != current:
+            changed = next(k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k))
+            raise UserError(
+                f"{job.result}: scored with a different {changed} than this plan's; delete it (and its .json) "
+                "to score again, or use another --out"
+            )
+    return notes
+
+
 EXPERIMENT_OUTPUTS = ("plan.json", "report.json", "report.md", "bits_by_bucket.png", "baselines", *STAGES)
 
 
 def prepare_out(out: Path, plan: ContextExtensionPlan, mode: str) -> None:
-    """The run-directory rule (``megaseq.train.rundir``) for the experiment's directory as a whole."""
+    """The run-directory rule (``megaseq.train.rundir``) for the experiment's directory as a whole (what a
+    resumed experiment reuses is checked by :func:`check_reuse`)."""
     present = [name for name in EXPERIMENT_OUTPUTS if (out / name).exists()]
     if mode == "new" and present:
         raise UserError(
             f"{out} already holds a context-extension experiment ({', '.join(present)}); continue it with --resume "
             f"or start over with --overwrite (deletes its {', '.join(EXPERIMENT_OUTPUTS)})"
         )
-    if mode == "resume" and (out / "plan.json").exists():
-        saved = json.loads((out / "plan.json").read_text())
-        current = plan.model_dump(mode="json")
-        changed = [k for k in current if saved.get(k) != current[k]]
-        if changed:
-            k = changed[0]
-            raise UserError(
-                f"{out}: --resume with a different plan ({k}: {saved.get(k)!r} -> {current[k]!r}"
-                + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
-                + "); rerun with the same --scale and --set, or start over with --overwrite"
-            )
     if mode == "overwrite":
         for name in present:
             path = out / name
@@ -372,9 +416,12 @@ def run_context_extension(
         print(f"[experiment] only {len(heldout.starts)} valid held-out windows (asked for {plan.eval_windows})", file=sys.stderr)
     if dry_run:
         return {}
-    prepare_out(out, plan, mode)
     threads = max(1, (os.cpu_count() or 1) // plan.jobs)
     jobs = plan_jobs(plan, all_stages, dict(vars(heldout)), recipe.data.train, out, threads)
+    notes = check_reuse(out, all_stages, jobs) if mode == "resume" else []
+    prepare_out(out, plan, mode)
+    for note in notes:
+        print(f"[experiment] {note}", file=sys.stderr)
     run_jobs(jobs, plan.jobs, out)
     params = {s.name: parameter_count(s.recipe, plugins) for s in all_stages}
     paths = {s.name: model_eval_path(out, s) for s in all_stages} | {
