@@ -46,13 +46,16 @@ print(runtime, rss("VmHWM"))
 CASES = {
     "hybrid-4k-none": ("genome-cpu.toml", 4096, []),
     "hybrid-4k-recompute+offload": ("genome-cpu.toml", 4096, ["recompute", "offload"]),
+    # plain offload: each part's saved tensors come back while its backward runs. A planner that counted only
+    # the temporary there predicted -12% here (and -19% at 64k), hence this case's tighter bound below
+    "hybrid-16k-offload": ("genome-cpu.toml", 16384, ["offload"]),
     "sdpa-4k-none": ("genome-sdpa-cpu.toml", 4096, []),
     "sdpa-4k-recompute-tiles": ("genome-sdpa-cpu.toml", 4096, ["recompute"]),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_predicted_peak_within_15_percent(case, tmp_path):
+def test_predicted_peak_within_15_percent(case, tmp_path):  # 10% for plain offload
     name, seq_len, policies = CASES[case]
     overrides = [f"data.seq_len={seq_len}", "train.batch_size=1", "data.train='excerpt-chr20'",
                  "data.heldout='excerpt-chrX'", "run.device='cpu'", f"train.memory_policy={json.dumps(policies)}"]
@@ -68,5 +71,6 @@ def test_predicted_peak_within_15_percent(case, tmp_path):
     runtime, measured = map(int, out.stdout.strip().splitlines()[-1].split())
     predicted = estimate.device_peak - estimate.runtime + runtime
     error = predicted / measured - 1
-    assert abs(error) <= 0.15, (f"{case}: predicted {predicted / 2**30:.3f} GiB, measured {measured / 2**30:.3f} GiB ({error:+.1%}); "
+    bound = 0.10 if case == "hybrid-16k-offload" else 0.15
+    assert abs(error) <= bound, (f"{case}: predicted {predicted / 2**30:.3f} GiB, measured {measured / 2**30:.3f} GiB ({error:+.1%}); "
                                 f"fixed part measured {runtime / 2**30:.3f} GiB, planner's constant {estimate.runtime / 2**30:.3f} GiB")

@@ -24,7 +24,9 @@ the block's two norms, ``x``: the block input, d_model x 4 bytes):
                                              whose input h, x per token, is then kept as well)
 
 Offloading moves what layers keep to host memory (CUDA: a pinned pool; CPU: a scratch file on disk, so it
-leaves the process's resident memory); the layer being differentiated brings its input back. Tensor
+leaves the process's resident memory); the layer being differentiated brings back its input and, while
+each part's backward runs, what that part saved (``a N`` beside the attention's temporary, ``f N`` beside the
+feed-forward's), so the parts that are not recomputed peak at their saved bytes plus their temporary. Tensor
 parallelism divides the attention's and dense feed-forward's parameters and activations by ``tp``; expert
 parallelism is the MoE component's own business (``ModelDims.ep_size``), ``etp`` divides expert weights.
 Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved; the residual stream and
@@ -394,7 +396,8 @@ def estimate(
         a = act * attention.saved_per_token / layout.tp
         f = act * ffn.saved_per_token / (layout.tp if c.ffn_tiles else 1)
         ffn_split = layout.tp if c.ffn_tiles else layout.etp  # dense: tensor-parallel; experts: expert-TP
-        temp = max(attention.temporary / layout.tp, ffn.temporary / ffn_split) * rows
+        attention_temp, ffn_temp = attention.temporary / layout.tp * rows, ffn.temporary / ffn_split * rows
+        temp = max(attention_temp, ffn_temp)
         part, tile = _combine(effects, i)
         if part is None:
             kept, work, unit_input = (a + f + norms) * tokens, temp, 0.0
@@ -422,7 +425,16 @@ def estimate(
         if offload_min is not None and kept >= offload_min:
             offloaded += int(kept)
             kept = 0.0
-            work += unit_input  # the inputs of the part being differentiated come back
+            # Backward brings back what each part saved while that part's backward runs, beside its temporary
+            # (measured at 64k: the KDA part peaks at its saved bytes + its temporary). Recomputed parts bring
+            # back only their input.
+            work += unit_input
+            if part is None:
+                work = max((a + norms / 2) * tokens + attention_temp, (f + norms / 2) * tokens + ffn_temp)
+            elif part == "ffn":
+                work = max(work, (a + norms / 2) * tokens + attention_temp)
+            elif part == "attention":
+                work = max(work, (f + norms / 2) * tokens + ffn_temp)
         out.saved_by_kind[c.kind] = out.saved_by_kind.get(c.kind, 0) + int(kept)
         kept_so_far += kept
         # backward reaches layer i while layers 0..i still keep theirs: its working set comes on top
