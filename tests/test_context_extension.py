@@ -119,15 +119,15 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     # --resume checks what it reuses: the held-out set of every evaluation, the recipe of every trained stage
     changed = experiment(tmp_path, *MINI, "eval_windows=3", "--resume")
     assert changed.returncode == 2 and "heldout_set.npz: scored with a different heldout than this plan's" in changed.stderr
-    lower = experiment(tmp_path, *MINI, "extension_lr=0.0001", "--resume")
-    assert lower.returncode == 2 and f"{out / 'long'}: trained with a different recipe (train.lr 0.001 -> 0.0001)" in lower.stderr
+    lower = experiment(tmp_path, *MINI, "extension_lr=0.0003", "--resume")
+    assert lower.returncode == 2 and f"{out / 'long'}: trained with a different recipe (train.lr 0.0001 -> 0.0003)" in lower.stderr
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")} == stamps
 
     # ... so a changed plan retrains only what it changes: the continuations, from the pretrain it keeps
     first = json.loads((out / "report.json").read_text())["models"]
     for stage in ("long", "short"):
         shutil.rmtree(out / stage)
-    rerun = experiment(tmp_path, *MINI, "extension_lr=0.0001", "--resume")
+    rerun = experiment(tmp_path, *MINI, "extension_lr=0.0003", "--resume")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     started = sorted(line.split()[-1] for line in rerun.stderr.splitlines() if line.startswith("[experiment] start"))
     assert started == ["eval-long", "eval-short", "long", "short"]
@@ -139,7 +139,7 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     assert second["long"]["bits_per_base"] != first["long"]["bits_per_base"]
 
     shutil.rmtree(out / "pretrain")  # the continuations' weights came from a pretrain that is gone
-    orphaned = experiment(tmp_path, *MINI, "extension_lr=0.0001", "--resume")
+    orphaned = experiment(tmp_path, *MINI, "extension_lr=0.0003", "--resume")
     assert orphaned.returncode == 2 and f"{out / 'long'}: continues stage pretrain, which is not finished" in orphaned.stderr
 
 
