@@ -81,6 +81,13 @@ def test_impossible_hybrid_layouts_and_foreign_checkpoints_are_one_line_exit_2(t
     err = capsys.readouterr().err
     assert "parallel ep=4: n_experts (6) must be a multiple of the expert-parallel size (4)" in err and err.count("\n") == 1
 
+    # tiles cannot run under CP: refused before any worker starts, and no run directory is made
+    assert main(["train", str(recipe), "--workers", "2", "--parallel", "cp=2", "--memory-policy", "recompute",
+                 "--set", "memory_policy.recompute.tile_tokens=64"]) == 2
+    err = capsys.readouterr().err
+    assert "memory_policy.recompute.tile_tokens cannot run under context parallelism (cp=2" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
     trained = tmp_path / "trained"
     trainer = single_trainer(hybrid, trained)
     train_single(trainer, 1)

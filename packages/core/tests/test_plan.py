@@ -145,3 +145,28 @@ def test_parallel_layout_divides_tokens():
 def test_run_header_names_the_memory_policy():
     plugins = fresh_plugins()
     assert describe_memory_policy(load_recipe(TINY, plugins)) == "no memory policy"
+
+
+def test_tiles_are_never_planned_under_context_parallelism():
+    """Tiling refuses context parallelism (``SequenceTiling``): ``auto`` must not propose a tiled set that
+    every worker would then fail on, and a recipe that names one is refused in one line before any launch."""
+    from megaseq.errors import UserError
+    from megaseq.memory.plan import check_policies_run_under
+
+    plugins = fresh_plugins()
+    plugins.register(ShrinkPlugin(), name="shrink-plugin")
+    recipe = load_recipe(TINY, plugins, ["train.batch_size=2"])
+    cp2 = Layout.parse("cp=2")
+    tight = Machine("cpu", 1, None)  # nothing fits: every candidate is listed
+    assert any("tile_tokens" in e.label for e in plan(recipe, plugins, seq_len=65536, machine=tight).candidates)
+    labels = [e.label for e in plan(recipe, plugins, seq_len=65536, layout=cp2, machine=tight).candidates]
+    assert labels and not any("tile_tokens" in label for label in labels)
+
+    tiled = load_recipe(TINY, plugins, ["train.batch_size=2", 'train.memory_policy=["shrink"]', "memory_policy.shrink.tile_tokens=64"])
+    check_policies_run_under(tiled, plugins, Layout())  # one device: tiles run
+    for refuse in (lambda: check_policies_run_under(tiled, plugins, cp2),
+                   lambda: plan(tiled, plugins, seq_len=65536, layout=cp2, machine=tight, policies=["shrink"])):
+        with pytest.raises(UserError, match=r"memory_policy\.shrink\.tile_tokens cannot run under context parallelism \(cp=2"):
+            refuse()
+    whole = load_recipe(TINY, plugins, ["train.batch_size=2", 'train.memory_policy=["shrink"]'])
+    check_policies_run_under(whole, plugins, cp2)  # recompute without tiles runs under CP

@@ -10,7 +10,7 @@ logical CPUs: a worker needs one, and Ray waits forever for workers it cannot pl
 torchrun: ``torchrun --nproc-per-node N -m megaseq.cli train RECIPE --parallel ...`` runs the same worker
 code with the process group from torchrun's environment.
 
-Every check that can fail (the layout, the recipe's components under it, the checkpoint to resume, the
+Every check that can fail (the layout, the recipe's components and memory policies under it, the checkpoint to resume, the
 cluster's address and size) runs in the launching process before any worker starts.
 """
 
@@ -27,6 +27,7 @@ from megaseq.distributed.experts import layout_expert_dims
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
+from megaseq.memory.plan import check_policies_run_under
 from megaseq.plugins import Plugins, get_plugins
 from megaseq.train import checkpoint
 from megaseq.train.trainer import Trainer, TrainResult
@@ -40,6 +41,7 @@ def preflight(
     if address is not None:
         check_address(address)
     check_layout(recipe, layout)
+    check_policies_run_under(recipe, plugins, layout)
     layout_expert_dims(recipe, plugins, layout.ep)  # builds the model on the meta device: components may refuse
     if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
         check_resharding(path, recipe, plugins)

@@ -510,6 +510,36 @@ def candidate_sets(recipe: Recipe, plugins: Plugins) -> list[list[PolicyChoice]]
     return sets
 
 
+def _tiles_under_cp(policies: list[PolicyChoice], layout: Layout) -> bool:
+    """Sequence tiles split one device's whole sequence; under context parallelism each rank holds a share of
+    it and tiling refuses to run (``megaseq.contracts.SequenceTiling``: no context parallelism)."""
+    return layout.cp > 1 and any(p.effect.tile_tokens is not None for p in policies)
+
+
+def _tiles_under_cp_message(recipe: Recipe, policies: list[PolicyChoice], layout: Layout) -> str:
+    name = next(p.name for p in policies if p.effect.tile_tokens is not None)
+    return (f"{recipe.source}: memory_policy.{name}.tile_tokens cannot run under context parallelism (cp={layout.cp}: "
+            "each rank already holds a share of the sequence); remove tile_tokens or use cp=1")
+
+
+def check_policies_run_under(recipe: Recipe, plugins: Plugins, layout: Layout) -> None:
+    """The recipe's memory policies (a list of names) must be able to run under ``layout``: checked before a
+    distributed launch, so that a set that cannot is one line instead of a failure of every worker. A policy
+    that reports no memory effect cannot be judged here and passes."""
+    names = recipe.train.memory_policy
+    if layout.cp == 1 or names == "auto" or not names:
+        return
+    choices = []
+    for name in names:
+        spec = plugins.get("memory_policy", name).spec
+        effect_fn = spec.load_memory()
+        if effect_fn is not None:
+            config = recipe.components.get("memory_policy", {}).get(name) or spec.config()
+            choices.append(PolicyChoice(name, config.model_dump(mode="json"), effect_fn(config), {}))
+    if _tiles_under_cp(choices, layout):
+        raise UserError(_tiles_under_cp_message(recipe, choices, layout))
+
+
 def plan(
     recipe: Recipe,
     plugins: Plugins,
@@ -532,12 +562,15 @@ def plan(
         if experts is not None and experts % layout.ep:
             raise UserError(f"--parallel ep={layout.ep}: does not divide the {experts} experts of moe.{recipe.model.moe}")
     if policies == "auto":
-        sets, given = candidate_sets(recipe, plugins), False
+        # a set that cannot run under this layout is never a candidate
+        sets, given = [s for s in candidate_sets(recipe, plugins) if not _tiles_under_cp(s, layout)], False
     elif policies == "none":
         sets, given = [[]], True
     else:
         names = list(policies)
         sets, given = [[_policy_choice(recipe, plugins, n, {}) for n in names]], True
+        if _tiles_under_cp(sets[0], layout):
+            raise UserError(_tiles_under_cp_message(recipe, sets[0], layout))
     costs = _layer_costs(recipe, plugins, layout)
     estimates = [estimate(recipe, plugins, s, layout, machine, seq_len, costs) for s in sets]
     for e in estimates:
