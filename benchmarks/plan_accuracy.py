@@ -13,6 +13,7 @@ resident after tensors are freed (see the offload package's README).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_accuracy.py --seq-len 4096 16384       # minutes
     .venv/bin/python benchmarks/plan_accuracy.py --seq-len 4096 16384 65536 262144 --max-gib 22  # quiet machine
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_accuracy.py --seq-len 262144 --allocator default --steps 1
 
 Prints a table (predicted, measured, error) and, with --json, one JSON object per row.
 """
@@ -110,6 +111,9 @@ def main() -> None:
                    help="fractions of the no-policy prediction: the planner's proposal for each is measured")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--max-gib", type=float, default=4.0, help="do not run configurations predicted above this")
+    p.add_argument("--allocator", choices=["both", "default", "mapped"], default="both",
+                   help="measure with glibc's defaults, with large allocations mapped, or both (twice the time)")
+    p.add_argument("--no-baseline", action="store_true", help="measure only the proposed policy sets, not the no-policy row")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -120,7 +124,7 @@ def main() -> None:
           f"{'mapped':>8} {'error':>7} {'s/step':>7}", flush=True)
     for recipe in args.recipe:
         for seq_len in args.seq_len:
-            for label, policies, predicted in planned_sets(recipe, seq_len, args.budget):
+            for label, policies, predicted in planned_sets(recipe, seq_len, args.budget)[args.no_baseline:]:
                 row = {"recipe": Path(recipe).stem, "seq_len": seq_len, "policies": label, "predicted_bytes": predicted}
                 short = label if len(label) <= 50 else label[:47] + "..."
                 head = f"{row['recipe']:<16} {seq_len:>8} {short:<50} {predicted / GiB:>8.2f}G"
@@ -129,15 +133,18 @@ def main() -> None:
                     continue
                 cells = []
                 for mapped in (False, True):
-                    result = measure(recipe, seq_len, args.steps, policies, mapped)
                     key = "mapped" if mapped else "default"
+                    if args.allocator not in ("both", key):
+                        cells.append(f"{'-':>8} {'':>7}")
+                        continue
+                    result = measure(recipe, seq_len, args.steps, policies, mapped)
                     row[key] = result
                     if "error" in result:
                         cells.append(f"failed: {result['error']}")
                         continue
                     row[f"{key}_error"] = predicted / result["peak"] - 1
                     cells.append(f"{result['peak'] / GiB:>7.2f}G {row[f'{key}_error']:>+7.1%}")
-                step = row["default"].get("s_per_step", float("nan"))
+                step = row.get("default", row.get("mapped", {})).get("s_per_step", float("nan"))
                 print(f"{head} {' '.join(cells)} {step:>7.1f}", flush=True)
                 if args.json:
                     print(json.dumps(row), flush=True)
