@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/diagnose_probes.py residual --set train.lr=1e-3
     .venv/bin/python benchmarks/diagnose_probes.py markov-data           # Markov baselines by training tokens
     .venv/bin/python benchmarks/diagnose_probes.py heldout --windows 24  # Markov baselines on the fixed held-out set
+    .venv/bin/python benchmarks/diagnose_probes.py repeats --windows 24  # what copying could gain past 4k there
 
 ``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
 windows through it, printing for the embedding, every attention and feed-forward output and the residual
@@ -14,7 +15,10 @@ N tokens of shuffled chr20 training windows and scores them on 64 held-out chrX 
 reaches with the data a model has seen. ``heldout`` scores the order-8 and order-11 baselines on the
 context-extension experiment's fixed held-out set (the ``cpu`` preset's, with ``--windows`` windows) with the
 experiment's own scorers: bits/base per bucket with its 95% bootstrap interval, and whether each curve is
-flat within its intervals (how many windows it takes to resolve a given effect).
+flat within its intervals (how many windows it takes to resolve a given effect). ``repeats`` bounds what
+long context can give on that set: for each target past ``short_len`` of context, whether the 20 tokens
+before it occurred earlier in the window, the most recent such occurrence ending within ``short_len`` tokens
+or only further back, and whether the token after that occurrence is the target (a copy would be right).
 """
 
 from __future__ import annotations
@@ -128,16 +132,59 @@ def probe_heldout(args: argparse.Namespace) -> None:
             print(f"  {name:>8} {ci['mean'][c]:.4f} [{ci['low'][c]:.4f}, {ci['high'][c]:.4f}]")
 
 
+def probe_repeats(args: argparse.Namespace) -> None:
+    from megaseq.data.sources import tokenized
+    from megaseq.eval.heldout_set import select_heldout
+    from megaseq.experiment.plan import load_plan
+
+    plan = load_plan(args.scale, [f"eval_windows={args.windows}"])
+    tokens = tokenized(plan.heldout)
+    heldout = select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows)
+    k, near = args.kmer, plan.short_len
+    counts = {"targets": 0, "near": 0, "near_right": 0, "far": 0, "far_right": 0}
+    for inputs, targets in heldout.windows(tokens):
+        ids, nxt = inputs[0].numpy().astype(np.int64), targets[0].numpy()
+        # the k-mer ending at each position, 2 bits a base (held-out windows hold no N)
+        kmer = np.zeros(len(ids) - k + 1, dtype=np.int64)
+        for j in range(k):
+            kmer = (kmer << 2) | ids[j : len(ids) - k + 1 + j]
+        end = np.arange(k - 1, len(ids))
+        order = np.argsort(kmer, kind="stable")  # equal k-mers in position order: each one's predecessor
+        same = kmer[order[1:]] == kmer[order[:-1]]
+        previous = np.full(len(kmer), -1)
+        previous[order[1:][same]] = end[order[:-1][same]]
+        prev = np.full(len(ids), -1)
+        prev[end] = previous
+        p = np.arange(near, len(ids))  # targets with more than short_len tokens of context
+        found, right = prev[p] >= 0, nxt[np.maximum(prev[p], 0)] == nxt[p]
+        inside = found & (p - prev[p] <= near - k)  # the occurrence and its next token inside the last short_len
+        counts["targets"] += len(p)
+        counts["near"] += int(inside.sum())
+        counts["near_right"] += int((inside & right).sum())
+        counts["far"] += int((found & ~inside).sum())
+        counts["far_right"] += int((found & ~inside & right).sum())
+    n = counts["targets"]
+    print(f"{len(heldout.starts)} windows of {plan.long_len}; {n:,} targets past {near} tokens of context; {k}-mers")
+    print(f"  most recent repeat within the last {near}: {counts['near'] / n:.3%} of targets, its next token right "
+          f"for {counts['near_right'] / n:.3%}")
+    print(f"  most recent repeat only further back:   {counts['far'] / n:.3%} of targets, its next token right "
+          f"for {counts['far_right'] / n:.3%}")
+    print(f"  a model that predicts the far repeats' next token perfectly and everything else as a {near}-token "
+          f"model gains at most {counts['far_right'] / n:.2%} of those targets' loss (if they cost the mean)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("probe", choices=["gate", "residual", "markov-data", "heldout"])
+    p.add_argument("probe", choices=["gate", "residual", "markov-data", "heldout", "repeats"])
     p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--set", action="append", default=[], help="recipe override (residual)")
     p.add_argument("--scale", default="cpu", help="experiment preset whose held-out set is scored (heldout)")
-    p.add_argument("--windows", type=int, default=24, help="held-out windows (heldout)")
+    p.add_argument("--windows", type=int, default=24, help="held-out windows (heldout, repeats)")
+    p.add_argument("--kmer", type=int, default=20, help="repeat length (repeats)")
     args = p.parse_args()
-    probes = {"gate": probe_gate, "residual": probe_residual, "markov-data": probe_markov_data, "heldout": probe_heldout}
+    probes = {"gate": probe_gate, "residual": probe_residual, "markov-data": probe_markov_data, "heldout": probe_heldout,
+              "repeats": probe_repeats}
     probes[args.probe](args)
 
 
