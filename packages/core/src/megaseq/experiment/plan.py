@@ -1,7 +1,7 @@
 """The context-extension experiment's plan: budgets, lengths, the held-out set, and the stages it implies.
 
 A plan is validated like a recipe (unknown keys and bad values are one-line errors) and comes from a scale
-preset (``cpu``: sized to fit two hours on an idle 2-core CPU, about 1 h 35 min estimated; ``cpu-quick``: a third of its training
+preset (``cpu``: sized to fit two hours on an idle 2-core CPU, 1 h 19 min measured; ``cpu-quick``: a third of its training
 budget, about 45 minutes, the same comparison and held-out set; ``gpu``: the same experiment with a larger
 budget, longer context and a larger held-out set) plus ``--set KEY=VALUE`` overrides. Keys of the form
 ``STAGE.SECTION.KEY=VALUE`` (``STAGE`` one of :data:`STAGES`, or ``recipe`` for every stage) override the
@@ -85,7 +85,7 @@ class ContextExtensionPlan(BaseModel):
 
 
 # Sized from the recipe's training throughput on a 2-core CPU (README, "The context-extension experiment",
-# has the estimate per stage): cpu about 1 h 35 min, cpu-quick about 45 min, both on the same held-out set.
+# has the measured time per stage): cpu 1 h 19 min on an idle machine, cpu-quick about 45 min, both on the same held-out set.
 # The continuations go on at the pretraining's final learning rate (the recipe's 1e-3 x min_lr_ratio 0.1)
 # without warm-up: re-warming to 1e-3 made both continuations worse than the pretrain they started from
 # (README, "Results"), which hides any gain from context.

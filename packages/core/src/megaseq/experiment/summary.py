@@ -61,5 +61,5 @@ def comparison(heldout: dict[str, Any], tokens: int, markov_order: int, report_p
             f"({exp['markov-11']:.4f}), i.e. {100 * (target / exp['markov-8'] - 1):+.1f}% vs order-8 Markov ({exp['markov-8']:.4f})"
         )
     lines.append(f"  run it:      {COMMAND}")
-    lines.append("               (about 1 h 35 min on an idle 2-core CPU; --scale cpu-quick: about 45 min; --scale gpu on a GPU)")
+    lines.append("               (1 h 19 min on an idle 2-core CPU; --scale cpu-quick: about 45 min; --scale gpu on a GPU)")
     return "\n".join(lines)
