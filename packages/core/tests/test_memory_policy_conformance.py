@@ -182,3 +182,14 @@ def test_recomputation_does_not_record_again():
     (y.sum() + ctx.losses["aux"]).backward()
     assert float(ctx.losses["aux"]) == pytest.approx(3 * torch.sin(torch.tensor(1.0)).item())
     assert ctx.metrics == {"seen": 1.0}
+
+
+def test_the_suite_removes_its_scratch_directories(tmp_path, monkeypatch):
+    """Every scratch directory the suite makes is gone afterwards, with what a wrong policy left in it: a
+    plugin's test run must not fill the system's temporary directory (it left one per test before)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    _suite("CheckpointBlocks").test_releases_everything_each_step()
+    _suite("CheckpointBlocks").test_same_loss_gradients_losses_and_metrics()
+    with pytest.raises(AssertionError, match="files left in the scratch directory"):
+        _suite("LeaksScratchFile").test_releases_everything_each_step()
+    assert sorted(p.name for p in tmp_path.glob("megaseq-suite-*")) == []  # torch may put its own caches here

@@ -35,6 +35,7 @@ import contextlib
 import gc
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -154,6 +155,14 @@ def _tensor_bytes() -> int:
 def _batch(step: int, micro: int, seq_len: int, vocab: int) -> Tensor:
     gen = torch.Generator().manual_seed(1000 * step + micro)
     return torch.randint(0, vocab, (1, seq_len + 1), generator=gen)
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[str]:
+    """A fresh scratch directory as the policy's ``MEGASEQ_SCRATCH``, removed afterwards (with what a wrong
+    policy left in it: the release checks look inside before that)."""
+    with tempfile.TemporaryDirectory(prefix="megaseq-suite-") as scratch, env(MEGASEQ_SCRATCH=scratch):
+        yield scratch
 
 
 class MemoryPolicyConformance:
@@ -284,11 +293,11 @@ class MemoryPolicyConformance:
         assert isinstance(policy, MemoryPolicy), f"{self.name}: build(config) did not return a MemoryPolicy (apply, step)"
 
     def test_same_loss_gradients_losses_and_metrics(self) -> None:
-        with env(MEGASEQ_SCRATCH=tempfile.mkdtemp(prefix="megaseq-suite-")):
+        with _scratch():
             self.compare(self.run(with_policy=True), self.run(with_policy=False))
 
     def test_each_forward_counted_once(self) -> None:
-        with env(MEGASEQ_SCRATCH=tempfile.mkdtemp(prefix="megaseq-suite-")):
+        with _scratch():
             runs = self.run(with_policy=True)
         for step, r in enumerate(runs):
             expected = (step + 1) * self.micro_batches * self.seq_len
@@ -307,8 +316,7 @@ class MemoryPolicyConformance:
         assert now <= tensor_bytes, f"{self.name}: {now - tensor_bytes} more bytes of tensors reachable {when}"
 
     def test_releases_everything_each_step(self) -> None:
-        scratch = tempfile.mkdtemp(prefix="megaseq-suite-")
-        with env(MEGASEQ_SCRATCH=scratch):
+        with _scratch() as scratch:
             model, policy = self.build(with_policy=True)
             self.train_step(model, policy, 0)  # the first step makes what every step keeps (gradients)
             fds, tensor_bytes = _open_fds(), _tensor_bytes()
@@ -317,8 +325,7 @@ class MemoryPolicyConformance:
                 self._check_released(scratch, fds, tensor_bytes, f"after step {step + 1}")
 
     def test_releases_everything_on_error(self) -> None:
-        scratch = tempfile.mkdtemp(prefix="megaseq-suite-")
-        with env(MEGASEQ_SCRATCH=scratch):
+        with _scratch() as scratch:
             # the last layer's probe fails in the second step's second micro-batch, after the first
             # micro-batch's backward and the earlier layers' forward
             fail_after = (self.micro_batches + 1) * self.seq_len
@@ -373,7 +380,7 @@ def _cp_step(suite: MemoryPolicyConformance, with_policy: bool, rank: int, world
 
 def _cp_worker(rank: int, world: int, settings: dict[str, Any], expect_error: bool) -> tuple[Any, str | None]:
     suite = type("RankSuite", (MemoryPolicyConformance,), dict(settings))()
-    with env(MEGASEQ_SCRATCH=tempfile.mkdtemp(prefix="megaseq-suite-")):
+    with _scratch():
         if expect_error:
             try:
                 _cp_step(suite, True, rank, world)
