@@ -510,16 +510,18 @@ def candidate_sets(recipe: Recipe, plugins: Plugins) -> list[list[PolicyChoice]]
     return sets
 
 
-def _tiles_under_cp(policies: list[PolicyChoice], layout: Layout) -> bool:
+def _refuse_tiles_under_cp(recipe: Recipe, policies: list[PolicyChoice], layout: Layout) -> None:
     """Sequence tiles split one device's whole sequence; under context parallelism each rank holds a share of
     it and tiling refuses to run (``megaseq.contracts.SequenceTiling``: no context parallelism)."""
-    return layout.cp > 1 and any(p.effect.tile_tokens is not None for p in policies)
+    name = _tiled_under_cp(policies, layout)
+    if name is not None:
+        raise UserError(f"{recipe.source}: memory_policy.{name}.tile_tokens cannot run under context parallelism "
+                        f"(cp={layout.cp}: each rank already holds a share of the sequence); remove tile_tokens or use cp=1")
 
 
-def _tiles_under_cp_message(recipe: Recipe, policies: list[PolicyChoice], layout: Layout) -> str:
-    name = next(p.name for p in policies if p.effect.tile_tokens is not None)
-    return (f"{recipe.source}: memory_policy.{name}.tile_tokens cannot run under context parallelism (cp={layout.cp}: "
-            "each rank already holds a share of the sequence); remove tile_tokens or use cp=1")
+def _tiled_under_cp(policies: list[PolicyChoice], layout: Layout) -> str | None:
+    """The policy of ``policies`` that tiles sequences, where ``layout`` has context parallelism."""
+    return next((p.name for p in policies if p.effect.tile_tokens is not None), None) if layout.cp > 1 else None
 
 
 def check_policies_run_under(recipe: Recipe, plugins: Plugins, layout: Layout) -> None:
@@ -527,17 +529,10 @@ def check_policies_run_under(recipe: Recipe, plugins: Plugins, layout: Layout) -
     distributed launch, so that a set that cannot is one line instead of a failure of every worker. A policy
     that reports no memory effect cannot be judged here and passes."""
     names = recipe.train.memory_policy
-    if layout.cp == 1 or names == "auto" or not names:
+    if layout.cp == 1 or names == "auto":
         return
-    choices = []
-    for name in names:
-        spec = plugins.get("memory_policy", name).spec
-        effect_fn = spec.load_memory()
-        if effect_fn is not None:
-            config = recipe.components.get("memory_policy", {}).get(name) or spec.config()
-            choices.append(PolicyChoice(name, config.model_dump(mode="json"), effect_fn(config), {}))
-    if _tiles_under_cp(choices, layout):
-        raise UserError(_tiles_under_cp_message(recipe, choices, layout))
+    modelled = [n for n in names if plugins.get("memory_policy", n).spec.load_memory() is not None]
+    _refuse_tiles_under_cp(recipe, [_policy_choice(recipe, plugins, n, {}) for n in modelled], layout)
 
 
 def plan(
@@ -563,14 +558,13 @@ def plan(
             raise UserError(f"--parallel ep={layout.ep}: does not divide the {experts} experts of moe.{recipe.model.moe}")
     if policies == "auto":
         # a set that cannot run under this layout is never a candidate
-        sets, given = [s for s in candidate_sets(recipe, plugins) if not _tiles_under_cp(s, layout)], False
+        sets, given = [s for s in candidate_sets(recipe, plugins) if _tiled_under_cp(s, layout) is None], False
     elif policies == "none":
         sets, given = [[]], True
     else:
         names = list(policies)
         sets, given = [[_policy_choice(recipe, plugins, n, {}) for n in names]], True
-        if _tiles_under_cp(sets[0], layout):
-            raise UserError(_tiles_under_cp_message(recipe, sets[0], layout))
+        _refuse_tiles_under_cp(recipe, sets[0], layout)
     costs = _layer_costs(recipe, plugins, layout)
     estimates = [estimate(recipe, plugins, s, layout, machine, seq_len, costs) for s in sets]
     for e in estimates:
