@@ -6,12 +6,11 @@ peak RSS (``VmHWM``), the last loss, and the ratio of tokens/s to the recorded b
 recipe, length and setting. Settings (``--settings``):
 
 - ``alone``: one process with megaseq's thread default (``megaseq.threads``: one intra-op thread);
-- ``alone-2t``: one process with two OpenMP threads that spin-wait (OpenMP's default, what megaseq did
-  before it set its own);
+- ``alone-2t``: one process with two OpenMP threads that spin-wait (OpenMP's default);
 - ``pair`` / ``pair-2t``: the same, two processes at once (each row is one process; ``sum`` adds them).
 
-The recorded baseline (``benchmarks/baselines/train_throughput_a6711c6.json``) holds the numbers of the code
-before this benchmark's optimisations, with the command and date they were measured with. Wall-clock numbers
+The recorded baseline (``benchmarks/baselines/train_throughput.json``) holds reference numbers of another
+version of the code (``--code`` measures any checkout), each with the command it was measured with. Wall-clock numbers
 mean something only on a machine that runs nothing else; on a shared one compare CPU seconds per step.
 
     .venv/bin/python benchmarks/train_throughput.py                                   # default recipe, 8k 64k
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BASELINE = REPO / "benchmarks" / "baselines" / "train_throughput_a6711c6.json"
+BASELINE = REPO / "benchmarks" / "baselines" / "train_throughput.json"
 SETTINGS = {
     # name: (processes at once, OMP_NUM_THREADS or None for megaseq's default)
     "alone": (1, None),
@@ -104,7 +103,7 @@ def run_setting(recipe: str, seq_len: int, setting: str, args: argparse.Namespac
     return results
 
 
-# What megaseq at the baseline commit did by default in each setting's situation (one process alone, two at once).
+# What the baseline's code did by default in each setting's situation (one process alone, two at once).
 OLD_DEFAULT = {"alone": "alone-2t", "alone-2t": "alone-2t", "pair": "pair-2t", "pair-2t": "pair-2t"}
 
 
@@ -132,8 +131,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="timed steps per measurement (after one warm-up step)")
     p.add_argument("--set", action="append", default=[], help="recipe override, as for megaseq train")
     p.add_argument("--baseline", type=Path, default=BASELINE, help="recorded results to compare with")
-    p.add_argument("--code", type=Path, help="measure the megaseq sources of this checkout (e.g. an older commit's "
-                   "worktree: how the baseline was recorded) instead of the installed ones")
+    p.add_argument("--code", type=Path, help="measure the megaseq sources of this checkout (e.g. a worktree of another "
+                   "commit: how the baseline was recorded) instead of the installed ones")
     p.add_argument("--child", nargs=2, metavar=("RECIPE", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:

@@ -101,7 +101,7 @@ def rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
 
 @dataclass
 class SlidingWindowCache:
-    """Decoding state: the last (at most ``window``) rotated keys and values, and the tokens seen so far."""
+    """Decoding state: the last (at most ``window``) rotated keys and values, and how many tokens it has seen."""
 
     k: Tensor  # [B, H, L, D]
     v: Tensor

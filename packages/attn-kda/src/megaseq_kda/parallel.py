@@ -7,7 +7,7 @@ The sequence is cut into 2W segments; rank r holds segments r and 2W-1-r. Two th
    spans several segments when segments are shorter than the kernel).
 2. The recurrent state. Each state column evolves independently and linearly in the incoming state: after
    token t of a segment the state is ``P_t S_in + S0_t`` (``S0_t``: the state from zero, ``P_t``: the K x K
-   product of the transitions so far), and the output is ``o_t = o0_t + (q_t^T P_t) S_in`` (up to the
+   product of the transitions up to t), and the output is ``o_t = o0_t + (q_t^T P_t) S_in`` (up to the
    backend's scale). So every rank runs the backend ONCE per local segment, on values ``[v | 0]`` from the
    initial state ``[0 | I]``: the first V output columns are ``o0``, the last K are ``q_t^T P_t``, and the
    final state is ``[S_loc | M]`` (``S_loc`` = ``S0`` and ``M`` = ``P`` at the segment's end). The ranks

@@ -296,7 +296,7 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     )
     ce.add_argument("recipe", help="the model recipe, e.g. recipes/genome-cpu.toml")
     ce.add_argument("--scale", default="cpu",
-                    help="budget preset: cpu (1 h 19 min on 2 idle cores), cpu-quick (about 45 min) or gpu")
+                    help="budget preset: cpu (sized for two hours on 2 idle CPU cores), cpu-quick (a third of its training) or gpu")
     ce.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="plan key (e.g. pretrain_tokens=1e6), or recipe.KEY / STAGE.KEY recipe override")
     ce.add_argument("--out", default="runs/context-extension", help="output directory (default runs/context-extension)")

@@ -2,14 +2,10 @@
 
 On CPU, torch runs its intra-op work on an OpenMP thread pool (libgomp) whose threads spin while they wait
 for the next parallel region. That is fast for a process that has the machine to itself and ruinous when it
-does not: every waiting thread burns a core another process needs. Measured on a 2-core machine with
-``benchmarks/train_throughput.py`` (megaseq at a6711c6, 8k tokens): two training processes with two
-spinning threads each ran at 60 tokens/s each against 2,932 for one alone; passive waiting
-(``OMP_WAIT_POLICY=PASSIVE``) shared well (1,359 and 1,374) but halved the lone process (1,370: every
-parallel region then pays a wake-up); one thread each gave 2,099 and 1,750, together 30% more than one
-process with two threads. Beside about ten other busy processes (the shared development machine), one
-training step at 4k took 118 s with spinning threads, 42 s with a short spin (``GOMP_SPINCOUNT=10000``),
-15 s with passive waiting and 17 s with one thread.
+does not: every waiting thread burns a core another process needs, so two training processes with
+spinning threads on two cores slow each other to a crawl. Passive waiting (``OMP_WAIT_POLICY=PASSIVE``)
+shares the cores but makes every parallel region pay a wake-up; one thread per process does neither.
+``benchmarks/train_throughput.py --settings alone pair alone-2t pair-2t`` measures the four cases.
 
 So megaseq's commands use one intra-op thread unless told otherwise: ``apply_defaults`` sets
 ``OMP_NUM_THREADS=1`` when the user has not set it, before torch is imported (libgomp and MKL read it when

@@ -47,10 +47,9 @@ MAP_LARGER_THAN = 2**20
 def map_large_allocations() -> None:
     """Serve allocations of ``MAP_LARGER_THAN`` bytes or more by their own memory maps (core's
     ``megaseq.memory.heap``): a tensor moved to disk, or a recomputed layer's activations after its backward,
-    would otherwise stay resident in glibc's heap (measured: 2.0 GiB instead of 0.76 GiB for the hybrid
-    recipe at 16k tokens with offload). The price is a page fault per fresh page (about +40% CPU time at 16k
-    tokens on the hybrid recipe). Process-wide and permanent: called when an offloading policy is applied to a
-    CPU model."""
+    would otherwise stay resident in glibc's heap. The price is a page fault per fresh page
+    (``docs/results.md``, "The C library's heap"). Process-wide and permanent: called when an offloading
+    policy is applied to a CPU model."""
     heap.map_large_allocations(MAP_LARGER_THAN)
 
 
@@ -199,7 +198,7 @@ class ScratchFile:
         return out
 
     def reset(self) -> None:
-        """Reuse the space from the start: every tensor put so far has been read back and dropped."""
+        """Reuse the space from the start: every tensor put before has been read back and dropped."""
         self.end = 0
 
     def close(self) -> None:
@@ -291,7 +290,7 @@ class PinnedPool:
         return out
 
     def reset(self) -> None:
-        """Reuse the pool from the start: every tensor put so far has been read back and dropped."""
+        """Reuse the pool from the start: every tensor put before has been read back and dropped."""
         self.stream.synchronize()
         self.segment, self.segment_end = 0, 0
         self.handles.clear()

@@ -3,20 +3,21 @@
 glibc serves allocations below its mmap threshold from the heap. The threshold is dynamic: it rises to the
 size of any mapped block that is freed, up to 32 MiB, so after the first step nearly every activation-sized
 buffer of a model of width 128 comes from the heap. Freed heap chunks stay resident until reused, and a
-training step frees and allocates such buffers all along, in changing sizes. Measured on the hybrid recipe
-at 64k tokens, one step, no memory policy: peak RSS 4.26 GiB for about 2.5 GiB of live tensors.
+training step frees and allocates such buffers all along, in changing sizes, so resident memory grows well
+above live memory.
 
 Two remedies, both process-wide:
 
 - :func:`trim_at_block_boundaries` (``run.trim_heap``; by default on CPU runs from ``TRIM_FROM_TOKENS``
   tokens per device): ``malloc_trim(0)`` after every residual block's forward and before every block's
   backward. Each call hands the heap's free pages back at once; the allocations that reuse them fault them
-  in again. Hybrid at 64k: peak 3.73 -> 2.47 GiB for +14% CPU time (16 calls of about 48 ms over two
-  steps; the rest is page faults). At 8k it saved only 0.14 GiB (1.13 -> 0.99) for +10-16%, hence the
-  threshold (``benchmarks/train_throughput.py``; the offload README has the table).
+  in again. Below the threshold a step's activations are small and the page faults cost as large a share of
+  the step, for little memory.
 - :func:`map_large_allocations`: every allocation from ``min_bytes`` up gets its own map, which leaves at
-  once when freed. Tighter, and what the offload policy uses, but every fresh page faults: at 64k the
-  hybrid's step took 83% more CPU time with 1 MiB maps, 36% more with 4 MiB maps (2.41 and 2.96 GiB peak).
+  once when freed. Tighter, and what the offload policy uses, but every fresh page faults, which costs more
+  CPU time than trimming.
+
+``benchmarks/train_throughput.py`` measures both trades (``docs/results.md``, "The C library's heap").
 
 Neither exists outside glibc (:func:`available`); the trainer says so in its run header.
 """

@@ -32,8 +32,8 @@ parallelism is the MoE component's own business (``ModelDims.ep_size``), ``etp``
 Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved; the residual stream and
 the block inputs stay fp32, as in the trainer.
 
-Where this is wrong and by how much is measured in ``benchmarks/plan_accuracy.py`` (README of the offload
-package).
+Where this is wrong and by how much: ``benchmarks/plan_accuracy.py`` measures it (``docs/results.md``, "The
+planner's accuracy").
 """
 
 from __future__ import annotations
