@@ -6,13 +6,16 @@
 - Every package declares the distributions it imports (dependencies or extras).
 - Core's catalog of the project's components (``megaseq.catalog``) matches what the packages register.
 - Nothing in the repository cites documents that are not in it.
+- Code, docs and help texts describe today: no issue numbers, commit hashes, dates of work or narration.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -121,3 +124,140 @@ def test_every_imported_distribution_is_declared(package):
     imported = imported_roots(package) - set(sys.stdlib_module_names) - {import_name(package)}
     missing = sorted(DISTRIBUTION_OF.get(root, root) for root in imported if DISTRIBUTION_OF.get(root, root) not in declared)
     assert not missing, f"{package.name} imports {missing} without declaring them in pyproject.toml"
+
+
+# -- docs, code and help texts describe today -------------------------------------------------------------
+# No issue numbers, commit hashes, dates of work or narration of how the work went. The patterns are written
+# so that this file does not match itself (``\s+`` between words, an optional suffix on single words).
+HISTORY_SUFFIXES = {".py", ".md", ".toml"}
+ISSUE_NUMBER = re.compile(r"(?i)\b(?:issues?|PRs?|pull\s+requests?)\s*#?\d+\b|(?<![\w&#/])#\d+(?![\w-])")
+# 7-40 lower-case hex digits with at least one digit and one letter, standing alone (``_`` separates, so a
+# hash inside a file name counts; a float's exponent after ``.`` and a UUID's groups between ``-`` do not)
+COMMIT_HASH = re.compile(r"(?<![A-Za-z0-9.\-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![A-Za-z0-9\-])")
+NARRATION = re.compile(
+    r"(?i)\b(?:this\s+session|the\s+session|when\s+this\s+was\s+written|while\s+this\s+was\s+written|"
+    r"at\s+the\s+time\s+of\s+writing|so\s+far|previous(?:ly)|former(?:ly)|since\s+then|at\s+commit|"
+    r"previous\s+commit|yester(?:day)|earlier\s+today|today['’]s)\b"
+    r"|\b20\d\d-[01]\d-[0-3]\d\b"  # a date of work
+)
+# (path, token) pairs of hex that is data, not a commit (a checksum test vector): keep this list short
+HEX_ALLOWED: set[tuple[str, str]] = set()
+
+
+def history_problems(name: str, text: str) -> list[str]:
+    """``name:line: what`` for each line of ``text`` that cites an issue or a commit, or narrates history.
+    A CHANGELOG.md is history by design: it may narrate, but cites no issue numbers or commit hashes."""
+    changelog = Path(name).name == "CHANGELOG.md"
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        hits = [f"issue number {m.group(0)!r}" for m in ISSUE_NUMBER.finditer(line)]
+        hits += [f"commit hash {m.group(0)!r}" for m in COMMIT_HASH.finditer(line) if (name, m.group(0)) not in HEX_ALLOWED]
+        if not changelog:
+            hits += [f"history {m.group(0)!r}" for m in NARRATION.finditer(line)]
+        found += [f"{name}:{number}: {hit}" for hit in hits]
+    return found
+
+
+def tracked_text_files(root: Path) -> list[str]:
+    names = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    return [name for name in names if Path(name).suffix in HISTORY_SUFFIXES and (root / name).is_file()]
+
+
+def history_problems_in(root: Path, names: list[str]) -> list[str]:
+    return [problem for name in names for problem in history_problems(name, (root / name).read_text(errors="ignore"))]
+
+
+def test_no_history_in_code_and_docs():
+    problems = history_problems_in(REPO, tracked_text_files(REPO))
+    assert not problems, "say what is true today, without issue numbers, commits or dates (docs/results.md holds " \
+        "measurements with their commands):\n" + "\n".join(problems[:40])
+
+
+def cli_help_texts() -> dict[str, str]:
+    """``megaseq ... --help`` of every command and subcommand, core's and the installed plugins'."""
+    import argparse
+    import contextlib
+    import io
+
+    from megaseq import cli
+
+    commands = cli.plugin_commands()
+    texts = {}
+
+    def walk(parser: argparse.ArgumentParser, prog: str) -> None:
+        texts[prog] = parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    if name not in commands:
+                        walk(sub, f"{prog} {name}")
+
+    walk(cli.parser(commands), "megaseq")
+    for name, provided in commands.items():
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            cli.run_plugin_command(provided, ["--help"])
+        texts[f"megaseq {name}"] = out.getvalue()
+    return texts
+
+
+def test_no_history_in_cli_help():
+    texts = cli_help_texts()
+    assert {"megaseq", "megaseq train", "megaseq plan"} <= set(texts), sorted(texts)
+    problems = [p for prog, text in texts.items() for p in history_problems(f"{prog} --help", text)]
+    assert not problems, "\n".join(problems)
+
+
+ISSUE_12 = "issue #" + "12"
+HASH = "a6711" + "c6"
+
+
+@pytest.mark.parametrize(
+    ("name", "line", "what"),
+    [
+        ("README.md", f"as {ISSUE_12} asked", "issue number"),
+        ("docs/x.md", "fixed in #" + "12.", "issue number"),
+        ("packages/p/src/p/m.py", f"# measured at {HASH}, 8k tokens", "commit hash"),
+        ("benchmarks/b.py", f'BASELINE = "train_throughput_{HASH}.json"', "commit hash"),
+        ("packages/p/README.md", "The step was still running when this " + "was written.", "history"),
+        ("packages/p/README.md", "peak 10.62 GiB so" + " far", "history"),
+        ("docs/results.md", "Measured on 2026-" + "12-01 beside another job", "history"),
+        ("pyproject.toml", '# "previous' + 'ly" 4e-3', "history"),
+        ("packages/p/CHANGELOG.md", f"- {ISSUE_12}: the router", "issue number"),
+        ("packages/p/CHANGELOG.md", f"- the router ({HASH})", "commit hash"),
+    ],
+)
+def test_history_check_rejects_a_planted_line(tmp_path, name, line, what):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# title\n\n{line}\n")
+    problems = history_problems_in(tmp_path, [name])
+    assert len(problems) == 1 and problems[0].startswith(f"{name}:3: {what}"), problems
+
+
+@pytest.mark.parametrize(
+    ("name", "line"),
+    [
+        ("docs/guide.md", "[5 the component](#5-the-component) and [5.4](#54-memory-policies)"),
+        ("packages/p/CHANGELOG.md", "- 2026-" + "12-01: previous" + "ly the router collapsed"),  # a changelog narrates
+        ("packages/p/src/p/m.py", "FLOAT_MAX = 3.4028235e38  # 1e-6 relative, 0x7fffffff, 1048576 tokens"),
+        ("packages/p/src/p/m.py", 'LAUNCH = "123e4567-e89b-12d3-a456-426614174000"  # a UUID'),
+        ("packages/p/tests/test_m.py", 'SHA256_EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"'),
+        ("docs/x.md", "the defaced cafebabe decade: 7 letters, no digit; color #1f77b4"),
+    ],
+)
+def test_history_check_accepts_what_is_not_history(tmp_path, name, line):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(line + "\n")
+    assert history_problems_in(tmp_path, [name]) == []
+
+
+def test_hex_allow_list_exempts_only_its_file(tmp_path, monkeypatch):
+    vector = "deadbeef" + "01"
+    monkeypatch.setattr(sys.modules[__name__], "HEX_ALLOWED", {("tests/vectors.py", vector)})
+    for name in ("tests/vectors.py", "tests/other.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f'VECTOR = "{vector}"\n')
+    assert history_problems_in(tmp_path, ["tests/vectors.py"]) == []
+    assert len(history_problems_in(tmp_path, ["tests/other.py"])) == 1
