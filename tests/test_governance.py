@@ -261,3 +261,78 @@ def test_hex_allow_list_exempts_only_its_file(tmp_path, monkeypatch):
         (tmp_path / name).write_text(f'VECTOR = "{vector}"\n')
     assert history_problems_in(tmp_path, ["tests/vectors.py"]) == []
     assert len(history_problems_in(tmp_path, ["tests/other.py"])) == 1
+
+
+# -- docs/architecture.md lists what the code has ---------------------------------------------------------
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def doc_section(heading: str) -> str:
+    """The text of ``## heading`` in docs/architecture.md, up to the next ``## `` heading."""
+    text = ARCHITECTURE.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def table_rows(section: str) -> list[list[str]]:
+    """The body rows of the Markdown tables in ``section``, as lists of stripped cells."""
+    rows = [line.strip().strip("|").split("|") for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row] for row in rows if not set(row[0].strip()) <= set("-:") and row[0].strip() not in ("hook", "command", "kind")]
+
+
+def ticked(cell: str) -> str:
+    (name,) = re.findall(r"`([^`]+)`", cell) or [cell]
+    return name
+
+
+def test_architecture_lists_every_package():
+    (layout,) = re.findall(r"```text\n(.*?)```", doc_section("Repository layout"), re.DOTALL)
+    listed = set(re.findall(r"^packages/([\w-]+)/", layout, re.MULTILINE))
+    assert listed == {p.name for p in PACKAGES}, (
+        f"docs/architecture.md's layout lists packages {sorted(listed)}, packages/ holds {sorted(p.name for p in PACKAGES)}"
+    )
+
+
+def test_architecture_lists_every_hook_kind_and_record():
+    from megaseq import hookspecs
+    from megaseq.records import SPEC_TYPES
+
+    rows = {ticked(row[0]): row for row in table_rows(doc_section("Hooks"))}
+    hooks = {name for name in dir(hookspecs) if name.startswith("megaseq_")}
+    assert set(rows) == hooks, f"docs/architecture.md's hook table: add {sorted(hooks - set(rows))}, remove {sorted(set(rows) - hooks)}"
+    for kind, record in SPEC_TYPES.items():
+        row = rows[f"megaseq_{kind}"]
+        assert (ticked(row[1]), ticked(row[2])) == (kind, record.__name__), f"docs/architecture.md: megaseq_{kind} registers kind {kind!r}, records {record.__name__}"
+    lifecycle = hooks - {f"megaseq_{kind}" for kind in SPEC_TYPES}
+    assert {name for name in lifecycle if rows[name][1] == "lifecycle"} == lifecycle, "lifecycle hooks are marked 'lifecycle'"
+
+
+def test_architecture_lists_every_component():
+    from megaseq.catalog import PROVIDERS
+
+    rows = table_rows(doc_section("Components"))
+    listed = {(ticked(kind), name): dist for kind, cell in rows for name, dist in re.findall(r"`([\w.-]+)` \(([\w-]+)", cell)}
+    assert listed == PROVIDERS, "docs/architecture.md's component table must list megaseq.catalog.PROVIDERS: " \
+        f"add {sorted(set(PROVIDERS) - set(listed))}, remove {sorted(set(listed) - set(PROVIDERS))}"
+
+
+def test_architecture_lists_every_command():
+    from megaseq.cli import CORE_COMMANDS
+
+    listed = {ticked(row[0]): row[1] for row in table_rows(doc_section("Command line"))}
+    shipped = {}
+    for package in PACKAGES + EXAMPLES:
+        shipped |= {name: dist for (kind, name), dist in registered_components(package).items() if kind == "command"}
+    expected = {**{name: "core" for name in CORE_COMMANDS}, **shipped}
+    wrong = sorted(set(listed.items()) ^ set(expected.items()))
+    assert listed == expected, f"docs/architecture.md's command table and the code differ in (command, provider) {wrong}"
+
+
+def test_core_readme_lists_every_module():
+    core = REPO / "packages" / "core"
+    modules = {p.stem for p in (core / "src" / "megaseq").iterdir() if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    modules -= {"__init__", "__about__"}
+    rows = [line.split("|")[1] for line in (core / "README.md").read_text().splitlines() if line.startswith("| `megaseq.")]
+    listed = {name for cell in rows for name in re.findall(r"`megaseq\.(\w+)`", cell)}
+    assert listed == modules, f"packages/core/README.md's module table: add {sorted(modules - listed)}, remove {sorted(listed - modules)}"
