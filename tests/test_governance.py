@@ -135,7 +135,7 @@ ISSUE_NUMBER = re.compile(r"(?i)\b(?:issues?|PRs?|pull\s+requests?)\s*#?\d+\b|(?
 # hash inside a file name counts; a float's exponent after ``.`` and a UUID's groups between ``-`` do not)
 COMMIT_HASH = re.compile(r"(?<![A-Za-z0-9.\-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![A-Za-z0-9\-])")
 NARRATION = re.compile(
-    r"(?i)\b(?:this\s+session|the\s+session|when\s+this\s+was\s+written|while\s+this\s+was\s+written|"
+    r"(?i)\b(?:this\s+session|end\s+of\s+the\s+session|the\s+session's|when\s+this\s+was\s+written|while\s+this\s+was\s+written|"
     r"at\s+the\s+time\s+of\s+writing|so\s+far|previous(?:ly)|former(?:ly)|since\s+then|at\s+commit|"
     r"previous\s+commit|yester(?:day)|earlier\s+today|today['’]s)\b"
     r"|\b20\d\d-[01]\d-[0-3]\d\b"  # a date of work
