@@ -7,9 +7,10 @@ start/end, checkpoint save/load) and the forward context. Parallelism is set up 
 context, the gradient sums and the norm; in one process those are identities. Every rank runs the whole
 loop (hooks included); rank 0 alone logs, evaluates and publishes checkpoints.
 
-Before every update the loss, the auxiliary losses and the gradient norm are checked (the reduced, global
-values; the verdict is agreed over ranks): a non-finite step stops the run or is skipped
-(``train.on_nonfinite``), so non-finite weights are never written.
+The optimizer step itself (gradient reduction, norm, the non-finite check agreed over ranks, clipping, the
+update, the lifecycle hooks, the learning-rate schedule) is ``megaseq.train.step.OptimizerStep``, which the
+RL loop of megaseq-rl shares: a non-finite step stops the run or is skipped (``train.on_nonfinite``)
+before the update, so non-finite weights are never written.
 
 Everything checkable is checked before the first step (data, held-out data, device, the run directory, the
 checkpoint resumed from). Everything logged for a step is logged before that step's checkpoint is saved,
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import math
 import random
 import signal
 import sys
@@ -52,9 +52,8 @@ from megaseq.model import LanguageModel, build_model, chunked_token_losses, desc
 from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
 from megaseq.train.interrupt import Interrupted, StopRequests
-from megaseq.train.metrics import MetricsLogger, peak_memory_gib
-from megaseq.train.schedule import lr_factor
-from megaseq.train.state import StepInfo
+from megaseq.train.metrics import MetricsLogger
+from megaseq.train.step import OptimizerStep, apply_memory_policies, make_optimizer
 from megaseq.train.totals import StepTotals
 
 
@@ -91,23 +90,6 @@ def freeze_except(model: torch.nn.Module, patterns: list[str], source: str) -> N
             p.requires_grad_(False)
 
 
-def make_optimizer(model: torch.nn.Module, recipe: Recipe) -> torch.optim.AdamW:
-    t = recipe.train
-    # weight decay on matrices only: norms, biases and gates keep their scale
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
-
-
-def set_hyperparameters(optimizer: torch.optim.AdamW, recipe: Recipe) -> None:
-    """The recipe's optimizer hyperparameters (a resumed optimizer state carries the checkpoint's)."""
-    decay, no_decay = optimizer.param_groups
-    for group, weight_decay in ((decay, recipe.train.weight_decay), (no_decay, 0.0)):
-        group["weight_decay"] = weight_decay
-        group["betas"] = recipe.train.betas
-
-
 def data_windows(recipe: Recipe, which: str) -> GenomeWindows:
     """The windows of ``data.train`` or ``data.heldout``; unreadable or unusable data is a one-line error."""
     d = recipe.data
@@ -136,17 +118,6 @@ def heap_mode(trim_heap: bool | str, device: torch.device, tokens_per_device: in
     if not heap.available():
         return False, "not trimmed (the C library is not glibc, which run.trim_heap needs)"
     return True, "trimmed at block boundaries"
-
-
-def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) -> TrainingDiverged:
-    """The one-line stop of the non-finite rule (``train.on_nonfinite = "stop"``)."""
-    bad_aux = {k: v for k, v in aux.items() if not math.isfinite(v)}
-    return TrainingDiverged(
-        f"step {step}: loss {loss}, gradient norm {grad_norm}: training diverged"
-        + (f" (auxiliary losses {bad_aux})" if bad_aux else "")
-        + ", stopped before the update (the checkpoints on disk are intact); lower train.lr or raise "
-        "train.warmup_steps and --resume, or skip such steps with train.on_nonfinite = 'skip'"
-    )
 
 
 def lm_loss(
@@ -193,18 +164,17 @@ class Trainer:
 
             self.recipe, self.plan = choose_memory_policy(recipe, plugins, self.device)
             recipe = self.recipe
-        self.policies = [
-            plugins.get("memory_policy", name).load()(recipe.component("memory_policy", name))
-            for name in recipe.train.memory_policy
-        ]
-        for policy in self.policies:
-            policy.apply(self.model)
+        configs = [(name, recipe.component("memory_policy", name)) for name in recipe.train.memory_policy]
+        policies = apply_memory_policies(self.model, plugins, configs)
         trim, self.heap = heap_mode(recipe.run.trim_heap, self.device, recipe.data.seq_len // self.parallel.layout.cp)
         if trim:
             heap.trim_at_block_boundaries(self.model.blocks)
         if recipe.train.trainable is not None:
             freeze_except(self.model, recipe.train.trainable, recipe.source)
-        self.optimizer = make_optimizer(self.model, recipe)
+        self.optimizer = make_optimizer(self.model, recipe.train)
+        self.optimizer_step = OptimizerStep(
+            self.optimizer, recipe.train, self.model, plugins, self.parallel, policies, self.expert_params
+        )
         self.sampler = WindowSampler(len(self.train_windows), recipe.train.batch_size, recipe.run.seed)
         self.step = 0
         self.tokens = 0
@@ -291,7 +261,7 @@ class Trainer:
         names = checkpoint.optimizer_param_names(self.optimizer, self.model)
         saved, saved_names = local_optimizer_state(resumed.path, resumed.meta, state, self.expert_dims, p.ep_rank, p.layout.ep)
         carried = checkpoint.load_optimizer(self.optimizer, saved, saved_names, names)
-        set_hyperparameters(self.optimizer, self.recipe)
+        self.optimizer_step.set_hyperparameters()
         sampler = state["sampler"]
         window_order_kept = (sampler["n_windows"], sampler["seed"]) == (self.sampler.n_windows, self.sampler.seed)
         if window_order_kept:
@@ -327,33 +297,15 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         t, p = self.recipe.train, self.parallel
-        lr = t.lr * lr_factor(self.step, t.warmup_steps, t.steps, t.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        info = StepInfo(step=self.step + 1, total_steps=t.steps, tokens=self.tokens, lr=lr)
-        self.plugins.hooks.step_start(info, self.model)
+        info = self.optimizer_step.start(self.step + 1, self.tokens)
         started = time.perf_counter()
         totals = StepTotals()
-        with contextlib.ExitStack() as memory_policies:  # each policy's per-step resources, released on exit
-            for policy in self.policies:
-                memory_policies.enter_context(policy.step())
+        with self.optimizer_step.forwards():
             for _ in range(t.grad_accum):
                 self._micro_batch(totals)
         loss, tokens, aux, metrics = totals.reduce(p.sum, p.layout.dp, t.grad_accum)
-        params = [param for param in self.model.parameters() if param.requires_grad]
-        p.reduce_gradients(params, self.expert_params)
-        grad_norm = float(p.grad_norm(params, self.expert_params))
-        finite = all(math.isfinite(v) for v in (loss, grad_norm, *aux.values()))
-        agreed = p.max(torch.tensor([float(not finite), peak_memory_gib(self.device)], dtype=torch.float64))
-        if agreed[0] == 0:
-            if t.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
-            self.optimizer.step()
-        elif t.on_nonfinite == "stop":
-            raise diverged(self.step + 1, loss, grad_norm, aux)
-        else:
-            self.skipped_steps += 1  # weights and optimizer state untouched; the windows are consumed
-        self.optimizer.zero_grad(set_to_none=True)
+        update = self.optimizer_step.update(info.step, loss, aux)
+        self.skipped_steps += not update.applied  # a skipped step consumes its windows all the same
         self.step += 1
         self.tokens += tokens
         elapsed = time.perf_counter() - started
@@ -362,14 +314,14 @@ class Trainer:
                 "loss": loss,
                 "bits_per_base": loss / np.log(2),
                 "lr": info.lr,
-                "grad_norm": grad_norm,
+                "grad_norm": update.grad_norm,
                 "tokens_per_s": tokens / elapsed,
-                "peak_mem_gib": float(agreed[1]),
+                "peak_mem_gib": update.peak_mem_gib,
                 **({"skipped_steps": self.skipped_steps} if t.on_nonfinite == "skip" else {}),
                 **{f"aux/{k}": v for k, v in aux.items()},
             }
         )
-        self.plugins.hooks.step_end(StepInfo(self.step, t.steps, self.tokens, info.lr), self.model, metrics)
+        self.optimizer_step.end(info, self.tokens, metrics)
         return metrics
 
     def header(self) -> str:

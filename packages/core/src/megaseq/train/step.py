@@ -1,0 +1,159 @@
+"""One optimizer step, shared by every training loop (core's trainer and the RL loop of megaseq-rl).
+
+A loop drives it as::
+
+    info = step.start(number, tokens)            # lr from the schedule; plugins' step_start
+    with step.forwards():                        # the memory policies' per-step resources
+        ...forwards and backwards...             # the loop's own loss, summed into .grad
+    update = step.update(number, loss, aux)      # see below
+    step.end(info, metrics)                      # plugins' step_end
+
+``update`` is where every loop must agree, so it lives here once:
+
+1. gradients summed over the ranks of the parallel layout (``Parallel.reduce_gradients``);
+2. the whole model's gradient norm (``Parallel.grad_norm``);
+3. the verdict on the loss, the auxiliary losses and the gradient norm (the reduced, global values) is taken
+   on every rank and agreed over ranks, so that all ranks update or none does;
+4. if all are finite: clip to ``train.grad_clip`` (0: no clipping) and ``optimizer.step()``; if not,
+   ``train.on_nonfinite``: ``stop`` raises :class:`TrainingDiverged` before the update, ``skip`` leaves
+   weights and optimizer state untouched. Non-finite weights are never written;
+5. ``zero_grad``.
+
+A loop may call ``update`` several times between ``start`` and ``end`` (the RL loop's
+``update.updates_per_step`` optimizer steps on one batch of rollouts); the hooks run once per loop step.
+
+The optimizer is AdamW with weight decay on matrices only (:func:`make_optimizer`): norms, biases and gates
+keep their scale. The learning rate follows :func:`megaseq.train.schedule.lr_factor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from megaseq.config import TrainConfig
+from megaseq.contracts import MemoryPolicy
+from megaseq.distributed.groups import Parallel
+from megaseq.errors import TrainingDiverged
+from megaseq.plugins import Plugins
+from megaseq.records import ComponentConfig
+from megaseq.train.metrics import peak_memory_gib
+from megaseq.train.schedule import lr_factor
+from megaseq.train.state import StepInfo
+
+
+def make_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the trained parameters: group 0 the matrices (decayed), group 1 the rest (not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas)
+
+
+def apply_memory_policies(
+    model: nn.Module, plugins: Plugins, configs: Sequence[tuple[str, ComponentConfig]]
+) -> list[MemoryPolicy]:
+    """Build the memory policies ``(name, config)`` and apply them to ``model`` in order (before the optimizer
+    exists: ``megaseq.contracts.MemoryPolicy``)."""
+    policies = [plugins.get("memory_policy", name).load()(config) for name, config in configs]
+    for policy in policies:
+        policy.apply(model)
+    return policies
+
+
+def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) -> TrainingDiverged:
+    """The one-line stop of the non-finite rule (``train.on_nonfinite = "stop"``)."""
+    bad_aux = {k: v for k, v in aux.items() if not math.isfinite(v)}
+    return TrainingDiverged(
+        f"step {step}: loss {loss}, gradient norm {grad_norm}: training diverged"
+        + (f" (auxiliary losses {bad_aux})" if bad_aux else "")
+        + ", stopped before the update (the checkpoints on disk are intact); lower train.lr or raise "
+        "train.warmup_steps and --resume, or skip such steps with train.on_nonfinite = 'skip'"
+    )
+
+
+@dataclass(frozen=True)
+class Update:
+    """What :meth:`OptimizerStep.update` did: the gradient norm before clipping, whether the weights changed
+    (False: a skipped non-finite step), and the peak memory of the busiest rank so far (GiB)."""
+
+    grad_norm: float
+    applied: bool
+    peak_mem_gib: float
+
+
+class OptimizerStep:
+    """The optimizer step of a loop (module docstring). ``expert_params``: parameters sharded over expert
+    parallelism (their gradients are summed over the expert-data-parallel group only)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        train: TrainConfig,
+        model: nn.Module,
+        plugins: Plugins,
+        parallel: Parallel | None = None,
+        policies: Sequence[MemoryPolicy] = (),
+        expert_params: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset(),
+    ) -> None:
+        self.optimizer, self.train, self.model, self.plugins = optimizer, train, model, plugins
+        self.parallel = parallel or Parallel()
+        self.policies = list(policies)
+        self.expert_params = expert_params
+        self.device = next(model.parameters()).device
+
+    def set_hyperparameters(self) -> None:
+        """The recipe's weight decay and betas (a resumed optimizer state carries the checkpoint's)."""
+        decay, no_decay = self.optimizer.param_groups
+        for group, weight_decay in ((decay, self.train.weight_decay), (no_decay, 0.0)):
+            group["weight_decay"] = weight_decay
+            group["betas"] = self.train.betas
+
+    def start(self, step: int, tokens: int) -> StepInfo:
+        """Begin loop step ``step`` (counted from 1): set the scheduled learning rate, run ``step_start``."""
+        t = self.train
+        lr = t.lr * lr_factor(step - 1, t.warmup_steps, t.steps, t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        info = StepInfo(step=step, total_steps=t.steps, tokens=tokens, lr=lr)
+        self.plugins.hooks.step_start(info, self.model)
+        return info
+
+    @contextlib.contextmanager
+    def forwards(self) -> Iterator[None]:
+        """Around the forwards and backwards of one optimizer update: each memory policy's per-step resources,
+        released on exit."""
+        with contextlib.ExitStack() as stack:
+            for policy in self.policies:
+                stack.enter_context(policy.step())
+            yield
+
+    def update(self, step: int, loss: float, aux: dict[str, float] | None = None) -> Update:
+        """Reduce, check, clip, step and zero the gradients (module docstring). ``loss`` and ``aux``: the
+        values over all ranks (the same on every rank)."""
+        aux = aux or {}
+        p = self.parallel
+        params = [param for param in self.model.parameters() if param.requires_grad]
+        p.reduce_gradients(params, self.expert_params)
+        grad_norm = float(p.grad_norm(params, self.expert_params))
+        finite = all(math.isfinite(v) for v in (loss, grad_norm, *aux.values()))
+        agreed = p.max(torch.tensor([float(not finite), peak_memory_gib(self.device)], dtype=torch.float64))
+        applied = bool(agreed[0] == 0)
+        if applied:
+            if self.train.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, self.train.grad_clip, torch.tensor(grad_norm))
+            self.optimizer.step()
+        elif self.train.on_nonfinite == "stop":
+            raise diverged(step, loss, grad_norm, aux)
+        self.optimizer.zero_grad(set_to_none=True)
+        return Update(grad_norm, applied, float(agreed[1]))
+
+    def end(self, info: StepInfo, tokens: int, metrics: dict[str, Any]) -> None:
+        """Finish the loop step begun as ``info``; ``tokens``: the total after it. Runs ``step_end``."""
+        self.plugins.hooks.step_end(StepInfo(info.step, info.total_steps, tokens, info.lr), self.model, metrics)
