@@ -54,13 +54,14 @@ def test_rl_step_on_hybrid_replays_routing(tmp_path, hybrid_checkpoint):
         "task": {"prompt_len": 20},
         "sampling": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 5},
         "algorithm": {"name": "dapo", "dapo": {"dynamic_sampling": False}},
-        "train": {"steps": 1, "micro_batch": 3},
+        "train": {"steps": 1},
+        "update": {"micro_batch": 3},
         "eval": {"windows": 1, "reward_prompts": 2},
     }
     run = RLRun(validate_rl_recipe(raw, plugins), plugins, progress=False)
     batch, _ = run.collect()
     assert batch is not None and set(batch.generation.routing) == {"layer1", "layer2", "layer3"}
-    metrics = run.update(batch)
+    metrics = run.update(batch, run.optimizer_step.start(1, 0))
     assert metrics["rollout/logprob_gap"] < 1e-4, metrics
     assert "aux/dsa_indexer" in {k.removeprefix("policy/") for k in metrics} and "moe/routing_entropy" in metrics
 

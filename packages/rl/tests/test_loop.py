@@ -26,7 +26,8 @@ def rl_recipe(tmp_path: Path, checkpoint: Path, **sections) -> dict:
         "task": {"prompt_len": 24},
         "sampling": {"prompts_per_step": 3, "group_size": 3, "max_new_tokens": 6},
         "algorithm": {"name": "grpo"},
-        "train": {"steps": 2, "micro_batch": 4, "lr": 1e-3},
+        "train": {"steps": 2, "lr": 1e-3},
+        "update": {"micro_batch": 4},
         "eval": {"every": 1, "windows": 2, "reward_prompts": 3},
     }
     for name, table in sections.items():
@@ -82,7 +83,7 @@ def test_micro_batch_split_does_not_change_the_step(tmp_path, policy_checkpoint)
     plugins = get_plugins()
     weights = []
     for micro in (9, 2):
-        raw = rl_recipe(tmp_path / str(micro), policy_checkpoint, train={"steps": 1, "micro_batch": micro})
+        raw = rl_recipe(tmp_path / str(micro), policy_checkpoint, train={"steps": 1}, update={"micro_batch": micro})
         run = RLRun(validate_rl_recipe(raw, plugins), plugins, progress=False)
         run.train_step()
         weights.append(run.model.state_dict())

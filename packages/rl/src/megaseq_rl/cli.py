@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from megaseq.errors import UserError
@@ -19,17 +20,21 @@ def rl_main(argv: list[str]) -> int:
     p = _Parser(prog="megaseq rl", description="RL fine-tuning of a megaseq checkpoint, as an RL recipe describes.")
     p.add_argument("recipe", help="an RL recipe, e.g. packages/rl/recipes/genome-rl-cpu.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
-    p.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
+    start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
     from megaseq.plugins import get_plugins
-    from megaseq_rl.loop import RLRun
     from megaseq_rl.recipe import load_rl_recipe
 
     plugins = get_plugins()
     recipe = load_rl_recipe(args.recipe, plugins, args.set)
-    result = RLRun(recipe, plugins, progress=not args.no_progress).run(overwrite=args.overwrite)
+    mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
+    result = _run(recipe, plugins, mode, progress=not args.no_progress)
+    if result is None:  # a rank other than 0 of a data-parallel run
+        return 0
     first, last = result.history[0], result.history[-1]
     rewards = [h["reward/mean"] for h in result.history if "reward/mean" in h]
     k = max(1, len(rewards) // 4)
@@ -38,6 +43,39 @@ def rl_main(argv: list[str]) -> int:
           f"held-out loss {first['eval/heldout_bits_per_base']:.4f} -> {last['eval/heldout_bits_per_base']:.4f} bits/base")
     print(f"wrote {result.out_dir}/rl_curve.png, rl_history.json, metrics.jsonl; checkpoints in {result.out_dir}/checkpoints")
     return 0
+
+
+def _run(recipe, plugins, mode: str, progress: bool):
+    """The RL run in this process, or this torchrun worker's rank of a data-parallel one (None off rank 0)."""
+    from megaseq.distributed.launch import in_torchrun
+    from megaseq_rl.loop import RLRun
+
+    dp = recipe.parallel.dp
+    if dp == 1:
+        return RLRun(recipe, plugins, progress=progress).run(mode)
+    if not in_torchrun():
+        raise UserError(
+            f"{recipe.source}: parallel.dp = {dp}: start one process per rank with torchrun, e.g. "
+            f"torchrun --nproc-per-node {dp} --no-python megaseq rl {recipe.source}"
+        )
+    import torch
+    import torch.distributed as dist
+
+    from megaseq.distributed.groups import destroy_process_groups, init_process_groups
+    from megaseq.distributed.layout import Layout
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        parallel = init_process_groups(Layout(dp=dp))
+        try:
+            result = RLRun(recipe, plugins, parallel=parallel, progress=progress).run(mode)
+        finally:
+            destroy_process_groups()
+    finally:
+        dist.destroy_process_group()
+    return result if parallel.is_main else None
 
 
 def _lengths(text: str) -> list[int]:

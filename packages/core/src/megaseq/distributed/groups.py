@@ -110,6 +110,27 @@ class Parallel:
         dist.gather_object(obj, gathered if self.is_main else None, dst=0, group=self.world_group)
         return gathered
 
+    def broadcast_from_main(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` (picklable) on every rank; the other ranks' ``obj`` is ignored."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0, group=self.world_group)
+        return box[0]
+
+    def sum_values(self, values: Mapping[str, float]) -> dict[str, float]:
+        """Named numbers summed over ranks; a name some rank lacks counts 0 there (a rank may hold no rows)."""
+        if not self.distributed:
+            return dict(values)
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(gathered, dict(values), group=self.world_group)
+        names = sorted(set().union(*gathered))
+        return {name: sum(rank.get(name, 0.0) for rank in gathered) for name in names}
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
