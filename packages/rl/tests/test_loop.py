@@ -1,19 +1,28 @@
-"""The RL loop on a tiny checkpoint: a run, its outputs, and every bad input of the issue as one line, exit 2,
-with no checkpoint written."""
+"""The RL loop on a tiny checkpoint: a run, its outputs, and every bad input as one line, exit 2, with no
+checkpoint written. Then what the loop gains from core's optimizer step and run machinery: weight decay on
+matrices only, the non-finite rule before the update, the algorithm's ratio clip acting only from the second
+update on a batch, resume (a stopped run continued with ``megaseq rl --resume`` ends with the uninterrupted
+run's weights) and data parallelism (dp=2 on gloo ranks equals one process)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megaseq.cli import main
 from megaseq.errors import UserError
 from megaseq.inference.cached import CachedEngine
 from megaseq.plugins import get_plugins
+from megaseq.testing import assert_close
+from megaseq.testing.distributed import run_gloo
 from megaseq.train.checkpoint import read_meta
+from megaseq_rl.algorithms import PolicyGradient
 from megaseq_rl.loop import RLRun
 from megaseq_rl.recipe import validate_rl_recipe
 from megaseq_rl.task import ContinuationTask
@@ -45,6 +54,7 @@ def write(tmp_path: Path, raw: dict) -> Path:
                 lines.append(f"[{section}.{name}]")
                 lines += [f"{k} = {json.dumps(v)}" for k, v in sub.items()]
     path = tmp_path / "rl.toml"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -240,3 +250,170 @@ def test_gc_content_reward_by_hand():
     # GC 4/5 -> 1 - 0.2/0.6; GC 2/5 -> 1 - 0.2/0.6; contains TATA -> 0; GC 2/2 -> 1 - 0.4/0.6
     expected = torch.tensor([1 - 0.2 / 0.6, 1 - 0.2 / 0.6, 0.0, 1 - 0.4 / 0.6])
     assert torch.allclose(task.reward(None, tokens, mask), expected)
+
+
+# -- the shared optimizer step and run machinery ----------------------------------------------------------
+RTOL = 1e-5
+
+
+def build(tmp_path: Path, checkpoint: Path, **sections) -> RLRun:
+    plugins = get_plugins()
+    return RLRun(validate_rl_recipe(rl_recipe(tmp_path, checkpoint, **sections), plugins), plugins, progress=False)
+
+
+def weights(run: RLRun) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+
+def test_weight_decay_on_matrices_only(tmp_path, policy_checkpoint):
+    run = build(tmp_path, policy_checkpoint, train={"weight_decay": 0.5})
+    decay, no_decay = run.optimizer.param_groups
+    assert decay["weight_decay"] == 0.5 and no_decay["weight_decay"] == 0.0
+    assert decay["params"] and all(p.dim() >= 2 for p in decay["params"])
+    assert no_decay["params"] and all(p.dim() < 2 for p in no_decay["params"])
+    # a norm's gain sees no decay: with a zero gradient it stays where it was after the step
+    norm = next(p for p in no_decay["params"] if p.dim() == 1)
+    before = norm.detach().clone()
+    norm.grad = torch.zeros_like(norm)
+    run.optimizer.step()
+    assert torch.equal(norm, before)
+
+
+def nan_loss(monkeypatch):
+    loss = PolicyGradient.loss
+
+    def poisoned(self, *args, **kwargs):
+        value, metrics = loss(self, *args, **kwargs)
+        return value * float("nan"), metrics
+
+    monkeypatch.setattr(PolicyGradient, "loss", poisoned)
+
+
+def test_nonfinite_loss_stops_before_the_update(tmp_path, policy_checkpoint, capsys, monkeypatch):
+    nan_loss(monkeypatch)
+    assert main(["rl", str(write(tmp_path, rl_recipe(tmp_path, policy_checkpoint))), "--no-progress"]) == 2
+    line = one_error_line(capsys)
+    assert "step 1: loss nan" in line and "training diverged, stopped before the update" in line
+    assert_no_checkpoint(tmp_path)
+
+
+def test_nonfinite_loss_skipped_leaves_the_weights(tmp_path, policy_checkpoint, monkeypatch):
+    nan_loss(monkeypatch)
+    run = build(tmp_path, policy_checkpoint, train={"on_nonfinite": "skip", "steps": 1})
+    before = weights(run)
+    metrics = run.train_step()
+    assert metrics["policy/skipped_updates"] == 1.0
+    for name, value in weights(run).items():
+        assert torch.equal(value, before[name]), name
+    assert not run.optimizer.state, "a skipped update must leave the optimizer state untouched"
+
+
+def test_ratio_clip_binds_only_from_the_second_update(tmp_path, policy_checkpoint):
+    """At the first update the policy is the one the old log-probabilities came from (ratio 1), so the clip
+    range cannot change it; from the second on it does."""
+    result = {}
+    for updates in (1, 2):
+        for eps in (0.2, 1e-4):
+            run = build(tmp_path / f"{updates}-{eps}", policy_checkpoint, train={"steps": 1, "lr": 1e-2},
+                        update={"updates_per_step": updates},
+                        algorithm={"name": "grpo", "grpo": {"eps_low": eps, "eps_high": eps}})
+            metrics = run.train_step()
+            result[updates, eps] = weights(run), metrics
+    for name, value in result[1, 0.2][0].items():
+        assert torch.equal(value, result[1, 1e-4][0][name]), name
+    assert result[1, 1e-4][1]["policy/clip_frac_low"] + result[1, 1e-4][1]["policy/clip_frac_high"] == 0
+    assert result[2, 1e-4][1]["policy/clip_frac_low"] + result[2, 1e-4][1]["policy/clip_frac_high"] > 0
+    assert any(not torch.equal(v, result[2, 1e-4][0][n]) for n, v in result[2, 0.2][0].items())
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "model.safetensors"))
+
+
+def test_stopped_run_resumed_ends_with_the_uninterrupted_weights(tmp_path, policy_checkpoint, capsys, monkeypatch):
+    sections = {"train": {"steps": 3, "lr": 1e-2, "checkpoint_every": 0}, "update": {"micro_batch": 4, "updates_per_step": 2},
+                "eval": {"every": 2, "windows": 2, "reward_prompts": 3}}
+    whole = rl_recipe(tmp_path / "whole", policy_checkpoint, **sections)
+    assert main(["rl", str(write(tmp_path / "whole", whole)), "--no-progress"]) == 0
+
+    parted = rl_recipe(tmp_path / "parted", policy_checkpoint, **sections)
+    path = write(tmp_path / "parted", parted)
+    train_step = RLRun.train_step
+
+    def stop_after_step_one(self):
+        metrics = train_step(self)
+        if self.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: a checkpoint at the step boundary, then exit 130
+        return metrics
+
+    monkeypatch.setattr(RLRun, "train_step", stop_after_step_one)
+    capsys.readouterr()
+    assert main(["rl", str(path), "--no-progress"]) == 128 + signal.SIGINT
+    assert "stopped after step 1" in capsys.readouterr().err
+    monkeypatch.setattr(RLRun, "train_step", train_step)
+    assert main(["rl", str(path), "--no-progress"]) == 2  # a new run refuses the directory
+    assert "--resume" in one_error_line(capsys)
+    assert main(["rl", str(path), "--resume", "--no-progress"]) == 0
+    assert "resumed from" in capsys.readouterr().err
+
+    expected, got = final_weights(tmp_path / "whole" / "rl"), final_weights(tmp_path / "parted" / "rl")
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    history = {run: json.loads((tmp_path / run / "rl" / "rl_history.json").read_text()) for run in ("whole", "parted")}
+    assert [h["step"] for h in history["parted"]] == [h["step"] for h in history["whole"]] == [0, 1, 2, 3]
+    assert history["parted"][-1]["reward/mean"] == history["whole"][-1]["reward/mean"]
+    rows = [json.loads(line)["step"] for line in (tmp_path / "parted" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [0, 1, 2, 3], "each step is logged once"
+
+
+def _dp_worker(rank: int, world: int, raw: dict, steps: int) -> dict:
+    from megaseq.distributed.groups import destroy_process_groups, init_process_groups
+    from megaseq.distributed.layout import Layout
+
+    parallel = init_process_groups(Layout(dp=world))
+    try:
+        plugins = get_plugins()
+        run = RLRun(validate_rl_recipe(raw, plugins), plugins, parallel=parallel, progress=False)
+        history = [run.train_step() for _ in range(steps)]
+        return {"metrics": history, "weights": weights(run)}
+    finally:
+        destroy_process_groups()
+
+
+def test_data_parallel_equals_one_process(tmp_path, policy_checkpoint):
+    """9 completions per step over 2 ranks (4 and 5 rows, micro-batches of 2): the same rewards, loss,
+    gradient norm and weights as one process, and every rank holds the same weights."""
+    sections = {"train": {"steps": 2, "lr": 1e-2}, "update": {"micro_batch": 2, "updates_per_step": 2}}
+    single = build(tmp_path / "one", policy_checkpoint, **sections)
+    expected = {"metrics": [single.train_step() for _ in range(2)], "weights": weights(single)}
+    raw = rl_recipe(tmp_path / "two", policy_checkpoint, parallel={"dp": 2}, **sections)
+    ranks = run_gloo(2, _dp_worker, raw, 2)
+    for rank, got in enumerate(ranks):
+        for step, (a, b) in enumerate(zip(got["metrics"], expected["metrics"], strict=True), start=1):
+            assert set(a) == set(b), sorted(set(a) ^ set(b))
+            for key in sorted(set(b) - {"time_s"}):
+                assert_close(torch.tensor(a[key], dtype=torch.float64), torch.tensor(b[key], dtype=torch.float64),
+                             RTOL, f"rank {rank} step {step} {key}")
+        for name, value in expected["weights"].items():
+            assert_close(got["weights"][name], value, RTOL, f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"train": {"batch_size": 8}}, "train.batch_size: not used by megaseq rl"),
+        ({"train": {"micro_batch": 8}}, "train.micro_batch: unknown key; allowed: steps"),
+        ({"parallel": {"cp": 2}}, "megaseq rl runs data parallelism only"),
+        ({"train": {"memory_policy": "auto"}}, "train.memory_policy = 'auto'"),
+        ({"memory_policy": {"recompute": {}}}, "[memory_policy.recompute] is configured but not used by train.memory_policy"),
+        ({"parallel": {"dp": 2}}, "torchrun --nproc-per-node 2 --no-python megaseq rl"),
+    ],
+)
+def test_shared_section_mistakes_are_one_line(tmp_path, policy_checkpoint, capsys, change, expected):
+    raw = rl_recipe(tmp_path, policy_checkpoint)
+    for section, table in change.items():
+        raw[section] = {**raw.get(section, {}), **table}
+    assert main(["rl", str(write(tmp_path, raw)), "--no-progress"]) == 2
+    assert expected in one_error_line(capsys)
+    assert_no_checkpoint(tmp_path)
