@@ -86,7 +86,9 @@ class TrainConfig(Section):
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    grad_clip: float = Field(
+        1.0, ge=0, description="max global grad norm, applied before every optimizer update; 0 disables clipping"
+    )
     bf16: bool = Field(False, description="bf16 autocast for the forward (weights and optimizer stay fp32)")
     loss_chunk: int = Field(4096, ge=1, description="tokens per chunk of the LM-head + loss computation")
     log_every: int = Field(10, ge=1)

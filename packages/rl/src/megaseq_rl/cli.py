@@ -17,7 +17,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def rl_main(argv: list[str]) -> int:
-    p = _Parser(prog="megaseq rl", description="RL fine-tuning of a megaseq checkpoint, as an RL recipe describes.")
+    p = _Parser(
+        prog="megaseq rl",
+        description="RL fine-tuning of a megaseq checkpoint, as an RL recipe describes. Each optimizer step is "
+        "megaseq train's (train.grad_clip clips before every one); the algorithm's ratio clip (eps_low, eps_high, "
+        "dual_clip) acts only when update.updates_per_step > 1. parallel.dp > 1: one process per rank under "
+        "torchrun --nproc-per-node N --no-python megaseq rl RECIPE.",
+    )
     p.add_argument("recipe", help="an RL recipe, e.g. packages/rl/recipes/genome-rl-cpu.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
     start = p.add_mutually_exclusive_group()

@@ -12,11 +12,19 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean"]
 
 
 class PolicyLossConfig(ComponentConfig):
-    """Keys shared by every algorithm here: the PPO clip range, the dual clip and the loss aggregation."""
+    """Keys shared by every algorithm here: the PPO clip range, the dual clip and the loss aggregation.
 
-    eps_low: float = Field(0.2, ge=0, lt=1, description="ratio clipped below at 1 - eps_low")
-    eps_high: float = Field(0.2, ge=0, description="ratio clipped above at 1 + eps_high")
-    dual_clip: float | None = Field(None, gt=1, description="for A < 0 cap the per-token loss at -dual_clip * A; None = off")
+    The clip range and the dual clip act only when ``update.updates_per_step > 1``: the first optimizer step on
+    a batch of rollouts runs at the policy that scored them (ratio 1), so neither can bind there; from the
+    second on the policy has moved and they do. (``train.grad_clip`` is another thing: it clips the gradient
+    norm before every optimizer step.)
+    """
+
+    eps_low: float = Field(0.2, ge=0, lt=1, description="ratio clipped below at 1 - eps_low (binds from the second update on a batch)")
+    eps_high: float = Field(0.2, ge=0, description="ratio clipped above at 1 + eps_high (binds from the second update on a batch)")
+    dual_clip: float | None = Field(
+        None, gt=1, description="for A < 0 cap the per-token loss at -dual_clip * A (binds from the second update on a batch); None = off"
+    )
     loss_agg: LossAgg = Field("token-mean", description="token-mean or seq-mean-token-mean")
 
 

@@ -4,8 +4,8 @@
 actors builds the same engine in its own process (from the policy's recipe, through its installed plugins);
 :class:`RayEngines` then implements ``megaseq.inference.InferenceEngine`` by splitting prompts by rows over
 the actors (actor i samples with ``seed + i``, so tokens depend on N), and weights reach every actor through
-one object-store copy. Ray is an optional extra (``megaseq-rl[ray]``); core's distributed launch is not
-used here yet, so the actors run on the machine that runs ``megaseq rl``.
+one object-store copy. Ray is an optional extra (``megaseq-rl[ray]``); the actors run on the machine of the
+rank that draws the rollouts (rank 0; ``megaseq_rl.loop``).
 """
 
 from __future__ import annotations
