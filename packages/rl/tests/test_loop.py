@@ -367,15 +367,20 @@ def test_stopped_run_resumed_ends_with_the_uninterrupted_weights(tmp_path, polic
     assert rows == [0, 1, 2, 3], "each step is logged once"
 
 
-def _dp_worker(rank: int, world: int, raw: dict, steps: int) -> dict:
+def _dp_worker(rank: int, world: int, raw: dict, steps: int, nan_rewards: bool = False) -> dict:
     from megaseq.distributed.groups import destroy_process_groups, init_process_groups
     from megaseq.distributed.layout import Layout
 
+    if nan_rewards:
+        ContinuationTask.reward = lambda self, a, t, m: torch.full((t.shape[0],), float("nan"))
     parallel = init_process_groups(Layout(dp=world))
     try:
         plugins = get_plugins()
         run = RLRun(validate_rl_recipe(raw, plugins), plugins, parallel=parallel, progress=False)
-        history = [run.train_step() for _ in range(steps)]
+        try:
+            history = [run.train_step() for _ in range(steps)]
+        except UserError as exc:
+            return {"error": str(exc)}
         return {"metrics": history, "weights": weights(run)}
     finally:
         destroy_process_groups()
@@ -417,3 +422,12 @@ def test_shared_section_mistakes_are_one_line(tmp_path, policy_checkpoint, capsy
     assert main(["rl", str(write(tmp_path, raw)), "--no-progress"]) == 2
     assert expected in one_error_line(capsys)
     assert_no_checkpoint(tmp_path)
+
+
+def test_data_parallel_mistake_on_rank_0_stops_every_rank(tmp_path, policy_checkpoint):
+    """Rank 0 alone draws the rollouts: a mistake it finds there (non-finite rewards) reaches every rank as the
+    same one-line error, instead of leaving the others waiting in a collective."""
+    raw = rl_recipe(tmp_path, policy_checkpoint, parallel={"dp": 2})
+    ranks = run_gloo(2, _dp_worker, raw, 1, True, collective_timeout=30)
+    message = "task 'continuation' returned 9 non-finite rewards (NaN or inf); stopping before the update"
+    assert [r.get("error") for r in ranks] == [message, message], ranks

@@ -44,6 +44,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,14 +109,7 @@ class RLRun:
                 f"{recipe.source}: sampling.group_size = {s.group_size}, but algorithm {recipe.algorithm.name!r} needs "
                 f"at least {self.algorithm.min_group_size} completions per prompt"
             )
-        if p.is_main:  # rank 0 alone draws rollouts and evaluates
-            self.engine = build_engine(recipe.engine.name, recipe.engine_config, self.policy_recipe, plugins, s.rollout_workers)
-            longest = recipe.task.prompt_len + s.max_new_tokens
-            if longest > self.engine.max_model_len:
-                raise UserError(
-                    f"{recipe.source}: task.prompt_len {recipe.task.prompt_len} + sampling.max_new_tokens {s.max_new_tokens} "
-                    f"exceeds the engine's max_model_len {self.engine.max_model_len}"
-                )
+        self.on_main(self.build_engine)  # rank 0 alone draws rollouts and evaluates
         d = self.policy_recipe.data
         task = recipe.task
         options = {"gc_target": task.gc_target, "avoid": task.avoid}
@@ -137,6 +131,31 @@ class RLRun:
         self.history: list[dict[str, float]] = []
         self.notes: list[str] = []  # what resuming changed or found, for the run header
         self.sync_weights()
+
+    def on_main(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0, its result on every rank; a mistake it finds stops every rank, in one line."""
+        result: Any = None
+        if self.parallel.is_main:
+            try:
+                result = fn()
+            except UserError as exc:
+                result = exc
+            if self.parallel.distributed:  # the tensors travel pickled: on the CPU
+                result = _to_cpu(result)
+        result = self.parallel.broadcast_from_main(result)
+        if isinstance(result, UserError):
+            raise result
+        return result
+
+    def build_engine(self) -> None:
+        r, s = self.recipe, self.recipe.sampling
+        self.engine = build_engine(r.engine.name, r.engine_config, self.policy_recipe, self.plugins, s.rollout_workers)
+        longest = r.task.prompt_len + s.max_new_tokens
+        if longest > self.engine.max_model_len:
+            raise UserError(
+                f"{r.source}: task.prompt_len {r.task.prompt_len} + sampling.max_new_tokens {s.max_new_tokens} "
+                f"exceeds the engine's max_model_len {self.engine.max_model_len}"
+            )
 
     def sync_weights(self) -> None:
         """6: the engine samples from the policy's current weights."""
@@ -200,21 +219,6 @@ class RLRun:
         metrics["reward/kept_mean"] = float(shaped.mean())
         metrics["advantage/abs_mean"] = float(advantages.abs().mean())
         return Rollouts(torch.cat([k[0] for k in kept]), gen, shaped.reshape(-1), advantages.reshape(-1), mask), metrics
-
-    def rollouts(self) -> tuple[Rollouts | None, dict[str, float]]:
-        """Rank 0's rollouts on every rank; a mistake found while drawing them stops every rank, in one line."""
-        drawn: Any = None
-        if self.parallel.is_main:
-            try:
-                drawn = self.collect()
-            except UserError as exc:
-                drawn = exc
-            if self.parallel.distributed:  # the tensors travel pickled: on the CPU
-                drawn = _to_cpu(drawn)
-        drawn = self.parallel.broadcast_from_main(drawn)
-        if isinstance(drawn, UserError):
-            raise drawn
-        return drawn
 
     # -- 4-5: old log-probabilities and the policy update -----------------------------------------------
     def context(self, gen: Generation, rows: slice) -> ForwardContext:
@@ -287,7 +291,7 @@ class RLRun:
     # -- the loop -------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         started = time.perf_counter()
-        batch, metrics = self.rollouts()
+        batch, metrics = self.on_main(self.collect)
         info = self.optimizer_step.start(self.step + 1, self.tokens)
         if batch is None:
             if self.parallel.is_main:

@@ -81,7 +81,7 @@ def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) ->
 @dataclass(frozen=True)
 class Update:
     """What :meth:`OptimizerStep.update` did: the gradient norm before clipping, whether the weights changed
-    (False: a skipped non-finite step), and the peak memory of the busiest rank so far (GiB)."""
+    (False: a skipped non-finite step), and the busiest rank's peak memory since it started (GiB)."""
 
     grad_norm: float
     applied: bool
