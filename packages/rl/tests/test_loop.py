@@ -330,40 +330,65 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "model.safetensors"))
 
 
-def test_stopped_run_resumed_ends_with_the_uninterrupted_weights(tmp_path, policy_checkpoint, capsys, monkeypatch):
-    sections = {"train": {"steps": 3, "lr": 1e-2, "checkpoint_every": 0}, "update": {"micro_batch": 4, "updates_per_step": 2},
-                "eval": {"every": 2, "windows": 2, "reward_prompts": 3}}
-    whole = rl_recipe(tmp_path / "whole", policy_checkpoint, **sections)
-    assert main(["rl", str(write(tmp_path / "whole", whole)), "--no-progress"]) == 0
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, policy_checkpoint):
+    """A 3-step RL run (two updates per step, so the optimizer moments matter), never stopped."""
+    tmp_path = tmp_path_factory.mktemp("whole")
+    assert main(["rl", str(write(tmp_path, rl_recipe(tmp_path, policy_checkpoint, **RESUMED))), "--no-progress"]) == 0
+    return tmp_path / "rl"
 
-    parted = rl_recipe(tmp_path / "parted", policy_checkpoint, **sections)
-    path = write(tmp_path / "parted", parted)
+
+RESUMED = {"train": {"steps": 3, "lr": 1e-2}, "update": {"micro_batch": 4, "updates_per_step": 2},
+           "eval": {"every": 2, "windows": 2, "reward_prompts": 3}}
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_interrupted_run_resumed_ends_with_the_uninterrupted_weights(tmp_path, policy_checkpoint, uninterrupted, capsys,
+                                                                     monkeypatch, how):
+    """stopped: SIGINT after step 1 (a checkpoint at the step boundary, exit 130). killed: the process dies in
+    step 3 after the checkpoint of step 2 (``train.checkpoint_every = 1``), leaving a half-written save and a
+    metrics row cut short. Either way ``megaseq rl --resume`` ends where the uninterrupted run does."""
+    raw = rl_recipe(tmp_path, policy_checkpoint, **RESUMED)
+    if how == "killed":
+        raw["train"]["checkpoint_every"] = 1
+    path, out = write(tmp_path, raw), tmp_path / "rl"
     train_step = RLRun.train_step
 
-    def stop_after_step_one(self):
+    def interrupt(self):
+        if how == "killed" and self.step == 2:
+            (out / "checkpoints" / ".tmp-step_0000003").mkdir()
+            with (out / "metrics.jsonl").open("a") as f:
+                f.write('{"step": 3, "rew')
+            raise SystemExit("killed")
         metrics = train_step(self)
-        if self.step == 1:
-            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: a checkpoint at the step boundary, then exit 130
+        if how == "stopped" and self.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C
         return metrics
 
-    monkeypatch.setattr(RLRun, "train_step", stop_after_step_one)
+    monkeypatch.setattr(RLRun, "train_step", interrupt)
     capsys.readouterr()
-    assert main(["rl", str(path), "--no-progress"]) == 128 + signal.SIGINT
-    assert "stopped after step 1" in capsys.readouterr().err
+    if how == "stopped":
+        assert main(["rl", str(path), "--no-progress"]) == 128 + signal.SIGINT
+        assert "stopped after step 1" in capsys.readouterr().err
+    else:
+        with pytest.raises(SystemExit, match="killed"):
+            main(["rl", str(path), "--no-progress"])
     monkeypatch.setattr(RLRun, "train_step", train_step)
     assert main(["rl", str(path), "--no-progress"]) == 2  # a new run refuses the directory
     assert "--resume" in one_error_line(capsys)
     assert main(["rl", str(path), "--resume", "--no-progress"]) == 0
-    assert "resumed from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"resumed from {out / 'checkpoints' / ('step_0000001' if how == 'stopped' else 'step_0000002')}" in err
+    assert how == "stopped" or "removed .tmp-step_0000003, left by an interrupted save" in err
 
-    expected, got = final_weights(tmp_path / "whole" / "rl"), final_weights(tmp_path / "parted" / "rl")
+    expected, got = final_weights(uninterrupted), final_weights(out)
     assert expected.keys() == got.keys()
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
-    history = {run: json.loads((tmp_path / run / "rl" / "rl_history.json").read_text()) for run in ("whole", "parted")}
-    assert [h["step"] for h in history["parted"]] == [h["step"] for h in history["whole"]] == [0, 1, 2, 3]
-    assert history["parted"][-1]["reward/mean"] == history["whole"][-1]["reward/mean"]
-    rows = [json.loads(line)["step"] for line in (tmp_path / "parted" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    history = {run: json.loads((run / "rl_history.json").read_text()) for run in (uninterrupted, out)}
+    assert [h["step"] for h in history[out]] == [h["step"] for h in history[uninterrupted]] == [0, 1, 2, 3]
+    assert history[out][-1]["reward/mean"] == history[uninterrupted][-1]["reward/mean"]
+    rows = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == [0, 1, 2, 3], "each step is logged once"
 
 
