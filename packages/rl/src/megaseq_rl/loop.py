@@ -10,7 +10,7 @@ One step:
    completions it drops (DAPO: truncated) contribute no tokens.
 3. **Advantages** per group, broadcast to the completion's tokens.
 4. **Old log-probabilities** from the training forward (no gradient), with the engine's MoE routing replayed
-   (R3) when ``train.routing_replay``. Their distance to the engine's own log-probabilities is logged as
+   (R3) when ``update.routing_replay``. Their distance to the engine's own log-probabilities is logged as
    ``rollout/logprob_gap`` (the trainer/engine mismatch during the run).
 5. **Policy update.** ``update.updates_per_step`` optimizer steps, each over every completion in
    micro-batches of ``update.micro_batch`` rows, each micro-batch weighted by ``algorithm.batch_weight`` so
