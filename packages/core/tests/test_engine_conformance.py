@@ -28,6 +28,19 @@ class TestCachedEngine(EngineConformance):
     config = CONFIG
 
 
+def build_cached(config: dict, recipe, plugins) -> CachedEngine:
+    return CachedEngine(CachedEngineConfig(**config), recipe, plugins)
+
+
+class TestCachedEngineFromFactory(EngineConformance):
+    """The same engine built by ``factory``, as an engine that is not yet packaged is tested."""
+
+    name = "cached-factory"
+    factory = f"{__file__}:build_cached"
+    config = CONFIG
+    test_logprobs_match_training_forward = test_top_p_keeps_to_the_nucleus = test_stop_token = None
+
+
 # --- a toy MoE plugin, so that routing is checked with core alone ---------------------------------------
 class ToyMoE(nn.Module):
     """Softmax top-2 of 4 linear experts; records/replays its choice through ctx.routing."""

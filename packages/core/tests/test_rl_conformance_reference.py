@@ -1,4 +1,5 @@
-"""The RL-algorithm conformance suite run on a small PPO-clip/GRPO defined here, and failing wrong ones.
+"""The RL-algorithm conformance suite run on a small PPO-clip/GRPO and a GSPO defined here (built through the
+suite's ``factory`` knob), and failing wrong ones.
 
 Each wrong algorithm breaks exactly one promise and is shown to be caught by the check named beside it.
 """
@@ -17,6 +18,9 @@ class GroupNormPPO:
 
     min_group_size = 1
     eps = 0.2
+
+    def __init__(self, config: dict | None = None) -> None:
+        self.config = config or {}
 
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, max_new_tokens: int) -> Tensor:
         return rewards
@@ -49,12 +53,56 @@ class GroupNormPPO:
         return float(mask.sum())
 
 
+class GSPO(GroupNormPPO):
+    """GSPO: one ratio per sequence, ``exp`` of the length-normalised (mean) log-ratio of its tokens, clipped
+    to ``[1 - 3e-4, 1 + 4e-4]``; sequences averaged (a row weighs 1 in ``batch_weight``)."""
+
+    eps_low, eps_high = 3e-4, 4e-4
+
+    def sequence_log_ratio(self, log_ratio: Tensor, mask: Tensor) -> Tensor:
+        return log_ratio.sum(-1) / mask.sum(-1).clamp_min(1)
+
+    def loss(self, logprobs, old_logprobs, advantages, mask, entropy=None):
+        zero = torch.zeros((), dtype=logprobs.dtype)
+        log_ratio = torch.where(mask, logprobs - torch.where(mask, old_logprobs, zero), zero)
+        rho = torch.exp(self.sequence_log_ratio(log_ratio, mask).clamp(-20, 20))
+        adv = torch.where(mask, advantages, zero).sum(-1) / mask.sum(-1).clamp_min(1)
+        per_row = -torch.minimum(rho * adv, rho.clamp(1 - self.eps_low, 1 + self.eps_high) * adv)
+        rows = mask.any(-1)
+        loss = torch.where(rows, per_row, zero).sum() / rows.sum().clamp_min(1)
+        metrics = {} if entropy is None else {"entropy": float(entropy[mask].mean())}
+        return loss, metrics
+
+    def batch_weight(self, mask: Tensor) -> float:
+        return float(mask.any(-1).sum())
+
+
+class StdEpsilonPPO(GroupNormPPO):
+    """Correct, with the common std epsilon of 1e-6, which moves advantages by ~1e-5 under a reward scale."""
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        if rewards.shape[1] == 1:
+            return torch.zeros_like(rewards)
+        return (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-6)
+
+
 class TestReferenceConformance(RLAlgorithmConformance):
     name = "group-norm-ppo"
+    factory = f"{__file__}:GroupNormPPO"
     scale_invariant = True
 
-    def build(self):
-        return GroupNormPPO()
+
+class TestGSPOConformance(RLAlgorithmConformance):
+    name = "gspo"
+    factory = f"{__file__}:GSPO"
+    scale_invariant = True
+    clip_range = (3e-4, 4e-4)
+
+
+class TestStdEpsilonConformance(RLAlgorithmConformance):
+    name = "std-epsilon"
+    factory = f"{__file__}:StdEpsilonPPO"
+    scale_invariant = True
 
 
 # --- wrong algorithms, each with the check that must catch it --------------------------------------------
@@ -145,6 +193,24 @@ class ScalarAdvantage(GroupNormPPO):
         return super().advantages(rewards).mean(-1, keepdim=True)
 
 
+class SummedLogRatioGSPO(GSPO):
+    def sequence_log_ratio(self, log_ratio, mask):  # GSPO's sequence log-ratio not normalised by the length
+        return log_ratio.sum(-1)
+
+
+class NarrowClip(GroupNormPPO):
+    eps = 0.15  # clips tokens at ratio 1.18 that the declared clip_range (0.2) says count
+
+
+class WideClip(GroupNormPPO):
+    eps = 0.25  # lets tokens at ratio 1.22 through that the declared clip_range (0.2) says are clipped
+
+
+class TooMuchEpsilon(GroupNormPPO):
+    def advantages(self, rewards):  # an epsilon that is not small against the std: not scale invariant
+        return (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-2)
+
+
 @pytest.mark.filterwarnings("ignore:std.*degrees of freedom")
 @pytest.mark.parametrize(
     ("wrong", "check"),
@@ -159,7 +225,10 @@ class ScalarAdvantage(GroupNormPPO):
         (MeanOverAll, "test_mask_respected"),
         (Unclamped, "test_finite_on_extreme_ratios"),
         (SignFlipped, "test_on_policy_gradient_is_policy_gradient"),
-        (Unclipped, "test_clipped_tokens_get_no_gradient"),
+        (Unclipped, "test_clip_edges"),
+        (NarrowClip, "test_clip_edges"),
+        (WideClip, "test_clip_edges"),
+        (TooMuchEpsilon, "test_advantages_scale_invariant"),
         (UnitWeights, "test_micro_batches_recombine"),
         (EntropyOverAll, "test_entropy_metric"),
         (DropsEverything, "test_filter"),
@@ -171,10 +240,28 @@ class ScalarAdvantage(GroupNormPPO):
 def test_suite_catches_wrong_algorithm(wrong: type, check: str) -> None:
     class Suite(RLAlgorithmConformance):
         name = wrong.__name__
+        factory = f"{__file__}:{wrong.__name__}"
         scale_invariant = True
 
-        def build(self):
-            return wrong()
-
+    run = getattr(Suite(), check)
     with pytest.raises(AssertionError):
-        getattr(Suite(), check)()
+        run("high") if check == "test_clip_edges" else run()
+    if check == "test_clip_edges":  # the low edge too, where the wrong clip acts on both sides
+        if wrong is not Unclipped:
+            with pytest.raises(AssertionError):
+                run("low")
+
+
+def test_suite_catches_summed_sequence_log_ratio() -> None:
+    """GSPO with the summed log-ratio agrees with GSPO at ratio 1 (the on-policy check passes); the clip check
+    just inside the edges catches it."""
+
+    class Suite(RLAlgorithmConformance):
+        name = "summed-gspo"
+        factory = f"{__file__}:SummedLogRatioGSPO"
+        clip_range = (3e-4, 4e-4)
+
+    Suite().test_on_policy_gradient_is_policy_gradient()
+    for edge in ("high", "low"):
+        with pytest.raises(AssertionError, match="inside the"):
+            Suite().test_clip_edges(edge)

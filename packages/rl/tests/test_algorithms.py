@@ -24,6 +24,7 @@ class TestRLOOConformance(RLAlgorithmConformance):
 class TestDAPOConformance(RLAlgorithmConformance):
     name = "dapo"
     scale_invariant = True
+    clip_range = (0.2, 0.28)
 
 
 class TestGRPOSeqMeanConformance(RLAlgorithmConformance):

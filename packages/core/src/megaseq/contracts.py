@@ -177,7 +177,8 @@ class ForwardContext:
             return
         n = self.metric_counts.get(name, 0) + 1
         mean = self.metrics.get(name, 0.0)
-        self.metrics[name] = mean + (float(value) - mean) / n
+        value = float(value.detach()) if isinstance(value, Tensor) else float(value)  # a metric carries no gradient
+        self.metrics[name] = mean + (value - mean) / n
         self.metric_counts[name] = n
 
     def fork(self) -> ForwardContext:
