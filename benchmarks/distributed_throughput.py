@@ -109,7 +109,9 @@ def _join_group() -> None:
     import torch
     import torch.distributed as dist
 
-    dist.all_reduce(torch.ones(1))
+    from megaseq.parallel import collectives
+
+    collectives.all_reduce(torch.ones(1), dist.group.WORLD)
 
 
 def _gloo_join(rank: int, world: int) -> None:

@@ -336,3 +336,58 @@ def test_core_readme_lists_every_module():
     rows = [line.split("|")[1] for line in (core / "README.md").read_text().splitlines() if line.startswith("| `megaseq.")]
     listed = {name for cell in rows for name in re.findall(r"`megaseq\.(\w+)`", cell)}
     assert listed == modules, f"packages/core/README.md's module table: add {sorted(modules - listed)}, remove {sorted(listed - modules)}"
+
+
+# -- every collective goes through megaseq.parallel.collectives (it puts buffers on the group's device) --------
+COLLECTIVES_MODULE = "packages/core/src/megaseq/parallel/collectives.py"
+COLLECTIVE_NAMES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+    "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier",
+}
+
+
+def direct_collectives(name: str, source: str) -> list[str]:
+    """``name:line`` of every call of a ``torch.distributed`` collective (through any alias) in ``source``."""
+    tree = ast.parse(source, filename=name)
+    aliases = {"torch.distributed"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and node.level == 0:
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            problems += [f"{name}:{node.lineno}: imports {a.name}" for a in node.names if a.name in COLLECTIVE_NAMES]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVE_NAMES:
+            if ast.unparse(node.func.value) in aliases:
+                problems.append(f"{name}:{node.lineno}: calls {ast.unparse(node.func)}")
+    return problems
+
+
+def test_every_collective_goes_through_core_collectives():
+    names = [n for n in subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
+                                       check=True).stdout.split() if n != COLLECTIVES_MODULE]
+    problems = [p for n in names for p in direct_collectives(n, (REPO / n).read_text())]
+    assert not problems, f"call megaseq.parallel.collectives instead ({COLLECTIVES_MODULE}):\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist\ndist.all_reduce(t)\n",
+        "import torch\ntorch.distributed.barrier()\n",
+        "from torch import distributed as d\nd.all_to_all_single(o, i)\n",
+        "from torch.distributed import broadcast_object_list\n",
+    ],
+)
+def test_collective_check_rejects_a_planted_call(source):
+    assert len(direct_collectives("m.py", source)) == 1
+
+
+def test_collective_check_accepts_queries_and_core_calls():
+    source = "import torch.distributed as dist\nfrom megaseq.parallel import collectives\n" \
+             "dist.get_world_size(g)\ncollectives.all_reduce(t, g)\ndist.init_process_group('gloo')\n"
+    assert direct_collectives("m.py", source) == []

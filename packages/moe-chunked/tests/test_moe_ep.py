@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megaseq.contracts import ForwardContext, RoutingReplay
+from megaseq.parallel import collectives
 from megaseq.records import ModelDims
 from megaseq.testing.distributed import run_gloo
 from megaseq_moe.config import ChunkedMoEConfig
@@ -64,7 +65,7 @@ def ep_worker(rank: int, world: int, states: dict, inputs: list, grad_outs: list
         grads = {}
         for pname, p in module.named_parameters():
             if not pname.startswith("experts."):
-                dist.all_reduce(p.grad)  # replicated weights: gradients summed over ranks
+                collectives.all_reduce(p.grad, dist.group.WORLD)  # replicated weights: gradients summed over ranks
             grads[pname] = p.grad
         results[name] = {"out": out, "x_grad": x_grad, "grads": grads, "stats": module.load_stats()}
     return results

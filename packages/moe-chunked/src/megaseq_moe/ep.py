@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megaseq.parallel import all_to_all
+from megaseq.parallel import all_to_all, collectives
 
 
 def group_size(group: Any | None) -> int:
@@ -29,23 +29,17 @@ def exchange_counts(counts: Tensor, group: Any | None) -> Tensor:
     """``counts [ranks, ...]``: row r goes to rank r; returns what each rank sent here, same shape."""
     if group is None:
         return counts
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
-    return out
+    return collectives.exchange(counts, group)
 
 
 def agree_max(value: int, group: Any | None, device: torch.device) -> int:
     """The largest ``value`` over the group (so every rank runs the same number of collective rounds)."""
     if group is None:
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return int(collectives.all_reduce(torch.tensor([value], dtype=torch.int64, device=device), group, op="max").item())
 
 
 def sum_over(t: Tensor, group: Any | None) -> Tensor:
     """Sum of ``t`` over the group (a new tensor)."""
     t = t.clone()
-    if group is not None:
-        dist.all_reduce(t, group=group)
-    return t
+    return t if group is None else collectives.all_reduce(t, group)

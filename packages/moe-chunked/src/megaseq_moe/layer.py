@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from megaseq.contracts import ForwardContext, iter_modules
 from megaseq.documents import as_documents
 from megaseq.dtypes import compute_dtype
+from megaseq.parallel import collectives
 from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_moe.config import ChunkedMoEConfig
 from megaseq_moe.dispatch import plan_dispatch
@@ -364,7 +365,7 @@ def end_step(model: nn.Module, metrics: dict[str, float]) -> None:
         return
     loads = torch.stack([layer.step_load for layer in layers])
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(loads)
+        collectives.all_reduce(loads, dist.group.WORLD)
     expert_ratio, rank_ratio, entropy = [], [], []
     for layer, load in zip(layers, loads, strict=True):
         layer.step_load.zero_()

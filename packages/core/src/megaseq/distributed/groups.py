@@ -33,7 +33,7 @@ from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.data.windows import Batch
 from megaseq.distributed.layout import Layout
 from megaseq.errors import UserError
-from megaseq.parallel import zigzag_shard
+from megaseq.parallel import collectives, zigzag_shard
 from megaseq.records import ModelDims
 
 EXTRA_HINT = "pip install 'megaseq-core[distributed]' (megatron-core and ray[train])"
@@ -79,22 +79,14 @@ class Parallel:
             parts = [zigzag_shard(t, self.cp_rank, self.layout.cp, dim=1) for t in parts]
         return Batch(*parts)
 
-    # -- collectives (identities in one process) --------------------------------------------------------
+    # -- collectives (identities in one process; megaseq.parallel.collectives puts buffers on the device) ---
     def sum(self, t: Tensor) -> Tensor:
         """``t`` summed over all ranks (in place)."""
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(t, group=self.world_group)
-        return t
+        return collectives.all_reduce(t, self.world_group) if self.distributed else t
 
     def max(self, t: Tensor) -> Tensor:
         """``t`` maximised over all ranks (in place)."""
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world_group)
-        return t
+        return collectives.all_reduce(t, self.world_group, op="max") if self.distributed else t
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank (every rank gets the same answer)."""
@@ -102,40 +94,23 @@ class Parallel:
 
     def gather_on_main(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order, on rank 0; ``[]`` elsewhere."""
-        if not self.distributed:
-            return [obj]
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.layout.world_size if self.is_main else []
-        dist.gather_object(obj, gathered if self.is_main else None, dst=0, group=self.world_group)
-        return gathered
+        return collectives.gather_object(obj, self.world_group) if self.distributed else [obj]
 
     def broadcast_from_main(self, obj: Any) -> Any:
         """Rank 0's ``obj`` (picklable) on every rank; the other ranks' ``obj`` is ignored."""
-        if not self.distributed:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, src=0, group=self.world_group)
-        return box[0]
+        return collectives.broadcast_object(obj, self.world_group) if self.distributed else obj
 
     def sum_values(self, values: Mapping[str, float]) -> dict[str, float]:
         """Named numbers summed over ranks; a name some rank lacks counts 0 there (a rank may hold no rows)."""
         if not self.distributed:
             return dict(values)
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(gathered, dict(values), group=self.world_group)
+        gathered = collectives.all_gather_object(dict(values), self.world_group)
         names = sorted(set().union(*gathered))
         return {name: sum(rank.get(name, 0.0) for rank in gathered) for name in names}
 
     def barrier(self) -> None:
         if self.distributed:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.world_group)
+            collectives.barrier(self.world_group)
 
     def reduce_gradients(self, params: list[nn.Parameter], experts: set[nn.Parameter]) -> None:
         """Sum gradients over ranks (module docstring). A parameter that no rank has a gradient for keeps
@@ -149,9 +124,10 @@ class Parallel:
         for group, members in ((self.world_group, replicated), (self.expert_dp_group, sharded)):
             if not members or dist.get_world_size(group) == 1:
                 continue
-            present = torch.tensor([p.grad is not None for p in members], dtype=torch.float32)
+            device = members[0].device
+            present = torch.tensor([p.grad is not None for p in members], dtype=torch.float32, device=device)
             flat = torch.cat([present, *(_grad_or_zeros(p).reshape(-1).float() for p in members)])
-            dist.all_reduce(flat, group=group)
+            collectives.all_reduce(flat, group)
             offset = len(members)
             for i, p in enumerate(members):
                 n = p.numel()
@@ -161,27 +137,21 @@ class Parallel:
 
     def grad_norm(self, params: Iterable[nn.Parameter], experts: set[nn.Parameter]) -> Tensor:
         """The 2-norm of the whole model's gradient (fp32), equal on every rank."""
-        squares = torch.zeros(2)
-        for p in params:
-            if p.grad is not None:
-                squares[int(p in experts)] += p.grad.detach().float().pow(2).sum()
+        grads = [(p.grad, p in experts) for p in params if p.grad is not None]
+        squares = torch.zeros(2, device=grads[0][0].device if grads else None)
+        for grad, is_expert in grads:
+            squares[int(is_expert)] += grad.detach().float().pow(2).sum()
         if self.distributed and self.layout.ep > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(squares[1:], group=self.ep_group)
+            collectives.all_reduce(squares[1:], self.ep_group)
         return squares.sum().sqrt()
 
     def gather_experts(self, state: Mapping[str, Tensor], dims: Mapping[str, int]) -> dict[str, Tensor]:
         """The whole model's state from this rank's: expert blocks gathered over the expert-parallel group."""
         if self.layout.ep == 1:
             return dict(state)
-        import torch.distributed as dist
-
         full = dict(state)
         for name, dim in dims.items():
-            blocks = [torch.empty_like(state[name]) for _ in range(self.layout.ep)]
-            dist.all_gather(blocks, state[name].contiguous(), group=self.ep_group)
-            full[name] = torch.cat(blocks, dim=dim)
+            full[name] = torch.cat(collectives.all_gather_tensor(state[name], self.ep_group), dim=dim)
         return full
 
 

@@ -1,6 +1,12 @@
-"""Autograd-aware collectives for components (context and expert parallelism).
+"""Every collective megaseq runs: the one place that calls ``torch.distributed``'s communication functions.
 
-Each is a ``torch.autograd.Function`` whose backward is itself a collective: gradients flow back to the
+Buffers go to the group's device (``group_device``: the current CUDA device under NCCL, the CPU under gloo)
+and results come back on the caller's device, so a caller may hand a CPU flag to an NCCL group or a CUDA
+tensor to a gloo one. ``tests/test_governance.py`` rejects a direct collective anywhere else.
+
+Plain collectives (``all_reduce``, ``all_gather_tensor``, ``exchange``, the object ones, ``barrier``) carry
+no gradient. The autograd-aware ones for components (``all_gather``, ``all_to_all``) are each a
+``torch.autograd.Function`` whose backward is itself a collective: gradients flow back to the
 rank that owns each piece. They use only public ``torch.distributed`` calls that gloo (CPU) and NCCL (CUDA)
 both implement; the deprecated ``torch.distributed.nn.functional`` is not used.
 
@@ -20,9 +26,80 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
 # torch 2.13 renamed the single-tensor forms (the old names warn); older torch has only the old names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_device(group: Any) -> torch.device:
+    """Where the group's buffers must live: NCCL (and XCCL) move only accelerator memory, gloo only host."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "xccl":
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(t: Tensor, group: Any, op: str = "sum") -> Tensor:
+    """``t`` reduced over the group in place (``op``: sum, max or min), through a copy on the group's device
+    when ``t`` lives elsewhere. Returns ``t``."""
+    device = group_device(group)
+    buffer = t if t.device == device else t.to(device)
+    dist.all_reduce(buffer, op=_REDUCE_OPS[op], group=group)
+    if buffer is not t:
+        t.copy_(buffer)
+    return t
+
+
+def all_gather_tensor(t: Tensor, group: Any) -> list[Tensor]:
+    """Every rank's ``t`` (same shape on every rank), in rank order, on ``t``'s device; no gradient."""
+    device = group_device(group)
+    buffer = t.detach().to(device).contiguous()
+    blocks = [torch.empty_like(buffer) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(blocks, buffer, group=group)
+    return [b.to(t.device) for b in blocks]
+
+
+def exchange(t: Tensor, group: Any) -> Tensor:
+    """``t [ranks, ...]``: row ``r`` goes to rank ``r``; returns the rows every rank sent here, in rank order
+    (an all-to-all with equal splits, no gradient), on ``t``'s device."""
+    device = group_device(group)
+    buffer = t.detach().to(device).contiguous()
+    out = torch.empty_like(buffer)
+    dist.all_to_all_single(out, buffer, group=group)
+    return out.to(t.device)
+
+
+def barrier(group: Any) -> None:
+    dist.barrier(group=group)
+
+
+# Object collectives pickle through a tensor on the current device of the group's backend (torch chooses it).
+def gather_object(obj: Any, group: Any, dst: int = 0) -> list[Any]:
+    """Every rank's ``obj`` in rank order on global rank ``dst``; ``[]`` elsewhere."""
+    if dist.get_rank() != dst:
+        dist.gather_object(obj, None, dst=dst, group=group)
+        return []
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+    return gathered
+
+
+def broadcast_object(obj: Any, group: Any, src: int = 0) -> Any:
+    """Global rank ``src``'s ``obj`` on every rank of the group."""
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def _has_reduce_scatter(group: Any) -> bool:
@@ -87,4 +164,15 @@ def all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group:
     return _AllToAll.apply(x, list(send_counts), list(recv_counts), group)
 
 
-__all__ = ["all_gather", "all_to_all"]
+__all__ = [
+    "all_gather",
+    "all_gather_object",
+    "all_gather_tensor",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast_object",
+    "exchange",
+    "gather_object",
+    "group_device",
+]
