@@ -70,6 +70,13 @@ def test_dense_layers_need_moe(plugins):
     check({"model": {"dense_layers": 1}}, plugins, "dense_layers is only meaningful with moe set")
 
 
+def test_bf16_residual_stream_needs_bf16_autocast(plugins):
+    check({"model": {"residual_dtype": "bf16"}}, plugins,
+          "r.toml: model.residual_dtype: 'bf16' needs train.bf16 = true (the forward in bf16 autocast); allowed without it: 'fp32'")
+    check({"model": {"residual_dtype": "fp16"}}, plugins, "r.toml: model.residual_dtype: Input should be 'fp32' or 'bf16'")
+    validate_recipe({"model": {"residual_dtype": "bf16"}, "train": {"bf16": True}}, plugins)
+
+
 def test_overrides():
     assert parse_override("train.lr=1e-3") == (["train", "lr"], 0.001)
     assert parse_override("model.layer_pattern=['a','b']") == (["model", "layer_pattern"], ["a", "b"])

@@ -13,7 +13,8 @@ from megaseq.testing import fresh_plugins
 
 def tiny_model(**model):
     plugins = fresh_plugins()
-    recipe = validate_recipe({"model": {"d_model": 16, "n_layers": 2, **model}, "attention": {"sdpa": {"n_heads": 2}}}, plugins)
+    raw = {"model": {"d_model": 16, "n_layers": 2, **model}, "attention": {"sdpa": {"n_heads": 2}}, "train": {"bf16": True}}
+    recipe = validate_recipe(raw, plugins)
     torch.manual_seed(0)
     return build_model(recipe, plugins)
 
@@ -131,3 +132,53 @@ def test_swiglu_gate_backward_is_bitwise_autograds():
     want = torch.autograd.grad(F.silu(leaves[0]) * leaves[1], leaves, grad)
     for x, y in zip(got, want, strict=True):
         assert torch.equal(x, y)
+
+
+def block_input_dtypes(model, tokens: torch.Tensor, autocast: bool) -> list[torch.dtype]:
+    seen: list[torch.dtype] = []
+    handles = [b.register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype)) for b in model.blocks]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(tokens)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def test_bf16_residual_stream_carries_bf16_block_inputs_under_autocast_only():
+    """model.residual_dtype = "bf16": under bf16 autocast every block's input is bf16, even after a component
+    that returns fp32 (the block casts its output into the stream); without autocast the model is fp32. The
+    fp32 stream (the default) is the wrong model this check must catch: its block inputs are fp32."""
+    tokens = torch.randint(0, 5, (2, 33))
+    bf16 = tiny_model(residual_dtype="bf16")
+    assert block_input_dtypes(bf16, tokens, autocast=True) == [torch.bfloat16] * 2
+    assert block_input_dtypes(bf16, tokens, autocast=False) == [torch.float32] * 2
+    assert block_input_dtypes(tiny_model(), tokens, autocast=True) == [torch.float32] * 2
+
+    class ReturnsFloat32(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+            return self.inner(x, ctx).float()
+
+    bf16.blocks[0].ffn = ReturnsFloat32(bf16.blocks[0].ffn)
+    assert block_input_dtypes(bf16, tokens, autocast=True) == [torch.bfloat16] * 2
+
+
+def test_bf16_residual_stream_loss_and_gradients_stay_near_the_fp32_stream():
+    """Same weights, same tokens, both under bf16 autocast: the stream's rounding (bf16 keeps 8 bits) moves
+    the loss by well under 1% and the gradient by a few percent of its norm, and keeps everything finite."""
+    tokens = torch.randint(0, 5, (2, 65), generator=torch.Generator().manual_seed(0))
+    results = []
+    for residual in ("fp32", "bf16"):
+        model = tiny_model(residual_dtype=residual)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = chunked_token_losses(model(tokens[:, :-1]), model.head_weight, tokens[:, 1:], 64).mean()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert torch.isfinite(loss) and torch.isfinite(grads).all()
+        results.append((loss.detach(), grads))
+    (loss32, grad32), (loss16, grad16) = results
+    assert abs(loss16 - loss32) <= 1e-2 * loss32
+    assert (grad16 - grad32).norm() <= 0.1 * grad32.norm()

@@ -142,6 +142,24 @@ def test_parallel_layout_divides_tokens():
     assert split.candidates[0].device_peak < one.candidates[0].device_peak
 
 
+def test_bf16_residual_stream_halves_the_streams_bytes():
+    """model.residual_dtype = "bf16" halves what the plan counts in the residual stream's dtype: the norms'
+    inputs of every layer, the final norm's input and the gradient stream (2 bytes less per value)."""
+    plugins = fresh_plugins()
+    base = ["train.bf16=true", "train.batch_size=1"]
+    d, n = 32, 4096  # tiny.toml's d_model; one window
+    machine = Machine("cpu", 64 * GiB, None)
+    fp32, bf16 = (
+        plan(load_recipe(TINY, plugins, [*base, f"model.residual_dtype='{r}'"]), plugins, seq_len=n, machine=machine,
+             policies="none").candidates[0]
+        for r in ("fp32", "bf16")
+    )
+    assert fp32.gradient_stream - bf16.gradient_stream == 3 * 2 * d * n
+    assert fp32.saved_by_kind["embedding+head"] - bf16.saved_by_kind["embedding+head"] == 2 * d * n
+    layers = sum(fp32.saved_by_kind.values()) - sum(bf16.saved_by_kind.values()) - 2 * d * n
+    assert layers == 2 * 2 * 2 * d * n  # two layers, two norms each
+
+
 def test_run_header_names_the_memory_policy():
     plugins = fresh_plugins()
     assert describe_memory_policy(load_recipe(TINY, plugins)) == "no memory policy"

@@ -56,6 +56,11 @@ class ModelConfig(Section):
     norm_eps: float = Field(1e-6, gt=0)
     vocab_size: int = Field(5, ge=2, description="5 for DNA (A C G T N)")
     tie_embeddings: bool = True
+    residual_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="the residual stream between blocks (and so the block inputs that recomputation keeps and "
+        "offloading moves) under train.bf16; bf16 halves those bytes, as megatron does by default",
+    )
 
     @model_validator(mode="after")
     def _dense_layers(self) -> ModelConfig:
@@ -221,6 +226,9 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         raise ConfigError(msg) from None
     except TypeError as exc:  # e.g. a section that is not a table
         raise ConfigError(f"{source}: {exc}") from None
+    if recipe.model.residual_dtype == "bf16" and not recipe.train.bf16:
+        raise ConfigError(f"{source}: model.residual_dtype: 'bf16' needs train.bf16 = true (the forward in bf16 "
+                          "autocast); allowed without it: 'fp32'")
 
     model = recipe.model
     used: dict[str, set[str]] = {kind: set() for kind in COMPONENT_SECTIONS.values()}

@@ -3,6 +3,12 @@
 The LM head is never applied to the whole sequence at once: :func:`chunked_token_losses` computes the
 per-token cross-entropy over chunks of tokens and recomputes each chunk's logits in backward, so full
 ``[T, vocab]`` logits never exist.
+
+The residual stream (the embedding's output and every block's input and output) is fp32 unless
+``model.residual_dtype = "bf16"``: then, in a forward under bf16 autocast (``train.bf16``: training and
+evaluation), the embedding's output is cast to bf16 and the blocks add their bf16 outputs to it in bf16, so
+what recomputation keeps and offloading moves per token is half as large. A forward without autocast (an
+inference engine's own dtype) is unchanged.
 """
 
 from __future__ import annotations
@@ -84,23 +90,26 @@ class Block(nn.Module):
         return self.feed(self.mix(x, ctx, cache), ctx)
 
     def mix(self, x: Tensor, ctx: ForwardContext, cache: Any | None = None) -> Tensor:
-        """The attention half: ``x + attention(norm(x))``."""
-        return x + self.attention(self.attn_norm(x), ctx, cache)
+        """The attention half: ``x + attention(norm(x))``, in the residual stream's dtype (``x``'s)."""
+        return x + self.attention(self.attn_norm(x), ctx, cache).to(x.dtype)
 
     def mix_tile(self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The attention half on one tile (the attention implements ``megaseq.contracts.SequenceTiling``)."""
         out, carry = self.attention.forward_tile(self.attn_norm(x), ctx, tile, history)
-        return x + out, carry
+        return x + out.to(x.dtype), carry
 
     def feed(self, h: Tensor, ctx: ForwardContext) -> Tensor:
-        """The feed-forward half: ``h + ffn(norm(h))``."""
-        return h + self.ffn(self.ffn_norm(h), ctx)
+        """The feed-forward half: ``h + ffn(norm(h))``, in the residual stream's dtype (``h``'s)."""
+        return h + self.ffn(self.ffn_norm(h), ctx).to(h.dtype)
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, blocks: list[Block], dims: ModelDims, norm: str, eps: float, tie: bool) -> None:
+    def __init__(
+        self, blocks: list[Block], dims: ModelDims, norm: str, eps: float, tie: bool, residual_bf16: bool = False
+    ) -> None:
         super().__init__()
         self.dims = dims
+        self.residual_bf16 = residual_bf16
         self.embed = nn.Embedding(dims.vocab_size, dims.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(blocks)
@@ -117,6 +126,8 @@ class LanguageModel(nn.Module):
         """Final hidden states ``[B, T, d_model]`` (normalised; apply :meth:`logits` or the chunked loss)."""
         ctx = ctx or ForwardContext()
         x = self.embed(tokens)
+        if self.residual_bf16 and torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == torch.bfloat16:
+            x = x.to(torch.bfloat16)
         for i, block in enumerate(self.blocks):
             x = block(x, ctx, None if caches is None else caches[i])
         return self.final_norm(x)
@@ -162,7 +173,7 @@ def build_model(recipe: Recipe, plugins: Plugins, dims: ModelDims | None = None)
         ffn_kind, ffn_name = m.ffn_of(layer)
         ffn = plugins.get(ffn_kind, ffn_name).load()(recipe.component(ffn_kind, ffn_name), dims, layer)
         blocks.append(Block(attn, ffn, m.d_model, m.norm, m.norm_eps, names=(attn_name, ffn_kind, ffn_name)))
-    return LanguageModel(blocks, dims, m.norm, m.norm_eps, m.tie_embeddings)
+    return LanguageModel(blocks, dims, m.norm, m.norm_eps, m.tie_embeddings, residual_bf16=m.residual_dtype == "bf16")
 
 
 def describe(model: LanguageModel) -> str:

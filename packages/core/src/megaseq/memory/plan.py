@@ -11,7 +11,7 @@ per micro-batch per data-parallel rank times ``seq_len / cp``):
     device peak = runtime + weights + gradients + optimizer state (unless on host)
                 + sum over layers of what the layer keeps between forward and backward
                 + the most any one layer re-creates while its backward runs (recomputation)
-                + the gradient stream (GRAD_STREAM x N x d_model x 4) + the largest temporary buffer
+                + the gradient stream (GRAD_STREAM x N x d_model x 4, or x 2 in bf16) + the largest temporary buffer
 
 What a layer keeps, per token (``a``, ``f``: the attention's and feed-forward's ``saved_per_token``, ``o``:
 the block's two norms, ``x``: the block input, d_model x 4 bytes):
@@ -29,8 +29,9 @@ each part's backward runs, what that part saved (``a N`` beside the attention's 
 feed-forward's), so the parts that are not recomputed peak at their saved bytes plus their temporary. Tensor
 parallelism divides the attention's and dense feed-forward's parameters and activations by ``tp``; expert
 parallelism is the MoE component's own business (``ModelDims.ep_size``), ``etp`` divides expert weights.
-Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved; the residual stream and
-the block inputs stay fp32, as in the trainer.
+Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved; the residual stream (the
+block inputs ``x``, the norms' inputs, the gradient stream) is fp32 unless ``model.residual_dtype = "bf16"``
+(``megaseq.model``), which halves those bytes too.
 
 Where this is wrong and by how much: ``benchmarks/plan_accuracy.py`` measures it (``docs/results.md``, "The
 planner's accuracy").
@@ -60,14 +61,16 @@ GiB = 2**30
 CPU_RUNTIME_BYTES = int(0.378 * GiB)
 # The CUDA context, cuBLAS workspaces and allocator slack of one GPU process (an assumption, not measured here).
 CUDA_RUNTIME_BYTES = int(2.0 * GiB)
-# Gradients with respect to hidden states alive at once during backward, in units of N x d_model x 4 bytes.
+# Gradients with respect to hidden states alive at once during backward, in units of N x d_model values of the
+# residual stream.
 GRAD_STREAM = 3
-# Per token outside the blocks: the final norm (its input, d_model floats, and rstd, 4 bytes), its output kept
-# for the chunked loss (d_model floats), and the inputs, targets, weights and per-token losses (8 + 8 + 4 + 4).
-HEAD_FLOATS, HEAD_BYTES = 2, 28
-# What each RMSNorm keeps per token: its input (d_model floats) and rstd (NORM_BYTES); the normalised output
-# is recomputed in backward (``megaseq.model.RMSNorm``).
-NORM_FLOATS, NORM_BYTES = 1, 4
+# Per token outside the blocks: the final norm (its input, d_model values of the residual stream, and rstd,
+# 4 bytes), its fp32 output kept for the chunked loss (d_model floats), and the inputs, targets, weights and
+# per-token losses (8 + 8 + 4 + 4).
+HEAD_BYTES = 28
+# What each RMSNorm keeps per token: its input (d_model values of the residual stream) and rstd (NORM_BYTES);
+# the normalised output is recomputed in backward (``megaseq.model.RMSNorm``).
+NORM_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -372,8 +375,8 @@ def estimate(
     effects = [p.effect for p in policies]
     offload_min = min((e.offload_min_bytes for e in effects if e.offload_min_bytes is not None), default=None)
     act = 0.5 if t.bf16 else 1.0  # components report fp32 bytes; autocast keeps most activations in bf16
-    x = 4 * m.d_model  # block input: the fp32 residual stream
-    norms = 2 * (NORM_FLOATS * 4 * m.d_model + NORM_BYTES)
+    x = (2 if m.residual_dtype == "bf16" else 4) * m.d_model  # block input: one token of the residual stream
+    norms = 2 * (x + NORM_BYTES)
     rows = tokens // length  # sequences per micro-batch on this device
 
     runtime = machine.runtime_bytes + (training_data_bytes(recipe) if machine.kind == "cpu" else 0)
@@ -445,7 +448,7 @@ def estimate(
         out.disk = offloaded
     else:
         out.host += offloaded
-    head = (HEAD_FLOATS * 4 * m.d_model + HEAD_BYTES) * tokens
+    head = (x + 4 * m.d_model + HEAD_BYTES) * tokens
     out.saved_by_kind["embedding+head"] = int(head)
     out.gradient_stream = GRAD_STREAM * x * tokens
     loss_chunk = min(t.loss_chunk, tokens)
