@@ -14,8 +14,9 @@ from megaseq.config import TrainConfig
 from megaseq.errors import TrainingDiverged
 from megaseq.hookspecs import hookimpl
 from megaseq.plugins import Plugins
+from megaseq.train.optimizer import make_optimizer
 from megaseq.train.schedule import lr_factor
-from megaseq.train.step import OptimizerStep, make_optimizer
+from megaseq.train.step import OptimizerStep
 
 
 class Recorder:

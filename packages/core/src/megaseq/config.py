@@ -95,6 +95,18 @@ class TrainConfig(Section):
         1.0, ge=0, description="max global grad norm, applied before every optimizer update; 0 disables clipping"
     )
     bf16: bool = Field(False, description="bf16 autocast for the forward (weights and optimizer stay fp32)")
+    optimizer_state: Literal["device", "host"] = Field(
+        "device",
+        description="where AdamW's moments (and fp32 master weights of parameters that are not fp32) live and the "
+        "update runs: beside the parameters, or in host memory on the CPU (megaseq.train.optimizer.HostAdamW); on a "
+        "CPU run the same memory either way",
+    )
+    optimizer_shard: bool = Field(
+        False,
+        description="ZeRO-1: each of the dp x cp ranks keeps and updates the optimizer state of its share of the "
+        "parameters (torch ZeroRedundancyOptimizer); checkpointed per rank, resumable under any layout; not with "
+        "parallel.ep > 1",
+    )
     loss_chunk: int = Field(4096, ge=1, description="tokens per chunk of the LM-head + loss computation")
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="steps between held-out evals during training; 0 = only at the end")

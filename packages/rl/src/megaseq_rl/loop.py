@@ -63,8 +63,9 @@ from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
 from megaseq.train.interrupt import Interrupted, StopRequests
 from megaseq.train.metrics import MetricsLogger
+from megaseq.train.optimizer import make_optimizer
 from megaseq.train.state import StepInfo
-from megaseq.train.step import OptimizerStep, apply_memory_policies, make_optimizer
+from megaseq.train.step import OptimizerStep, apply_memory_policies
 from megaseq.train.trainer import freeze_except, pick_device, seed_everything
 from megaseq_rl.policy import completion_terms, load_policy
 from megaseq_rl.recipe import RLRecipe
@@ -98,6 +99,9 @@ class RLRun:
             raise ValueError(f"the process groups are laid out as {p.layout}, the RL recipe as dp={recipe.parallel.dp}")
         self.progress = progress and p.is_main
         s, t = recipe.sampling, recipe.train
+        if t.optimizer_shard:
+            raise UserError(f"{recipe.source}: train.optimizer_shard: the RL loop keeps one whole optimizer state, "
+                            "which rank 0 checkpoints; remove it (train.optimizer_state = 'host' is supported)")
         seed_everything(recipe.run.seed)
         self.checkpoint, self.policy_recipe, self.model = load_policy(recipe.policy.checkpoint, plugins)
         self.device = pick_device(recipe.run.device)

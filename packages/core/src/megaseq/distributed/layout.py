@@ -86,6 +86,11 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             f"{where}: ep {layout.ep} does not divide dp x cp = {layout.world_size} "
             f"(expert-parallel groups are cut from the data- and context-parallel ranks)"
         )
+    if layout.ep > 1 and recipe.train.optimizer_shard:
+        raise UserError(
+            f"{where}: train.optimizer_shard cannot shard expert-parallel parameters (each ep rank holds different "
+            f"experts); set train.optimizer_shard = false or parallel.ep = 1"
+        )
     if layout.ep > 1 and recipe.model.moe is None:
         raise UserError(f"{where}: ep {layout.ep} > 1 but model.moe is not set: there are no experts to share")
 

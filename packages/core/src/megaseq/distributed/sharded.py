@@ -7,10 +7,13 @@ A checkpoint directory (published whole, with its manifest, by ``megaseq.train.c
   weights with their names (``optimizer_param_names``): written by rank 0;
 - under expert parallelism, ``experts/ep{r}.safetensors`` and ``experts/ep{r}.pt``: the expert blocks of
   EP rank ``r`` and their optimizer state by name, written by one rank holding them;
+- with ``train.optimizer_shard`` (ZeRO-1, ``megaseq.train.optimizer``), ``optimizer/rank{r}.pt``: rank ``r``'s
+  optimizer state with its parameter names, and ``state.pt`` holds no optimizer state but the number of shards;
 - ``meta.json`` records the ``layout`` and the ``expert_dims`` (``megaseq.distributed.experts``).
 
-Reading joins the expert blocks into the whole model's state and cuts it for the reader's layout, so a run
-saved with ``ep=2`` resumes with ``ep=1`` (or any other layout) and ``megaseq eval`` reads any checkpoint.
+Reading joins the expert blocks (and the optimizer shards) into the whole model's state and cuts it for the
+reader's layout, so a run saved with ``ep=2`` resumes with ``ep=1`` (or any other layout), a sharded optimizer
+state resumes under any number of ranks, sharded or not, and ``megaseq eval`` reads any checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def expert_files(ep_rank: int) -> tuple[str, str]:
     return f"experts/ep{ep_rank}.safetensors", f"experts/ep{ep_rank}.pt"
 
 
+def optimizer_shard_file(rank: int) -> str:
+    """Name (inside a checkpoint) of rank ``rank``'s optimizer shard (``train.optimizer_shard``)."""
+    return f"optimizer/rank{rank}.pt"
+
+
 def _saved_layout(meta: Mapping[str, Any]) -> tuple[int, dict[str, int]]:
     return int(meta.get("layout", {}).get("ep", 1)), dict(meta.get("expert_dims", {}))
 
@@ -51,14 +59,26 @@ def write_shard(
     expert_dims: Mapping[str, int],
     ep_rank: int,
     writes_experts: bool,
+    shard: tuple[int, int] | None = None,
 ) -> list[str]:
     """Write this rank's files into the staging directory; returns their names (for the manifest).
 
     ``run_state`` is given to the one rank that writes ``model.safetensors`` and ``state.pt`` (rank 0);
-    ``writes_experts`` to one rank of each EP rank's holders.
+    ``writes_experts`` to one rank of each EP rank's holders. ``shard = (rank, ranks)``: ``optimizer`` holds
+    only this rank's share of the state (ZeRO-1, no expert parallelism), written to its own file.
     """
     written = []
     saved = optimizer.state_dict()
+    if shard is not None:
+        rank, ranks = shard
+        (staged / "optimizer").mkdir(exist_ok=True)
+        torch.save({"optimizer": saved, "optimizer_param_names": param_names}, staged / optimizer_shard_file(rank))
+        written.append(optimizer_shard_file(rank))
+        if run_state is not None:
+            save_model(model, str(staged / "model.safetensors"))
+            torch.save({**run_state, "optimizer_shards": ranks}, staged / "state.pt")
+            written += ["model.safetensors", "state.pt"]
+        return written
     index_of = {name: i for group, names in zip(saved["param_groups"], param_names, strict=True)
                 for i, name in zip(group["params"], names, strict=True)}
     if run_state is not None:
@@ -100,7 +120,10 @@ def local_optimizer_state(
     path: Path, meta: Mapping[str, Any], state: Mapping[str, Any], dims: Mapping[str, int], ep_rank: int, ep_size: int
 ) -> tuple[dict[str, Any], list[list[str]]]:
     """``(optimizer state dict, its parameter names)`` as ``megaseq.train.checkpoint.load_optimizer`` takes
-    them, with every expert tensor's state joined from the saved blocks and cut for EP rank ``ep_rank``."""
+    them, with every expert tensor's state joined from the saved blocks and cut for EP rank ``ep_rank``, and
+    the shards of a sharded optimizer state joined."""
+    if "optimizer_shards" in state:
+        return _join_optimizer_shards(path, state["optimizer_shards"])
     saved, names = copy.copy(state["optimizer"]), state["optimizer_param_names"]
     saved["state"] = dict(saved["state"])
     index_of = {name: i for group, group_names in zip(saved["param_groups"], names, strict=True)
@@ -122,3 +145,24 @@ def local_optimizer_state(
                 for key, value in saved["state"][index_of[name]].items()
             }
     return saved, names
+
+
+def _join_optimizer_shards(path: Path, ranks: int) -> tuple[dict[str, Any], list[list[str]]]:
+    """The whole optimizer state (and its parameter names) from the ``ranks`` files of a sharded one."""
+    parts = [torch.load(path / optimizer_shard_file(r), weights_only=False) for r in range(ranks)]
+    groups = parts[0]["optimizer"]["param_groups"]
+    names: list[list[str]] = [[] for _ in groups]
+    state: dict[int, Any] = {}
+    index = 0
+    for g in range(len(groups)):
+        for part in parts:
+            saved = part["optimizer"]
+            for i, name in zip(saved["param_groups"][g]["params"], part["optimizer_param_names"][g], strict=True):
+                names[g].append(name)
+                if i in saved["state"]:
+                    state[index] = saved["state"][i]
+                index += 1
+    start = [sum(len(n) for n in names[:g]) for g in range(len(groups))]
+    joined = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(range(s, s + len(n)))}
+              for group, s, n in zip(groups, start, names, strict=True)]
+    return {"state": state, "param_groups": joined}, names

@@ -3,7 +3,7 @@
 :func:`train_under_layouts` runs inside ``run_gloo`` workers (it must be importable, hence here): for each
 layout in turn it creates the process groups with megatron-core, trains ``steps`` optimizer steps, and
 returns per step the logged metrics and the tokens, and at the end the whole model's weights (expert blocks
-gathered). :func:`train_single` is the same in this process with no group. :func:`assert_same_run`
+gathered); :func:`resume_under_layout` continues a saved run under a layout. :func:`train_single` is the same in this process with no group. :func:`assert_same_run`
 compares two such results: loss, tokens, gradient norm, every logged metric and the updated weights.
 """
 
@@ -66,6 +66,18 @@ def train_under_layouts(
     return results
 
 
+def resume_under_layout(rank: int, world: int, raw: dict[str, Any], layout: Layout, out_dir: str, steps: int) -> dict[str, Any]:
+    """Resume the run in ``out_dir`` under ``layout`` (inside ``run_gloo`` workers) and train ``steps`` more steps."""
+    parallel = init_process_groups(layout)
+    try:
+        trainer = Trainer(_recipe(raw, layout, Path(out_dir)), installed_plugins(), parallel=parallel, progress=False, tensorboard=False)
+        if not trainer.resume():
+            raise RuntimeError(f"no checkpoint to resume in {out_dir}")
+        return _train(trainer, steps)
+    finally:
+        destroy_process_groups()
+
+
 def assert_same_run(
     actual: dict[str, Any], expected: dict[str, Any], rtol: float, what: str, layout_metrics: frozenset[str] = frozenset()
 ) -> None:
@@ -84,4 +96,4 @@ def assert_same_run(
         assert_close(actual["weights"][name], value, rtol, f"{what}: updated {name}")
 
 
-__all__ = ["UNCOMPARED", "assert_same_run", "single_trainer", "train_single", "train_under_layouts"]
+__all__ = ["UNCOMPARED", "assert_same_run", "resume_under_layout", "single_trainer", "train_single", "train_under_layouts"]

@@ -22,8 +22,8 @@ A loop drives it as::
 A loop may call ``update`` several times between ``start`` and ``end`` (the RL loop's
 ``update.updates_per_step`` optimizer steps on one batch of rollouts); the hooks run once per loop step.
 
-The optimizer is AdamW with weight decay on matrices only (:func:`make_optimizer`): norms, biases and gates
-keep their scale. The learning rate follows :func:`megaseq.train.schedule.lr_factor`.
+The optimizer is AdamW with weight decay on matrices only (``megaseq.train.optimizer.make_optimizer``): norms,
+biases and gates keep their scale; its state on the device or in host memory, whole or sharded (ZeRO-1). The learning rate follows :func:`megaseq.train.schedule.lr_factor`.
 """
 
 from __future__ import annotations
@@ -46,14 +46,6 @@ from megaseq.records import ComponentConfig
 from megaseq.train.metrics import peak_memory_gib
 from megaseq.train.schedule import lr_factor
 from megaseq.train.state import StepInfo
-
-
-def make_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the trained parameters: group 0 the matrices (decayed), group 1 the rest (not decayed)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas)
 
 
 def apply_memory_policies(

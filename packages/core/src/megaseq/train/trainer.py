@@ -53,7 +53,8 @@ from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
 from megaseq.train.interrupt import Interrupted, StopRequests
 from megaseq.train.metrics import MetricsLogger
-from megaseq.train.step import OptimizerStep, apply_memory_policies, make_optimizer
+from megaseq.train.optimizer import local_optimizer, make_optimizer
+from megaseq.train.step import OptimizerStep, apply_memory_policies
 from megaseq.train.totals import StepTotals
 
 
@@ -171,7 +172,7 @@ class Trainer:
             heap.trim_at_block_boundaries(self.model.blocks)
         if recipe.train.trainable is not None:
             freeze_except(self.model, recipe.train.trainable, recipe.source)
-        self.optimizer = make_optimizer(self.model, recipe.train)
+        self.optimizer = make_optimizer(self.model, recipe.train, self.parallel)
         self.optimizer_step = OptimizerStep(
             self.optimizer, recipe.train, self.model, plugins, self.parallel, policies, self.expert_params
         )
@@ -204,15 +205,17 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "plugins": self.plugins.hooks.checkpoint_save(self.model),
         }
+        local = local_optimizer(self.optimizer)
         written = write_shard(
             staged,
             self.model,
-            self.optimizer,
-            checkpoint.optimizer_param_names(self.optimizer, self.model),
+            local,
+            checkpoint.optimizer_param_names(local, self.model),
             run_state if p.is_main else None,
             self.expert_dims,
             p.ep_rank,
             writes_experts=p.expert_dp_rank == 0,  # one copy of each expert block
+            shard=(p.rank, p.layout.world_size) if self.recipe.train.optimizer_shard else None,
         )
         described = p.gather_on_main(checkpoint.file_entries(staged, written))  # every rank hashes its own files
         path = self.checkpoint_root / checkpoint.step_name(self.step)
@@ -260,7 +263,10 @@ class Trainer:
         state = resumed.state
         names = checkpoint.optimizer_param_names(self.optimizer, self.model)
         saved, saved_names = local_optimizer_state(resumed.path, resumed.meta, state, self.expert_dims, p.ep_rank, p.layout.ep)
-        carried = checkpoint.load_optimizer(self.optimizer, saved, saved_names, names)
+        local = local_optimizer(self.optimizer)  # a shard of the state takes its tensors by name
+        checkpoint.load_optimizer(local, saved, saved_names, checkpoint.optimizer_param_names(local, self.model))
+        trained, saved_trained = {n for g in names for n in g}, {n for g in saved_names for n in g}
+        carried = len(trained & saved_trained) if trained != saved_trained else None
         self.optimizer_step.set_hyperparameters()
         sampler = state["sampler"]
         window_order_kept = (sampler["n_windows"], sampler["seed"]) == (self.sampler.n_windows, self.sampler.seed)

@@ -1,0 +1,82 @@
+"""ZeRO-1 and the host optimizer under data parallelism equal one process with torch.optim.AdamW.
+
+Two gloo ranks (dp=2) train with the optimizer state sharded (``train.optimizer_shard``), in device memory and
+in host memory (``train.optimizer_state = "host"``), and must reach the weights of the one-process run with
+the default optimizer (fp32, 1e-6 relative). The sharded checkpoint (``optimizer/rank{r}.pt``) resumes in one
+process without sharding, and a one-process sharded checkpoint resumes on two sharded ranks: both continue
+exactly where the one-process run is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
+
+from megaseq.distributed.layout import Layout
+from megaseq.testing.distributed import run_gloo
+from megaseq.testing.layouts import (
+    assert_same_run,
+    resume_under_layout,
+    single_trainer,
+    train_single,
+    train_under_layouts,
+)
+
+RTOL = 1e-6
+TINY = {
+    "run": {"name": "t", "device": "cpu"},
+    "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 64},
+    "model": {"d_model": 16, "n_layers": 2},
+    "attention": {"sdpa": {"n_heads": 2}},
+    "train": {"steps": 6, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 50},
+    "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+}
+
+
+def _with(**train):
+    return {**TINY, "train": {**TINY["train"], **train}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEGASEQ_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The one-process run with the default optimizer: its first two steps, then two more."""
+    trainer = single_trainer(TINY, tmp_path_factory.mktemp("single"))
+    return train_single(trainer, 2), train_single(trainer, 2)
+
+
+@pytest.mark.parametrize("state", ["device", "host"])
+def test_sharded_on_two_ranks_equals_one_process_and_resumes_unsharded(tmp_path, single, state):
+    first_two, next_two = single
+    raw = _with(optimizer_shard=True, optimizer_state=state)
+    [result] = run_gloo(2, train_under_layouts, raw, [Layout(dp=2)], str(tmp_path), 2, True)[0]
+    assert_same_run(result, first_two, RTOL, f"dp=2, optimizer_shard, {state}")
+
+    saved = Path(result["checkpoint"])
+    assert sorted(p.name for p in (saved / "optimizer").iterdir()) == ["rank0.pt", "rank1.pt"]
+    shards = [{n for g in torch.load(saved / "optimizer" / f"rank{r}.pt")["optimizer_param_names"] for n in g} for r in (0, 1)]
+    assert shards[0] and shards[1] and not shards[0] & shards[1]  # each rank holds its own share of the state
+    assert shards[0] | shards[1] == set(result["weights"])
+    resumed = single_trainer(TINY, saved.parents[1])  # one process, whole optimizer on the device
+    assert resumed.resume() and resumed.step == 2
+    assert_same_run(train_single(resumed, 2), next_two, RTOL, f"dp=2 sharded ({state}) resumed on one process")
+
+
+def test_one_process_checkpoint_resumes_sharded_on_two_ranks(tmp_path, single):
+    first_two, next_two = single
+    raw = _with(optimizer_shard=True)
+    trainer = single_trainer(raw, tmp_path)
+    assert_same_run(train_single(trainer, 2), first_two, RTOL, "one process, optimizer_shard")
+    assert (trainer.save() / "optimizer" / "rank0.pt").is_file()
+    ranks = run_gloo(2, resume_under_layout, raw, Layout(dp=2), str(tmp_path), 2)
+    assert_same_run(ranks[0], next_two, RTOL, "one-process sharded checkpoint resumed on dp=2")
