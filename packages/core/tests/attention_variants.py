@@ -7,6 +7,7 @@ rebuild them. Each variant changes one thing of ``ToyAttention`` and is caught b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.documents import Documents
 from megaseq.parallel import gather_sequence
-from megaseq.records import ModelDims
+from megaseq.records import MemoryEstimate, ModelDims
 
 
 @dataclass
@@ -76,10 +77,15 @@ class ToyAttention(nn.Module):
             k, v = self.keys(k, v, ctx.cp, documents)
         else:
             q_pos = k_pos = torch.arange(t, device=device)
-        return self.output(self.attend(q, k, v, self.mask(q_pos, k_pos, documents)))
+        out = self.output(self.attend(q, k, v, self.mask(q_pos, k_pos, documents)))
+        self.log_metrics(ctx, out)
+        return out
 
     def output(self, hidden: Tensor) -> Tensor:
         return self.out(hidden)
+
+    def log_metrics(self, ctx: ForwardContext, out: Tensor) -> None:
+        ctx.log("toy/out_abs", out.abs().mean())  # a per-token mean over this call's tokens
 
 
 # --- shape and dtype -----------------------------------------------------------------------------------
@@ -120,6 +126,72 @@ class ForgetfulCache(ToyAttention):
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: Cache | None = None) -> Tensor:
         return super().forward(x, ctx, None if cache is None else self.init_cache(x.shape[0], device=x.device, dtype=x.dtype))
+
+
+class OneTokenSteps(ToyAttention):
+    """Decoding steps place all their queries at the step's last position: right for one new token, but the
+    queries of a step of several tokens see the tokens after them."""
+
+    def mask(self, q_pos: Tensor, k_pos: Tensor, documents: Documents | None) -> Tensor:
+        if len(q_pos) < len(k_pos):  # a decoding step after a prefill
+            q_pos = q_pos[-1:].expand_as(q_pos)
+        return super().mask(q_pos, k_pos, documents)
+
+
+# --- two forwards before one backward ------------------------------------------------------------------
+
+
+class StashesOutputInput(ToyAttention):
+    """A hand-written output projection that keeps its input on the module for its backward: a second
+    forward before the backward overwrites it."""
+
+    def output(self, hidden: Tensor) -> Tensor:
+        self.stash = hidden.detach()
+        return _StashedLinear.apply(hidden, self.out.weight, self)
+
+
+class _StashedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, weight: Tensor, module: StashesOutputInput) -> Tensor:  # type: ignore[override]
+        ctx.module, ctx.weight = module, weight.detach()
+        return F.linear(h, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        h = ctx.module.stash
+        return grad @ ctx.weight, grad.reshape(-1, grad.shape[-1]).t() @ h.reshape(-1, h.shape[-1]), None
+
+
+# --- memory estimates ----------------------------------------------------------------------------------
+
+
+def sdpa(config: dict[str, Any], dims: ModelDims, layer_idx: int) -> nn.Module:
+    """Core's ``sdpa`` built from a plain config, to pair with the estimates below."""
+    from megaseq.builtins.config import SDPAConfig
+    from megaseq.builtins.sdpa import build
+
+    return build(SDPAConfig(**config), dims, layer_idx)
+
+
+def sdpa_memory_third(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """A third of what ``sdpa`` keeps for backward: the estimate an author writes who forgot the projections."""
+    from megaseq.builtins.config import SDPAConfig
+    from megaseq.builtins.sdpa import memory_estimate
+
+    estimate = memory_estimate(SDPAConfig(**config), dims, seq_len)
+    return dataclasses.replace(estimate, saved_per_token=estimate.saved_per_token / 3)
+
+
+def toy_memory_at_64(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """``ToyAttention``'s bytes kept for backward, measured at 64 tokens and divided by 64: right there, but
+    the toy keeps its ``[T, T]`` attention probabilities, which grow faster than the tokens."""
+    from megaseq.testing.checks import saved_bytes
+
+    torch.manual_seed(0)
+    module = ToyAttention(config, dims, 0)
+    x = torch.randn(1, 64, dims.d_model, requires_grad=True)
+    count, _ = saved_bytes(lambda: module(x, ForwardContext()), (x,), tuple(module.parameters()))
+    return MemoryEstimate(parameters=0, saved_per_token=count / 64)
 
 
 # --- gradients -----------------------------------------------------------------------------------------
@@ -242,6 +314,14 @@ class SkipsGatherWhenUnneeded(ToyAttention):
                 local[1][:, start:end] = v[:, i * n : (i + 1) * n]
             return local
         return k_all, v_all
+
+
+class SumsMetric(ToyAttention):
+    """Logs a sum over its tokens where the contract asks for a per-token mean: each rank's share of the
+    sum, so the mean over ranks is the single rank's value divided by the ranks."""
+
+    def log_metrics(self, ctx: ForwardContext, out: Tensor) -> None:
+        ctx.log("toy/out_abs", out.abs().sum())
 
 
 class OptOutRaises(ToyAttention):

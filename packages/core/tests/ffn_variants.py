@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
-from megaseq.records import ModelDims
+from megaseq.records import MemoryEstimate, ModelDims
 
 
 class ToyFFN(nn.Module):
@@ -81,3 +81,38 @@ class ReadsBoundariesEveryLayer(ToyFFN):
         if ctx.cu_seqlens is not None:
             ForwardContext(cu_seqlens=ctx.cu_seqlens).documents  # noqa: B018 - a host read per layer
         return super().forward(x, ctx)
+
+
+def toy_memory(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """``ToyFFN``'s estimate: autograd keeps the input (``w1``'s backward) and ``tanh``'s output (its own
+    backward and ``w2``'s), ``d + 2d`` fp32 values per token."""
+    return MemoryEstimate(parameters=4 * (4 * dims.d_model**2 + 3 * dims.d_model), saved_per_token=4 * 3 * dims.d_model)
+
+
+def toy_memory_third(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """3x below what autograd keeps (it forgot the hidden activations and half the input)."""
+    estimate = toy_memory(config, dims, seq_len)
+    return MemoryEstimate(parameters=estimate.parameters, saved_per_token=estimate.saved_per_token / 3)
+
+
+class StashesInput(ToyFFN):
+    """A hand-written second layer that keeps its input on the module for its backward: a second forward
+    before the backward overwrites it, so the first forward's weight gradient uses the second's input."""
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        h = self.hidden(x)
+        self.stash = h.detach()
+        return _StashedLinear.apply(h, self.w2.weight, self.w2.bias, self)
+
+
+class _StashedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, weight: Tensor, bias: Tensor, module: StashesInput) -> Tensor:  # type: ignore[override]
+        ctx.module, ctx.weight = module, weight.detach()
+        return F.linear(h, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
+        h = ctx.module.stash
+        flat, hflat = grad.reshape(-1, grad.shape[-1]), h.reshape(-1, h.shape[-1])
+        return grad @ ctx.weight, flat.t() @ hflat, flat.sum(0), None

@@ -201,3 +201,30 @@ class OverflowingRouter(LoopMoE):
             indices = probs.topk(self.top_k, dim=-1).indices
         chosen = probs.gather(-1, indices)
         return indices, chosen / chosen.sum(-1, keepdim=True)
+
+
+def softmax_given_weights(module: LoopMoE, x: Tensor, indices: Tensor) -> Tensor:
+    """``LoopMoE``'s weights of given experts, written apart from its ``route``: softmax of the router's logits
+    at those experts, renormalised over them."""
+    logits = x @ module.router.weight.t()
+    chosen = torch.exp(logits - logits.logsumexp(-1, keepdim=True)).gather(-1, indices)
+    return chosen / chosen.sum(-1, keepdim=True)
+
+
+class OwnWeightsForGiven(LoopMoE):
+    """Given experts from outside, returns the weights of the router's own top-k instead of theirs."""
+
+    def route(self, x: Tensor, indices: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        own, weights = super().route(x)
+        return (own if indices is None else indices), weights
+
+
+class LastChunkLoad(LoopMoE):
+    """Counts the load chunk by chunk and keeps the last chunk's count only."""
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        out = super().forward(x, ctx)
+        if self.training and self.chunk_tokens is not None:
+            indices, _ = self.route(x.reshape(-1, x.shape[-1])[-self.chunk_tokens :])
+            self.last_load = torch.bincount(indices.reshape(-1), minlength=self.n_experts)
+        return out

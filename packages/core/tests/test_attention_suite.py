@@ -40,7 +40,7 @@ class TestOptOut(AttentionConformance):
     # only the opt-out check differs from TestToyAttention
     test_shape_and_dtype = test_causal = test_packed_equals_separate = test_decode_equals_forward = None
     test_gradients = test_deterministic = test_zero_input = test_padding_document = None
-    test_one_host_sync_per_batch = None
+    test_one_host_sync_per_batch = test_two_forwards_one_backward = test_memory_estimate = None
 
 
 CAUGHT = [
@@ -48,6 +48,9 @@ CAUGHT = [
     ("PeeksAhead", "test_causal", "outputs before the change"),
     ("CrossesDocuments", "test_packed_equals_separate", "packed output"),
     ("ForgetfulCache", "test_decode_equals_forward", "decode"),
+    ("OneTokenSteps", "test_decode_equals_forward", "decode in steps of 3, 1, 5, 2 tokens"),
+    ("StashesOutputInput", "test_two_forwards_one_backward", "two forwards before one backward, gradient of out.weight"),
+    ("SumsMetric", "test_context_parallel", "metric 'toy/out_abs' \\(mean over ranks\\)"),
     ("DetachedProjection", "test_gradients", "gradient of qkv.weight"),
     ("FrozenByData", "test_gradients", "out.weight receives no gradient"),
     ("WrongBackward", "test_gradients", "gradient of the input"),
@@ -74,3 +77,25 @@ def test_suite_catches(variant: str, test: str, message: str, monkeypatch: pytes
 
     with pytest.raises((AssertionError, pytest.fail.Exception), match=message):
         getattr(Suite(), "test_context_parallel" if test == "opt-out" else test)()
+
+
+@pytest.mark.parametrize(
+    ("factory_name", "memory", "message"),
+    [
+        ("sdpa", "sdpa_memory_third", r"at 64 tokens .* \(0.33x"),
+        ("ToyAttention", "toy_memory_at_64", r"at 256 tokens .* \(0\.5\dx"),
+    ],
+)
+def test_suite_holds_the_memory_estimate(factory_name: str, memory: str, message: str) -> None:
+    """A 3x underestimate, and a per-token estimate right at one length of a component whose saved bytes grow
+    as the square of the tokens (caught at the second length)."""
+
+    class Suite(AttentionConformance):
+        name = factory_name
+        config = {"n_heads": 2} if factory_name == "sdpa" else {}
+        factory = globals()["factory"](factory_name)
+
+    Suite.memory = globals()["factory"](memory)
+    with pytest.raises(AssertionError, match=message):
+        Suite().test_memory_estimate()
+

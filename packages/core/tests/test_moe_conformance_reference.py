@@ -8,12 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from megaseq.testing import load_factory
 from megaseq.testing.moe import MoEConformance
 
 VARIANTS = Path(__file__).with_name("moe_variants.py")
 
 
-class TestLoopMoEConformance(MoEConformance):
+class LoopSuite(MoEConformance):
+    def given_weights(self, module, x, indices):
+        return load_factory(f"{VARIANTS}:softmax_given_weights")(module, x, indices)
+
+
+class TestLoopMoEConformance(LoopSuite):
     name = "loop-reference"
     factory = f"{VARIANTS}:LoopMoE"
 
@@ -30,12 +36,14 @@ CAUGHT = [
     ("DetachedExpertMoE", "test_gradients", "receives no gradient"),
     ("NoisyRouterMoE", "test_deterministic", "global random generator"),
     ("NormalisedRouterMoE", "test_zero_input", "non-finite output"),
+    ("OwnWeightsForGiven", "test_route_given_experts", "weights vs given_weights"),
+    ("LastChunkLoad", "test_load_stats", "with chunk_tokens=1"),
 ]
 
 
 @pytest.mark.parametrize(("variant", "test", "message"), CAUGHT, ids=[f"{v}-{t}" for v, t, _ in CAUGHT])
 def test_suite_catches(variant: str, test: str, message: str) -> None:
-    class Suite(MoEConformance):
+    class Suite(LoopSuite):
         name = variant
         factory = f"{VARIANTS}:{variant}"
 
@@ -46,7 +54,7 @@ def test_suite_catches(variant: str, test: str, message: str) -> None:
 def test_dense_reference_misses_a_detached_expert() -> None:
     """The reason for the finite-difference check: the dense reference shares the module's mistake."""
 
-    class Suite(MoEConformance):
+    class Suite(LoopSuite):
         name = "DetachedExpertMoE"
         factory = f"{VARIANTS}:DetachedExpertMoE"
 

@@ -37,6 +37,7 @@ class PrefixMean(nn.Module):
     ignore_history = False
     local_positions = False
     tile_normalised_loss = False
+    view_carry = False
 
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -55,19 +56,22 @@ class PrefixMean(nn.Module):
         positions = torch.arange(start, start + t)
         doc_start = self._doc_start(positions - start if self.local_positions else positions, ctx)
         running = carry[0] if carry is not None else v.new_zeros(b, d)
-        outs, sums = [], running
+        outs, sums, all_sums = [], running, []
         for i in range(t):
             pos = int(positions[i])
             if pos == int(doc_start[i]) + (start if self.local_positions else 0):
                 sums = v.new_zeros(b, d)
             sums = sums + v[:, i]
+            all_sums.append(sums)
             count = pos - int(doc_start[i]) - (start if self.local_positions else 0) + 1
             outs.append(sums / count)
         out = self.outp(torch.stack(outs, 1))
         norm = b * (t if self.tile_normalised_loss else seq_len)
         ctx.add_loss("prefix_mean_aux", 0.1 * out.square().sum() / norm)
         ctx.log("prefix_mean_abs", out.abs().mean())
-        return out, (sums, torch.zeros(()))
+        if self.view_carry:  # the last running sum as a view of all of the tile's running sums
+            sums = torch.stack(all_sums, 1)[:, -1]
+        return out, (sums,)
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: Any = None) -> Tensor:
         return self._run(x, ctx, 0, x.shape[1], None)[0]
@@ -76,8 +80,8 @@ class PrefixMean(nn.Module):
         if ctx.cp is not None:
             raise ValueError("prefix-mean: no context parallelism in tiles")
         carry = None if not history or self.ignore_history else history[-1]
-        out, (sums, zero) = self._run(x, ctx, tile.start, tile.seq_len, carry)
-        return out, ((sums.detach() if self.detach_carry else sums), zero)
+        out, (sums,) = self._run(x, ctx, tile.start, tile.seq_len, carry)
+        return out, (sums.detach() if self.detach_carry else sums,)
 
     def init_cache(self, batch_size: int, *, device: torch.device, dtype: torch.dtype) -> None:
         return None
@@ -99,9 +103,13 @@ class TileNormalisedLoss(PrefixMean):
     tile_normalised_loss = True
 
 
+class CarriesView(PrefixMean):
+    view_carry = True
+
+
 def build_prefix_mean(config: dict, dims: Any, layer_idx: int) -> nn.Module:
     return {cls.__name__: cls for cls in (PrefixMean, DetachedCarry, IgnoresHistory, TileLocalPositions,
-                                          TileNormalisedLoss)}[config["variant"]](dims.d_model)
+                                          TileNormalisedLoss, CarriesView)}[config["variant"]](dims.d_model)
 
 
 def prefix_mean_memory(config: dict, dims: Any, seq_len: int) -> MemoryEstimate:
@@ -129,6 +137,7 @@ def test_reference_component_passes():
     suite.test_tiled_equals_untiled(2)
     suite.test_tiled_packed_equals_untiled()
     suite.test_rejects_context_parallel()
+    suite.test_carry_matches_estimate()
 
 
 @pytest.mark.parametrize(
@@ -138,8 +147,9 @@ def test_reference_component_passes():
         (IgnoresHistory, "test_tiled_equals_untiled", "output"),
         (TileLocalPositions, "test_tiled_packed_equals_untiled", "output"),
         (TileNormalisedLoss, "test_tiled_equals_untiled", "auxiliary loss"),
+        (CarriesView, "test_carry_matches_estimate", r"tile carry: at 64 tokens .* \(0\.06x"),
     ],
-    ids=["carry-detached", "history-ignored", "tile-local-positions", "loss-not-shared"],
+    ids=["carry-detached", "history-ignored", "tile-local-positions", "loss-not-shared", "carry-a-view"],
 )
 def test_wrong_components_are_caught(cls, check, message):
     suite = _suite(cls)

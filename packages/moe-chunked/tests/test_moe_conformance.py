@@ -4,15 +4,28 @@ Two configs: one whose widths suit ``grouped_mm`` (fp32 rows of 16-byte multiple
 (the per-expert loop), a SwiGLU clamp that is active at the suite's input scale, and two shared experts.
 """
 
+import torch
+
 from megaseq.testing.moe import MoEConformance
 
 
-class TestChunkedGroupedMM(MoEConformance):
+class ChunkedSuite(MoEConformance):
+    name = "chunked"
+
+    def given_weights(self, module, x, indices):
+        """The chunked router's weights written out: sigmoid affinities of the given experts, normalised over
+        them, times the routed scaling factor (the balancing bias chooses experts, it does not weigh them)."""
+        affinities = torch.sigmoid(x.double() @ module.router.weight.double().t())
+        chosen = affinities.gather(-1, indices)
+        return chosen / chosen.sum(-1, keepdim=True) * module.router.scaling
+
+
+class TestChunkedGroupedMM(ChunkedSuite):
     name = "chunked"
     config = {"n_experts": 8, "top_k": 2, "expert_hidden": 24, "chunk_tokens": 5, "init_std": 0.2}
 
 
-class TestChunkedLoopClampShared(MoEConformance):
+class TestChunkedLoopClampShared(ChunkedSuite):
     name = "chunked"
     config = {
         "n_experts": 5,

@@ -218,7 +218,9 @@ class KimiDeltaAttention(nn.Module):
         if conv_history is None:
             conv_history = x.new_zeros(batch, width - 1, channels)
         conv_tail = torch.cat([conv_history, self.qkv_proj(x[:, -(width - 1) :])], 1)[:, -(width - 1) :]
-        return out, (conv_tail, final[0])
+        # copies: both are views of larger tensors (the concatenation, every piece's state), which the carry
+        # would keep alive until the backward
+        return out, (conv_tail.clone(), final[0].clone())
 
     def _blockwise(
         self,

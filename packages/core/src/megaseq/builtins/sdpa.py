@@ -129,7 +129,8 @@ class SDPAttention(nn.Module):
         keys = torch.cat([*(h[0] for h in history), k], dim=1)
         values = torch.cat([*(h[1] for h in history), v], dim=1)
         o = attend_suffix(q, keys, values, doc_start)
-        return self.out(o.reshape(b, t, -1)), (k, v)
+        # copies: k and v are views of the tile's whole q/k/v projection, which the carry would keep alive
+        return self.out(o.reshape(b, t, -1)), (k.clone(), v.clone())
 
     def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext) -> Tensor:
         cp = ctx.cp

@@ -20,7 +20,7 @@ import hashlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from megaseq.plugins import Plugins, get_plugins
-from megaseq.records import ModelDims, load_target
+from megaseq.records import MemoryEstimate, ModelDims, load_target
 from megaseq.testing.checks import assert_close, check_deterministic, check_gradients, watch_host_syncs
 
 
@@ -79,6 +79,30 @@ def build_component(
     return provided.load()(provided.spec.config(**config), dims, layer_idx)
 
 
+def memory_estimator(
+    kind: str,
+    name: str,
+    config: dict[str, Any],
+    dims: ModelDims,
+    factory: str | None = None,
+    memory: str | None = None,
+) -> Callable[[int], MemoryEstimate] | None:
+    """``seq_len -> MemoryEstimate`` of a component: its record's ``memory`` target (installed plugins), or
+    with ``factory`` the ``memory`` target ``estimate(config_dict, dims, seq_len)`` given beside it; ``None``
+    when there is none (the planner then cannot plan the component)."""
+    if factory is not None:
+        if memory is None:
+            return None
+        estimate = load_factory(memory)
+        return lambda seq_len: estimate(dict(config), dims, seq_len)
+    provided = installed_plugins().get(kind, name)
+    fn = provided.spec.load_memory()
+    if fn is None:
+        return None
+    validated = provided.spec.config(**config)
+    return lambda seq_len: fn(validated, dims, seq_len)
+
+
 def load_factory(target: str) -> Any:
     """``"package.module:attr"`` or ``"/path/to/file.py:attr"``: a builder that is not a registered plugin.
 
@@ -127,6 +151,7 @@ __all__ = [
     "fresh_plugins",
     "installed_plugins",
     "load_factory",
+    "memory_estimator",
     "registered",
     "watch_host_syncs",
 ]

@@ -8,20 +8,27 @@ would catch:
 - ``test_causal``: changing later tokens leaves earlier outputs alone (a component that peeks ahead).
 - ``test_packed_equals_separate``: with ``cu_seqlens`` (an empty document among them) outputs and all
   gradients equal running the documents separately (attention, state or convolution across documents).
-- ``test_decode_equals_forward``: a prefill then single-token steps from ``init_cache`` equal the forward.
+- ``test_decode_equals_forward``: a prefill then single-token steps from ``init_cache`` equal the forward,
+  and so do steps of several tokens (``decode_steps``: a cache that handles one new token only).
 - ``test_gradients``: float64 finite differences for the input and every trainable parameter (wrong or
   missing gradients: a detached projection, a hand-written backward with a mistake), reference-free.
 - ``test_deterministic``: the same forward and backward twice, torch's global random generator moved in
   between, are identical, and the generator is left alone (noise drawn from the global generator).
 - ``test_zero_input`` and ``test_padding_document``: all-zero rows and an all-zero document in a packed
   row give finite outputs and gradients (a normalisation without epsilon: NaN).
+- ``test_two_forwards_one_backward``: two forwards, then one backward of both, give each forward's own
+  gradients (state kept on the module between a forward and its backward).
+- ``test_memory_estimate``: the record's ``MemoryEstimate.saved_per_token`` times the tokens is within
+  ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
+  parameters not) at each of ``memory_lengths`` (a 3x underestimate; a ``[T, T]`` matrix kept for backward).
 - ``test_one_host_sync_per_batch``: two layers sharing one packed forward read ``cu_seqlens`` to the host
   at most once between them (a per-layer ``.tolist()``: a device stall per layer on CUDA). Components read
   the layout through ``ctx.documents``.
 - ``test_context_parallel``: for each world size in ``cp_world_sizes`` (2 and 4), one launch of gloo
   processes runs several layouts (batch 2; documents inside segments; documents starting exactly on segment
   edges with ranks whose segments hold no document start; an empty and a one-token document) and compares
-  every rank's outputs, input gradients, summed parameter gradients and auxiliary losses with one rank. A
+  every rank's outputs, input gradients, summed parameter gradients, auxiliary losses and metrics (the mean
+  of the ranks' per-token means, ranks holding equal shares) with one rank. A
   component whose ranks run different collectives in backward fails here (gloo errors or times out). With
   ``cp_world_sizes = ()`` the test instead checks that the component raises a one-line error on ``ctx.cp``.
 
@@ -41,8 +48,15 @@ from torch import Tensor, nn
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
-from megaseq.testing import assert_close, build_component, check_deterministic, check_gradients, watch_host_syncs
-from megaseq.testing.checks import forward_backward
+from megaseq.testing import (
+    assert_close,
+    build_component,
+    check_deterministic,
+    check_gradients,
+    memory_estimator,
+    watch_host_syncs,
+)
+from megaseq.testing.checks import check_saved_estimate, check_two_forwards, forward_backward, saved_bytes
 
 # A context-parallel case: (config, x [B, T, d_model], grad_out [B, T, d_model], cu_seqlens or None).
 CPCase = tuple[dict[str, Any], Tensor, Tensor, Tensor | None]
@@ -93,7 +107,13 @@ def cp_rank_step(
     aux = sum(ctx.losses.values(), torch.zeros(()))
     ((out * zigzag_shard(grad_out, rank, world)).sum() + aux).backward()
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in module.named_parameters()}
-    return {"out": out.detach(), "x_grad": x_local.grad, "param_grads": grads, "aux_loss": aux.detach()}
+    return {
+        "out": out.detach(),
+        "x_grad": x_local.grad,
+        "param_grads": grads,
+        "aux_loss": aux.detach(),
+        "metrics": dict(ctx.metrics),
+    }
 
 
 def _cp_cases_worker(
@@ -147,6 +167,11 @@ def check_context_parallel(
             )
         ranks = [results[rank][i] for rank in range(world)]
         assert_close(sum(r["aux_loss"] for r in ranks), aux.detach(), tolerance, f"{what} auxiliary loss")
+        for rank, r in enumerate(ranks):
+            assert set(r["metrics"]) == set(ctx.metrics), f"{what} rank {rank}: metrics {sorted(r['metrics'])} != {sorted(ctx.metrics)}"
+        for key, value in ctx.metrics.items():  # per-token means over equal shares: their mean is the whole's
+            mean = sum(r["metrics"][key] for r in ranks) / world
+            assert_close(torch.tensor(mean), torch.tensor(value), tolerance, f"{what} metric {key!r} (mean over ranks)")
         for pname, p in module.named_parameters():
             if p.grad is not None:
                 summed = sum(r["param_grads"][pname] for r in ranks)
@@ -161,6 +186,7 @@ class AttentionConformance:
     name: ClassVar[str]
     config: ClassVar[dict[str, Any]] = {}
     factory: ClassVar[str | None] = None
+    memory: ClassVar[str | None] = None
     d_model: ClassVar[int] = 32
     tolerance: ClassVar[float] = 1e-5
     grad_tolerance: ClassVar[float] = 1e-6
@@ -168,6 +194,9 @@ class AttentionConformance:
     grad_seq_len: ClassVar[int] = 10
     doc_lengths: ClassVar[tuple[int, ...]] = (5, 17, 0, 1, 25)
     prefill: ClassVar[int] = 19
+    decode_steps: ClassVar[tuple[int, ...]] = (3, 1, 5, 2)
+    memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
+    memory_tolerance: ClassVar[float] = 0.25
     cp_world_sizes: ClassVar[tuple[int, ...]] = (2, 4)
     cp_seq_len: ClassVar[int] = 32
 
@@ -227,11 +256,16 @@ class AttentionConformance:
         x = self.inputs(2, self.seq_len)
         with torch.no_grad():
             full = module(x, ForwardContext())
-            cache = module.init_cache(2, device=x.device, dtype=x.dtype)
-            outs = [module(x[:, : self.prefill], ForwardContext(), cache)]
-            for t in range(self.prefill, self.seq_len):
-                outs.append(module(x[:, t : t + 1], ForwardContext(), cache))
-        assert_close(torch.cat(outs, dim=1), full, self.tolerance, "prefill + step decode vs full forward")
+            for steps in ((1,), self.decode_steps):
+                cache = module.init_cache(2, device=x.device, dtype=x.dtype)
+                outs = [module(x[:, : self.prefill], ForwardContext(), cache)]
+                t, sizes = self.prefill, itertools.cycle(steps)
+                while t < self.seq_len:
+                    n = min(next(sizes), self.seq_len - t)
+                    outs.append(module(x[:, t : t + n], ForwardContext(), cache))
+                    t += n
+                what = "single-token steps" if steps == (1,) else f"steps of {', '.join(map(str, steps))} tokens"
+                assert_close(torch.cat(outs, dim=1), full, self.tolerance, f"prefill + decode in {what} vs full forward")
 
     def test_gradients(self) -> None:
         grad_out = self.inputs(2, self.grad_seq_len, seed=4).double()
@@ -241,6 +275,27 @@ class AttentionConformance:
 
         x = self.inputs(2, self.grad_seq_len)
         check_gradients(self.build(), loss, x, f"{self.name} (float64)", self.grad_tolerance)
+
+    def test_two_forwards_one_backward(self) -> None:
+        module = self.build()
+        inputs = (self.inputs(2, self.seq_len, seed=11), self.inputs(2, self.seq_len, seed=12))
+        grad_outs = (self.inputs(2, self.seq_len, seed=13), self.inputs(2, self.seq_len, seed=14))
+        check_two_forwards(module, inputs, grad_outs, ForwardContext, self.tolerance, self.name)
+
+    def test_memory_estimate(self) -> None:
+        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
+        estimate = memory_estimator("attention", self.name, self.config, dims, self.factory, self.memory)
+        if estimate is None:
+            pytest.skip(f"{self.name}: no memory estimate (the record's memory target, or the suite's memory knob)")
+        module = self.build()
+
+        def measure(length: int) -> int:
+            x = self.inputs(1, length).requires_grad_(True)
+            count, _ = saved_bytes(lambda: module(x, ForwardContext()), (x,), tuple(module.parameters()))
+            return count
+
+        tokens = lambda length: length * estimate(length).saved_per_token  # noqa: E731
+        check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")
 
     def test_deterministic(self) -> None:
         module = self.build(seed=5)

@@ -6,6 +6,10 @@
 - :func:`check_deterministic`: a forward and backward repeated with torch's global random generator moved
   between the two runs gives identical results, and leaves the generator's state alone.
 - :func:`watch_host_syncs`: counts how often a tensor (e.g. ``cu_seqlens``) is read back to the host.
+- :func:`check_two_forwards`: two forwards of one module before one backward give each forward's own
+  gradients (state kept on the module between a forward and its backward is overwritten by the second).
+- :func:`saved_bytes` and :func:`check_saved_estimate`: what autograd keeps for backward, in bytes, and a
+  component's ``MemoryEstimate.saved_per_token`` held to it.
 """
 
 from __future__ import annotations
@@ -93,6 +97,46 @@ def forward_backward(module: nn.Module, x: Tensor, grad_out: Tensor, ctx: Any) -
     return {"output": out.detach(), "input gradient": xr.grad, **grads}
 
 
+def check_two_forwards(
+    module: nn.Module,
+    inputs: tuple[Tensor, Tensor],
+    grad_outs: tuple[Tensor, Tensor],
+    context: Callable[[], Any],
+    tolerance: float,
+    what: str,
+) -> None:
+    """Two forwards of ``module`` (``inputs``, each with a fresh ``context()``) then one backward of both
+    objectives ``(out * grad_out).sum() + auxiliary losses`` equal the two forwards each followed by its own
+    backward: outputs, input gradients and every parameter gradient (summed). Gradient accumulation, a
+    recomputing memory policy and the RL loop's old/new log-probabilities all run a layer twice before
+    a backward; a module that keeps its forward's state on itself (a hand-written backward reading
+    ``self.saved``, a cache keyed per layer) hands the second forward's state to the first backward."""
+
+    def forward(x: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        xr = x.detach().clone().requires_grad_(True)
+        ctx = context()
+        out = module(xr, ctx)
+        return xr, out, (out * grad_out).sum() + sum(ctx.losses.values(), torch.zeros((), dtype=out.dtype))
+
+    module.zero_grad(set_to_none=True)
+    separate = []
+    for x, g in zip(inputs, grad_outs, strict=True):
+        xr, out, objective = forward(x, g)
+        objective.backward()
+        separate.append((out.detach(), xr.grad))
+    ref_grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    together = [forward(x, g) for x, g in zip(inputs, grad_outs, strict=True)]
+    sum(objective for _, _, objective in together).backward()
+    for i, ((xr, out, _), (ref_out, ref_x)) in enumerate(zip(together, separate, strict=True)):
+        assert_close(out.detach(), ref_out, tolerance, f"{what}: two forwards before one backward, output {i + 1}")
+        assert_close(xr.grad, ref_x, tolerance, f"{what}: two forwards before one backward, input gradient {i + 1}")
+    for n, p in module.named_parameters():
+        if n in ref_grads:
+            assert p.grad is not None, f"{what}: two forwards before one backward: no gradient reached {n}"
+            assert_close(p.grad, ref_grads[n], tolerance, f"{what}: two forwards before one backward, gradient of {n}")
+
+
 def check_deterministic(run: Callable[[], dict[str, Tensor]], what: str) -> None:
     """``run()`` twice, with torch's global random generator moved in between: the results (a dict of
     tensors) must be identical, and ``run()`` must leave the generator's state as it found it (components
@@ -140,4 +184,52 @@ def watch_host_syncs(tensor: Tensor) -> tuple[Tensor, Callable[[], int]]:
     return tensor.as_subclass(Watched), lambda: count[0]
 
 
-__all__ = ["assert_close", "check_deterministic", "check_gradients", "forward_backward", "watch_host_syncs"]
+def saved_bytes(run: Callable[[], Any], inputs: tuple[Tensor, ...] = (), exclude: tuple[Tensor, ...] = ()) -> tuple[int, Any]:
+    """Bytes of the distinct storages autograd saves for backward while ``run()`` builds its graph, plus those
+    of ``inputs``, minus those of ``exclude`` (parameters: they are counted as parameters); and ``run()``'s
+    result (keep it alive until the count is used: the saved tensors belong to its graph).
+
+    Storages, not tensors: a saved view of a larger tensor keeps all of that tensor, and two saved views of
+    one tensor keep it once (torch's ``saved_tensors_hooks`` see every tensor autograd saves)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    for t in inputs:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for t in exclude:
+        storages.pop(t.untyped_storage().data_ptr(), None)
+    return sum(storages.values()), result
+
+
+def check_saved_estimate(
+    measure: Callable[[int], int], estimate: Callable[[int], float], lengths: tuple[int, ...], tolerance: float, what: str
+) -> None:
+    """At each sequence length, ``estimate(length)`` (bytes) within ``tolerance`` of ``measure(length)``,
+    relative to the measurement: the memory planner sums these estimates, so one that is 3x off makes
+    ``megaseq plan`` wrong without any error. Two lengths or more, so that a cost growing faster than the
+    tokens (a ``[T, T]`` score matrix kept for backward) cannot match a per-token estimate at both."""
+    for length in lengths:
+        measured, estimated = measure(length), estimate(length)
+        assert abs(estimated - measured) <= tolerance * measured, (
+            f"{what}: at {length} tokens the estimate says autograd keeps {estimated:.0f} bytes, it keeps "
+            f"{measured} ({estimated / max(measured, 1):.2f}x; bound {tolerance:.0%}): fix saved_per_token"
+        )
+
+
+__all__ = [
+    "assert_close",
+    "check_deterministic",
+    "check_gradients",
+    "check_saved_estimate",
+    "check_two_forwards",
+    "forward_backward",
+    "saved_bytes",
+    "watch_host_syncs",
+]

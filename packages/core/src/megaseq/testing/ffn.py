@@ -15,6 +15,11 @@ these tests for the ``moe`` kind). What is checked, and what each check would ca
 - ``test_zero_input``: all-zero tokens (padding) give finite outputs and gradients.
 - ``test_one_host_sync_per_batch``: two layers sharing one packed forward read ``cu_seqlens`` to the host at
   most once between them (a component that needs the layout reads it through ``ctx.documents``).
+- ``test_two_forwards_one_backward``: two forwards, then one backward of both, give each forward's own
+  gradients (a hand-written backward that reads state the module kept on itself in forward).
+- ``test_memory_estimate``: the record's ``MemoryEstimate.saved_per_token`` times the tokens is within
+  ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
+  parameters not), at each of ``memory_lengths`` (a 3x underestimate, a cost that grows faster than the tokens).
 
 Error bound: ``max |actual - expected| <= tolerance * max(1, max |expected|)`` (``tolerance``, 1e-5 for
 float32 comparisons; the float64 gradient check uses ``grad_tolerance``, 1e-6).
@@ -24,13 +29,21 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import pytest
 import torch
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
-from megaseq.testing import assert_close, build_component, check_deterministic, check_gradients, watch_host_syncs
-from megaseq.testing.checks import forward_backward
+from megaseq.testing import (
+    assert_close,
+    build_component,
+    check_deterministic,
+    check_gradients,
+    memory_estimator,
+    watch_host_syncs,
+)
+from megaseq.testing.checks import check_saved_estimate, check_two_forwards, forward_backward, saved_bytes
 
 
 class FeedForwardConformance:
@@ -41,12 +54,15 @@ class FeedForwardConformance:
     name: ClassVar[str]
     config: ClassVar[dict[str, Any]] = {}
     factory: ClassVar[str | None] = None
+    memory: ClassVar[str | None] = None
     d_model: ClassVar[int] = 32
     tolerance: ClassVar[float] = 1e-5
     grad_tolerance: ClassVar[float] = 1e-6
     batch: ClassVar[int] = 2
     seq_len: ClassVar[int] = 13
     grad_seq_len: ClassVar[int] = 5
+    memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
+    memory_tolerance: ClassVar[float] = 0.25
 
     def build(self, seed: int = 0) -> nn.Module:
         """The module under test, in training mode."""
@@ -132,3 +148,23 @@ class FeedForwardConformance:
             f"{self.name}: two layers of one packed forward read cu_seqlens to the host {host_reads()} times; "
             "read the layout through ctx.documents (built once per forward)"
         )
+
+    def test_two_forwards_one_backward(self) -> None:
+        module = self.build()
+        inputs, grad_outs = (self.inputs(seed=11), self.inputs(seed=12)), (self.inputs(seed=13), self.inputs(seed=14))
+        check_two_forwards(module, inputs, grad_outs, ForwardContext, self.tolerance, self.name)
+
+    def test_memory_estimate(self) -> None:
+        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
+        estimate = memory_estimator(self.kind, self.name, self.config, dims, self.factory, self.memory)
+        if estimate is None:
+            pytest.skip(f"{self.name}: no memory estimate (the record's memory target, or the suite's memory knob)")
+        module = self.build()
+
+        def measure(length: int) -> int:
+            x = self.inputs(length=length).requires_grad_(True)
+            count, _ = saved_bytes(lambda: module(x, ForwardContext()), (x,), tuple(module.parameters()))
+            return count
+
+        tokens = lambda length: self.batch * length * estimate(length).saved_per_token  # noqa: E731
+        check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")

@@ -14,8 +14,14 @@ gradients agree to ``tolerance`` (fp32 default 1e-5) times ``max(1, max |referen
 built from the module's own ``route``/``expert_forward``/``shared_forward``, so a mistake shared by them
 and the forward (a detached expert weight) is caught by the finite-difference check, not here.
 
+``route(x, indices)`` with experts given from outside (routing replay, the skew test) is checked against
+:meth:`MoEConformance.given_weights`, the weights of those experts computed by the plugin's test
+independently of ``route`` (e.g. the router's softmax gathered at the given experts and renormalised), and,
+independently of any formula, against the module's own choice permuted: the weight follows its expert.
+
 ``load_stats()`` must report at least :data:`LOAD_STAT_KEYS` for the last training forward, counting
-(token, expert) assignments; ``routing_entropy`` is in nats of the share of assignments per expert.
+(token, expert) assignments, the same chunked (``chunk_tokens``) as unchunked; ``routing_entropy`` is in nats
+of the share of assignments per expert.
 """
 
 from __future__ import annotations
@@ -82,6 +88,34 @@ class MoEConformance(FeedForwardConformance):
         x64 = x.detach().double().requires_grad_(True)
         out = dense_reference(ref_module, x64.reshape(-1, self.d_model), indices).view_as(x64)
         return ref_module, x64, out
+
+    def given_weights(self, module: nn.Module, x: Tensor, indices: Tensor) -> Tensor:
+        """The combine weights ``[N, k]`` of the experts ``indices [N, k]`` for tokens ``x [N, d]``, computed
+        from the module's parameters without calling its ``route`` (e.g. ``router(x).softmax(-1)`` gathered at
+        ``indices`` and renormalised): the reference of ``route(x, indices)``. Every MoE suite defines it."""
+        raise AssertionError(
+            f"{self.name}: define given_weights(module, x, indices) in the suite class: the weights of given experts "
+            "computed independently of route(), the reference for routing given from outside"
+        )
+
+    def test_route_given_experts(self) -> None:
+        """``route(x, indices)`` returns the weights of the given experts, not of the router's own choice."""
+        module = self.build()
+        x = self.inputs().reshape(-1, self.d_model)
+        n, k, e = x.shape[0], module.top_k, module.n_experts
+        scores = torch.rand(n, e, generator=torch.Generator().manual_seed(3))
+        given = scores.topk(k, dim=-1).indices  # k distinct experts per token, mostly not the router's choice
+        own, own_weights = module.route(x)
+        assert not torch.equal(given.sort(-1).values, own.sort(-1).values), "the given experts are the router's own"
+        with torch.no_grad():
+            indices, weights = module.route(x, given)
+            expected = self.given_weights(module, x, given)
+        assert torch.equal(indices, given), "route(x, indices) must keep the given indices"
+        assert_close(weights, expected.to(weights.dtype), self.tolerance, "route(x, given experts): weights vs given_weights")
+        if k > 1:  # the module's own choice in another order: each weight follows its expert
+            order = torch.arange(k).roll(1)
+            _, permuted = module.route(x, own[:, order])
+            assert_close(permuted, own_weights[:, order], self.tolerance, "route(x, own experts permuted): weights")
 
     def test_protocol(self) -> None:
         module = self.build()
@@ -193,6 +227,15 @@ class MoEConformance(FeedForwardConformance):
         assert stats["tokens_per_expert_mean"] <= stats["tokens_per_expert_max"] <= n
         assert stats["tokens_per_rank_mean"] <= stats["tokens_per_rank_max"]
         assert 0 <= stats["routing_entropy"] <= math.log(e) + 1e-9
+        # the same forward in chunks counts the same assignments (not the last chunk's)
+        chunked = self.build()
+        chunked.chunk_tokens = min(self.chunk_sizes)
+        chunked(x, ForwardContext())
+        chunked_stats = chunked.load_stats()
+        for key in LOAD_STAT_KEYS:
+            assert chunked_stats[key] == pytest.approx(stats[key], rel=1e-9), (
+                f"load_stats()[{key!r}] with chunk_tokens={chunked.chunk_tokens}: {chunked_stats[key]}, unchunked {stats[key]}"
+            )
         # skewed routing: k experts take every token
         (key,) = routing.indices
         routing.indices[key] = torch.arange(k).expand(n, -1).contiguous()

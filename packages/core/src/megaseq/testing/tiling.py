@@ -11,7 +11,9 @@ exactly at a boundary; and the component must refuse context parallelism in a ti
 record must declare what it carries (``MemoryEstimate.tiling``): the memory planner reads the capability
 from there. ``factory`` and ``memory`` build and estimate a component that is not an installed plugin
 (``"module:attr"`` or ``"/path/file.py:attr"`` of ``build(config_dict, dims, layer_idx)`` and of
-``estimate(config_dict, dims, seq_len)``).
+``estimate(config_dict, dims, seq_len)``). What the tiles carry (the distinct storages of every carry,
+a view of a larger tensor counting as all of it) must be within ``memory_tolerance`` (25%) of the declared
+``per_token x tokens + per_tile x tiles``, at each of ``memory_lengths`` in four tiles.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, SequenceTiling, Tile
 from megaseq.records import MemoryEstimate, ModelDims
-from megaseq.testing import assert_close, build_component, installed_plugins, load_factory
+from megaseq.testing import assert_close, build_component, memory_estimator
+from megaseq.testing.checks import check_saved_estimate
 
 
 def run_tiled(module: nn.Module, x: Tensor, ctx: ForwardContext, tile_tokens: int) -> Tensor:
@@ -64,19 +67,18 @@ class SequenceTilingConformance:
     # crosses a boundary (29..45 over 32); tiles of 5 cut most of them
     doc_lengths: ClassVar[tuple[int, ...]] = (12, 4, 13, 0, 16)
     packed_tile_sizes: ClassVar[tuple[int, ...]] = (5, 16)
+    memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
+    memory_tolerance: ClassVar[float] = 0.25
 
     def build(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
         return build_component("attention", self.name, self.config, dims, factory=self.factory).float()
 
-    def memory_estimate(self) -> MemoryEstimate | None:
+    def memory_estimate(self, seq_len: int | None = None) -> MemoryEstimate | None:
         dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        if self.factory is not None:
-            return load_factory(self.memory)(dict(self.config), dims, self.seq_len) if self.memory else None
-        provided = installed_plugins().get("attention", self.name)
-        fn = provided.spec.load_memory()
-        return None if fn is None else fn(provided.spec.config(**self.config), dims, self.seq_len)
+        estimate = memory_estimator("attention", self.name, self.config, dims, self.factory, self.memory)
+        return None if estimate is None else estimate(seq_len or self.seq_len)
 
     def inputs(self, batch: int, length: int, seed: int = 1) -> Tensor:
         gen = torch.Generator().manual_seed(seed)
@@ -126,6 +128,28 @@ class SequenceTilingConformance:
         assert estimate is not None, f"{self.name}: the record has no memory target, so the planner cannot tile it"
         assert estimate.tiling is not None, f"{self.name}: MemoryEstimate.tiling is None but the component tiles"
         assert estimate.tiling.per_token >= 0 and estimate.tiling.per_tile >= 0
+
+    def test_carry_matches_estimate(self) -> None:
+        """The planner holds ``per_token`` bytes for every token of the earlier tiles and ``per_tile`` per tile:
+        what the carries keep alive must be that (a carry that is a view of the tile's whole projection keeps
+        the whole projection)."""
+        module = self.build()
+
+        def measure(length: int) -> int:
+            x, history, ctx = self.inputs(1, length), [], ForwardContext()
+            with torch.no_grad():
+                for start in range(0, length, length // 4):
+                    tile = Tile(start, min(start + length // 4, length), length)
+                    history.append(module.forward_tile(x[:, tile.start : tile.stop], ctx.fork(), tile, history)[1])
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for carry in history for t in carry}
+            return sum(storages.values())
+
+        def estimate(length: int) -> float:
+            tiling = self.memory_estimate(length).tiling
+            assert tiling is not None, f"{self.name}: MemoryEstimate.tiling is None but the component tiles"
+            return tiling.per_token * length + tiling.per_tile * 4
+
+        check_saved_estimate(measure, estimate, self.memory_lengths, self.memory_tolerance, f"{self.name} tile carry")
 
     @pytest.mark.parametrize("batch", [1, 2])
     def test_tiled_equals_untiled(self, batch: int) -> None:
