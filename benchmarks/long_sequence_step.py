@@ -32,12 +32,12 @@ def vm(key: str) -> int:
 
 def child(recipe_path: str, seq_len: int, policy: str, device_mem: float | None) -> dict:
     from megaseq.config import load_recipe
-    from megaseq.memory import plan as planner
+    from megaseq.memory import machine as planner_machine
     from megaseq.plugins import get_plugins
     from megaseq.train.trainer import Trainer
 
     if device_mem is not None:  # plan for a machine of this size
-        planner.total_ram = lambda: int(device_mem * GiB)
+        planner_machine.total_ram = lambda: int(device_mem * GiB)
     plugins = get_plugins()
     with tempfile.TemporaryDirectory() as out:
         sets = [f"data.seq_len={seq_len}", "train.batch_size=1", "train.grad_accum=1", "train.steps=1",
@@ -48,7 +48,7 @@ def child(recipe_path: str, seq_len: int, policy: str, device_mem: float | None)
         start, cpu = time.perf_counter(), time.process_time()
         metrics = trainer.train_step()
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    from megaseq.memory.plan import describe_memory_policy
+    from megaseq.memory.plan_report import describe_memory_policy
 
     return {"policies": describe_memory_policy(trainer.recipe), "predicted": predicted, "peak": vm("VmHWM"),
             "s": elapsed, "cpu_s": cpu, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
@@ -56,7 +56,8 @@ def child(recipe_path: str, seq_len: int, policy: str, device_mem: float | None)
 
 def predicted_none(recipe_path: str, seq_len: int) -> int:
     from megaseq.config import load_recipe
-    from megaseq.memory.plan import Machine, plan
+    from megaseq.memory.machine import Machine
+    from megaseq.memory.plan import plan
     from megaseq.plugins import get_plugins
 
     plugins = get_plugins()

@@ -87,7 +87,8 @@ def measure(recipe: str, seq_len: int, steps: int, policies: list[dict], mapped:
 def planned_sets(recipe_path: str, seq_len: int, budgets: list[float]) -> list[tuple[str, list[dict], int]]:
     """(label, policies, predicted peak) for no policy and each distinct set proposed at the budgets."""
     from megaseq.config import load_recipe
-    from megaseq.memory.plan import Machine, plan
+    from megaseq.memory.machine import Machine
+    from megaseq.memory.plan import plan
     from megaseq.plugins import get_plugins
 
     plugins = get_plugins()

@@ -126,13 +126,14 @@ def test_tiled_policies_within_1e6_relative(plugins, reference, tmp_path, case):
 def test_auto_trains_with_the_planners_choice(plugins, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MEGASEQ_SCRATCH", str(tmp_path))
+    from megaseq.memory import machine as machine_module
     from megaseq.memory import plan as plan_module
 
     r = recipe(plugins, "auto", {}, tmp_path, steps=2, batch_size=1, log_every=1)
-    candidates = plan_module.plan(r, plugins, machine=plan_module.Machine("cpu", 2**50, None)).candidates
+    candidates = plan_module.plan(r, plugins, machine=machine_module.Machine("cpu", 2**50, None)).candidates
     smallest = min(candidates, key=lambda e: e.device_peak)
     # a machine on which only the set with the smallest predicted peak fits
-    monkeypatch.setattr(plan_module, "total_ram", lambda: smallest.device_peak)
+    monkeypatch.setattr(machine_module, "total_ram", lambda: smallest.device_peak)
     trainer = Trainer(r, plugins, progress=False, tensorboard=False)
     assert trainer.plan is not None and trainer.plan.chosen is not None
     assert trainer.plan.chosen.label == smallest.label

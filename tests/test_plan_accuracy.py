@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from megaseq.config import load_recipe
-from megaseq.memory.plan import Machine, plan
+from megaseq.memory.machine import Machine
+from megaseq.memory.plan import plan
 from megaseq.plugins import get_plugins
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from megaseq.cli import main
 from megaseq.config import validate_recipe
 from megaseq.contracts import ForwardContext
 from megaseq.distributed.groups import import_parallel_state
-from megaseq.distributed.layout import Layout, parse_parallel
+from megaseq.distributed.layout import Layout
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.hookspecs import hookimpl
 from megaseq.records import AttentionSpec, ComponentConfig
@@ -58,7 +58,8 @@ batch_size = 4
         (["--parallel", "dp=2,ep=3"], "ep 3 does not divide dp x cp = 2"),
         (["--parallel", "dp=2,ep=2"], "ep 2 > 1 but model.moe is not set"),
         (["--parallel", "dp=2", "--workers", "4"], "dp x cp = 2 x 1 = 2 ranks, but --workers is 4"),
-        (["--parallel", "tp=2"], "expected comma-separated dp=N, cp=N, ep=N"),
+        (["--parallel", "xp=2"], "NAME one of dp, cp, ep, tp, etp"),
+        (["--parallel", "tp=2"], "tp and etp are for planning (megaseq plan)"),
         (["--parallel", "dp=0"], "dp must be a positive integer"),
         (["--workers", "2", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: cannot reach a Ray cluster there"),
         (["--workers", "2", "--address", "nowhere"], "expected HOST:PORT"),
@@ -96,11 +97,14 @@ def test_core_imports_neither_megatron_nor_ray():
 
 
 def test_parse_parallel():
-    assert parse_parallel("dp=2, cp=2,ep=2") == {"dp": 2, "cp": 2, "ep": 2}
-    assert parse_parallel("") == {}
+    assert Layout.parse("dp=2, cp=2,ep=2") == Layout(dp=2, cp=2, ep=2)
+    assert Layout.parse("", base=Layout(cp=2)) == Layout(cp=2)
+    assert Layout.parse("ep=2", base=Layout(dp=2)) == Layout(dp=2, ep=2)
+    assert Layout.parse("tp=8,etp=2") == Layout(tp=8, etp=2)
     assert Layout(dp=2, cp=2, ep=2).world_size == 4
-    with pytest.raises(UserError):
-        parse_parallel("dp2")
+    for bad in ("dp2", "xp=2", "dp=0", "dp=-1"):
+        with pytest.raises(UserError):
+            Layout.parse(bad)
 
 
 # -- a probe component: logs per-layer values, adds an auxiliary loss, can poison the loss or a gradient ----

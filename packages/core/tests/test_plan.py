@@ -15,8 +15,11 @@ import pytest
 
 from megaseq.cli import main
 from megaseq.config import load_recipe, validate_recipe
+from megaseq.distributed.layout import Layout
 from megaseq.hookspecs import hookimpl
-from megaseq.memory.plan import GiB, Layout, Machine, describe_memory_policy, plan
+from megaseq.memory.machine import GiB, Machine
+from megaseq.memory.plan import plan
+from megaseq.memory.plan_report import describe_memory_policy, render_table
 from megaseq.records import AttentionSpec, ComponentConfig, MemoryEffect, MemoryEstimate, MemoryPolicySpec
 from megaseq.testing import fresh_plugins
 
@@ -55,7 +58,7 @@ def test_nothing_fits_is_said_plainly(capsys):
         (["--device-mem", "-2"], "must be a positive number of GiB"),
         (["--device-mem", "0.1"], "impossible"),
         (["--host-mem", "nan"], "--host-mem nan"),
-        (["--parallel", "cp=3", "--seq-len", "100"], "multiple of 6"),
+        (["--parallel", "cp=3", "--seq-len", "100"], "--seq-len 100 is not a multiple of 2 x cp = 6"),
         (["--parallel", "pp=2"], "NAME one of dp, cp, ep, tp, etp"),
         (["--parallel", "dp=zero"], "dp must be a positive integer"),
         (["--memory-policy", "a b"], "expected auto, none or comma-separated policy names"),
@@ -103,7 +106,7 @@ def test_proposes_the_cheapest_set_that_fits():
     between = (peaks["shrink(cost=0.3)"] + peaks["shrink(part=ffn)"]) // 2
     tight = plan(recipe, plugins, seq_len=65536, machine=Machine("cpu", between, None))
     assert tight.chosen is not None and tight.chosen.label == "shrink(cost=0.3)"
-    assert "proposed: shrink(cost=0.3)" in tight.table()
+    assert "proposed: shrink(cost=0.3)" in render_table(tight)
 
 
 def test_a_third_party_components_formula_is_planned():

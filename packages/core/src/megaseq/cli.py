@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -24,14 +25,13 @@ def _one_line_warnings() -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from megaseq.config import ParallelConfig, load_recipe
     from megaseq.distributed.launch import in_torchrun
-    from megaseq.distributed.layout import parse_parallel, resolve_layout
+    from megaseq.distributed.layout import Layout, resolve_layout
     from megaseq.plugins import get_plugins
 
     plugins = get_plugins()
-    layout_overrides = [f"parallel.{k}={v}" for k, v in parse_parallel(args.parallel or "").items()]
-    recipe = load_recipe(args.recipe, plugins, [*args.set, *layout_overrides, *memory_policy_override(args.memory_policy)])
-    layout = resolve_layout(recipe, args.workers)
-    recipe = recipe.model_copy(update={"parallel": ParallelConfig(**vars(layout))})
+    recipe = load_recipe(args.recipe, plugins, [*args.set, *memory_policy_override(args.memory_policy)])
+    layout = resolve_layout(recipe, Layout.parse(args.parallel, base=Layout.of(recipe)), args.workers)
+    recipe = recipe.model_copy(update={"parallel": ParallelConfig(dp=layout.dp, cp=layout.cp, ep=layout.ep)})
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     if layout.world_size == 1 and args.address is None and not in_torchrun():
         from megaseq.train.trainer import Trainer
@@ -80,15 +80,28 @@ def memory_policy_override(value: str | None) -> list[str]:
     """``--memory-policy auto|none|NAMES`` as a recipe override of ``train.memory_policy``."""
     if value is None:
         return []
-    from megaseq.memory.plan import parse_policy_argument
-
     parsed = parse_policy_argument(value)
     return [f"train.memory_policy={json.dumps([] if parsed == 'none' else parsed)}"]
 
 
+def parse_policy_argument(value: str) -> str | list[str]:
+    """``auto``, ``none`` or comma-separated policy names."""
+    value = value.strip()
+    if value in ("auto", "none"):
+        return value
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names or any(not re.fullmatch(r"[A-Za-z0-9_.-]+", n) for n in names):
+        raise UserError(f"--memory-policy {value!r}: expected auto, none or comma-separated policy names")
+    return names
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from megaseq.config import load_recipe
-    from megaseq.memory.plan import Layout, Machine, parse_policy_argument, plan
+    from megaseq.devices import device_type
+    from megaseq.distributed.layout import Layout
+    from megaseq.memory.machine import Machine
+    from megaseq.memory.plan import plan
+    from megaseq.memory.plan_report import plan_json, render_table
     from megaseq.plugins import get_plugins
 
     policies = parse_policy_argument(args.memory_policy)
@@ -98,15 +111,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         overrides += memory_policy_override(args.memory_policy)
     recipe = load_recipe(args.recipe, plugins, overrides)
     # the recipe's [parallel] layout, with --parallel's dimensions (also tp and etp, for planning) on top
-    layout = Layout.parse(args.parallel, base=Layout(dp=recipe.parallel.dp, cp=recipe.parallel.cp, ep=recipe.parallel.ep))
-    kind = "cuda" if recipe.run.device == "cuda" else "cpu"
-    if recipe.run.device == "auto":
-        import torch
-
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    machine = Machine.detect(kind, args.device_mem, args.host_mem)
+    layout = Layout.parse(args.parallel, base=Layout.of(recipe))
+    machine = Machine.detect(device_type(recipe.run.device), args.device_mem, args.host_mem)
     result = plan(recipe, plugins, seq_len=args.seq_len, layout=layout, machine=machine, policies=policies)
-    print(json.dumps(result.to_json(), indent=2) if args.json else result.table())
+    print(json.dumps(plan_json(result), indent=2) if args.json else render_table(result))
     return 0
 
 
@@ -114,12 +122,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from megaseq.config import apply_overrides, validate_recipe
+    from megaseq.devices import pick_device
     from megaseq.distributed.sharded import read_full_weights
     from megaseq.eval.evaluate import evaluate_heldout
     from megaseq.model import build_model
     from megaseq.plugins import get_plugins
     from megaseq.train import checkpoint
-    from megaseq.train.trainer import pick_device
 
     path = Path(args.checkpoint)
     if (path / "checkpoints").is_dir():  # a run directory: take its newest verified checkpoint

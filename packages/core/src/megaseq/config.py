@@ -36,6 +36,11 @@ class RunConfig(Section):
         "backward, so peak RSS follows live memory; auto: from 32,768 tokens per device (megaseq/memory/heap.py)",
     )
 
+    @property
+    def out_path(self) -> Path:
+        """The run directory: ``out_dir`` with ``{name}`` replaced by ``name``."""
+        return Path(self.out_dir.replace("{name}", self.name))
+
 
 class DataConfig(Section):
     train: str = Field("grch37-chr20", description="dataset name (megaseq data list) or FASTA path")
@@ -159,7 +164,7 @@ class Recipe(Section):
 
     @property
     def out_dir(self) -> Path:
-        return Path(self.run.out_dir.replace("{name}", self.run.name))
+        return self.run.out_path
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as TOML-shaped data (what ``load_recipe`` accepts); stored in every checkpoint."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from megaseq.errors import UserError
@@ -64,15 +63,13 @@ def _run(recipe, plugins, mode: str, progress: bool):
             f"{recipe.source}: parallel.dp = {dp}: start one process per rank with torchrun, e.g. "
             f"torchrun --nproc-per-node {dp} --no-python megaseq rl {recipe.source}"
         )
-    import torch
     import torch.distributed as dist
 
+    from megaseq.devices import join_torchrun
     from megaseq.distributed.groups import destroy_process_groups, init_process_groups
     from megaseq.distributed.layout import Layout
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    join_torchrun()
     try:
         parallel = init_process_groups(Layout(dp=dp))
         try:

@@ -19,10 +19,10 @@ import torch
 from megaseq.contracts import ForwardContext, RoutingReplay
 from megaseq.data.sources import tokenized
 from megaseq.data.windows import GenomeWindows
+from megaseq.devices import pick_device
 from megaseq.errors import UserError
 from megaseq.inference import SamplingParams, sequence_logprobs
 from megaseq.plugins import Plugins
-from megaseq.train.trainer import pick_device
 from megaseq_rl.policy import load_policy
 
 

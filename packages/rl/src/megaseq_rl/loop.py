@@ -55,6 +55,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from megaseq.contracts import ForwardContext
+from megaseq.devices import pick_device
 from megaseq.distributed.groups import Parallel
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import heldout_windows, score_model
@@ -66,7 +67,7 @@ from megaseq.train.metrics import MetricsLogger
 from megaseq.train.optimizer import make_optimizer
 from megaseq.train.state import StepInfo
 from megaseq.train.step import OptimizerStep, apply_memory_policies
-from megaseq.train.trainer import freeze_except, pick_device, seed_everything
+from megaseq.train.trainer import freeze_except, seed_everything
 from megaseq_rl.policy import completion_terms, load_policy
 from megaseq_rl.recipe import RLRecipe
 from megaseq_rl.rollout import build_engine, cat_generations, select_rows

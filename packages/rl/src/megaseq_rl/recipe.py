@@ -121,7 +121,7 @@ class RLRecipe(Section):
 
     @property
     def out_dir(self) -> Path:
-        return Path(self.run.out_dir.replace("{name}", self.run.name))
+        return self.run.out_path
 
 
 def _message(source: str, exc: ValidationError) -> str:

@@ -22,7 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from megaseq.config import Recipe, validate_recipe
+from megaseq.config import Recipe, RunConfig, validate_recipe
+from megaseq.devices import device_type, join_torchrun
 from megaseq.distributed.experts import layout_expert_dims
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups
 from megaseq.distributed.layout import Layout, check_layout
@@ -139,12 +140,9 @@ def run_worker(raw: dict[str, Any], source: str, mode: str, progress: bool, laun
 
 def run_torchrun(recipe: Recipe, mode: str, progress: bool) -> TrainResult | None:
     """Inside a torchrun worker: join its process group, train; rank 0 returns the result."""
-    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    join_torchrun()
     try:
         result = run_worker(recipe.to_dict(), recipe.source, mode, progress)
     finally:
@@ -161,7 +159,7 @@ def _ray_worker(config: dict[str, Any]) -> None:
     import logging
 
     logging.getLogger("ray").setLevel(logging.WARNING)
-    out_dir = Path(config["recipe"]["run"]["out_dir"].replace("{name}", config["recipe"]["run"]["name"]))
+    out_dir = RunConfig.model_validate(config["recipe"]["run"]).out_path
     newest = checkpoint.newest_verified(out_dir / "checkpoints").path
     # A restarted worker group (a worker died) resumes from the newest checkpoint this launch wrote. The
     # launcher prepared the run directory (refused or wiped it): without --resume, all in it is this launch's.
@@ -196,10 +194,8 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
         from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError:
         raise UserError(f"--workers needs Ray Train: {EXTRA_HINT}") from None
-    import torch
-
     workers = layout.world_size
-    use_gpu = recipe.run.device == "cuda" or (recipe.run.device == "auto" and torch.cuda.is_available())
+    use_gpu = device_type(recipe.run.device) == "cuda"
     init = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
     try:
         ray.init(**init, include_dashboard=False, log_to_driver=True, logging_level="ERROR", configure_logging=True)

@@ -12,56 +12,77 @@ Everything here is checked before any worker starts, and every failure is one li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from megaseq.config import Recipe
 from megaseq.errors import UserError
 
 
+class LayoutError(UserError):
+    """A layout that cannot work for this recipe (one line naming the key)."""
+
+
 @dataclass(frozen=True)
 class Layout:
+    """Ranks per parallel dimension: data, context and expert parallelism train; tensor (``tp``) and
+    expert-tensor (``etp``) parallelism are modelled by the planner only, and a training run refuses them."""
+
     dp: int = 1
     cp: int = 1
     ep: int = 1
+    tp: int = 1
+    etp: int = 1
 
     @property
     def world_size(self) -> int:
         return self.dp * self.cp
 
     def __str__(self) -> str:
-        return f"dp={self.dp},cp={self.cp},ep={self.ep}"
+        return ",".join(f"{k}={v}" for k, v in asdict(self).items() if k in ("dp", "cp", "ep") or v != 1)
 
     @classmethod
     def of(cls, recipe: Recipe) -> Layout:
         p = recipe.parallel
         return cls(dp=p.dp, cp=p.cp, ep=p.ep)
 
+    @classmethod
+    def parse(cls, text: str | None, base: Layout | None = None) -> Layout:
+        """``--parallel "dp=2,cp=2"``: any subset of dp, cp, ep, tp, etp; the others come from ``base``."""
+        values = asdict(base or cls())
+        for item in filter(None, (part.strip() for part in (text or "").split(","))):
+            key, sep, value = (s.strip() for s in item.partition("="))
+            if not sep or key not in values:
+                raise LayoutError(f"--parallel {text!r}: expected NAME=N items separated by commas, NAME one of "
+                                  f"{', '.join(values)} (e.g. dp=2,cp=2,ep=2)")
+            if not value.isdigit() or int(value) < 1:
+                raise LayoutError(f"--parallel {text!r}: {key} must be a positive integer, got {value!r}")
+            values[key] = int(value)
+        return cls(**values)
 
-def parse_parallel(text: str) -> dict[str, int]:
-    """``"dp=2,cp=2"`` -> ``{"dp": 2, "cp": 2}`` (keys not named keep the recipe's ``[parallel]`` values)."""
-    out: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in ("dp", "cp", "ep"):
-            raise UserError(f"--parallel {text!r}: expected comma-separated dp=N, cp=N, ep=N (e.g. dp=2,cp=2,ep=2)")
-        if not value.strip().isdigit() or int(value) < 1:
-            raise UserError(f"--parallel {text!r}: {key} must be a positive integer, got {value.strip()!r}")
-        out[key] = int(value)
-    return out
+
+def check_zigzag_length(seq_len: int, cp: int, what: str) -> None:
+    """Zig-zag context parallelism cuts each sequence into ``2 x cp`` equal segments (``what`` names the
+    length in the error: a recipe key or a flag)."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise LayoutError(
+            f"{what} {seq_len} is not a multiple of 2 x cp = {2 * cp} "
+            f"(zig-zag context parallelism cuts each window into 2 x cp equal segments)"
+        )
 
 
-def resolve_layout(recipe: Recipe, workers: int | None) -> Layout:
-    """The layout to run: the recipe's ``[parallel]`` section, with ``--workers N`` alone meaning ``dp=N``."""
-    layout = Layout.of(recipe)
+def resolve_layout(recipe: Recipe, layout: Layout, workers: int | None) -> Layout:
+    """The layout to train with: ``layout`` (the recipe's ``[parallel]`` with ``--parallel`` on top), with
+    ``--workers N`` alone meaning ``dp=N``."""
+    if layout.tp > 1 or layout.etp > 1:
+        raise LayoutError(f"--parallel {layout}: tp and etp are for planning (megaseq plan); training runs tp=1, etp=1")
     if workers is None:
         return layout
     if workers < 1:
-        raise UserError(f"--workers {workers}: must be at least 1")
+        raise LayoutError(f"--workers {workers}: must be at least 1")
     if layout == Layout():
         return Layout(dp=workers)
     if layout.world_size != workers:
-        raise UserError(
+        raise LayoutError(
             f"{recipe.source}: parallel dp x cp = {layout.dp} x {layout.cp} = {layout.world_size} ranks, "
             f"but --workers is {workers}; make them equal (ep shares those ranks, it adds none)"
         )
@@ -72,17 +93,13 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
     """Every rule a layout must meet for this recipe, as one-line errors (nothing is started here)."""
     where = f"{recipe.source}: parallel ({layout})"
     if recipe.train.batch_size % layout.dp:
-        raise UserError(
+        raise LayoutError(
             f"{where}: train.batch_size {recipe.train.batch_size} is not a multiple of dp {layout.dp} "
             f"(it is the global batch; each data-parallel rank reads an equal share)"
         )
-    if layout.cp > 1 and recipe.data.seq_len % (2 * layout.cp):
-        raise UserError(
-            f"{where}: data.seq_len {recipe.data.seq_len} is not a multiple of 2 x cp = {2 * layout.cp} "
-            f"(zig-zag context parallelism cuts each window into 2 x cp equal segments)"
-        )
+    check_zigzag_length(recipe.data.seq_len, layout.cp, f"{where}: data.seq_len")
     if layout.world_size % layout.ep:
-        raise UserError(
+        raise LayoutError(
             f"{where}: ep {layout.ep} does not divide dp x cp = {layout.world_size} "
             f"(expert-parallel groups are cut from the data- and context-parallel ranks)"
         )
@@ -92,5 +109,5 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             f"experts); set train.optimizer_shard = false or parallel.ep = 1"
         )
     if layout.ep > 1 and recipe.model.moe is None:
-        raise UserError(f"{where}: ep {layout.ep} > 1 but model.moe is not set: there are no experts to share")
+        raise LayoutError(f"{where}: ep {layout.ep} > 1 but model.moe is not set: there are no experts to share")
 

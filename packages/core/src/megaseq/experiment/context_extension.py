@@ -121,10 +121,10 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
     from megaseq.config import validate_recipe
     from megaseq.contracts import ForwardContext
     from megaseq.data.sources import tokenized
+    from megaseq.devices import pick_device
     from megaseq.eval.evaluate import fitted_markov
     from megaseq.eval.heldout_set import HeldoutSet, score_windows
     from megaseq.model import build_model, chunked_token_losses
-    from megaseq.train.trainer import pick_device
 
     plugins = _child_setup(threads)
     heldout = HeldoutSet(**spec["heldout"])
@@ -297,12 +297,14 @@ def describe_plan(all_stages: list[Stage], plan: ContextExtensionPlan) -> str:
 def check_memory(all_stages: list[Stage], plan: ContextExtensionPlan, plugins: Any) -> None:
     """Every stage must fit, by the memory planner, in this machine's memory (``plan.memory_gib``, default
     all of it) shared by ``plan.jobs`` jobs at once; a stage that does not is a one-line error before training."""
-    from megaseq.memory.plan import Layout, Machine
+    from megaseq.devices import device_type
+    from megaseq.distributed.layout import Layout
+    from megaseq.memory.machine import Machine
     from megaseq.memory.plan import plan as memory_plan
 
     for stage in all_stages:
         recipe = stage.recipe
-        kind = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and _cuda()) else "cpu"
+        kind = device_type(recipe.run.device)
         machine = Machine.detect(kind, plan.memory_gib)
         if kind == "cpu":  # the jobs running at once share the machine's memory (a GPU job has the device)
             machine = dataclasses.replace(machine, device_bytes=machine.device_bytes // plan.jobs)
@@ -317,12 +319,6 @@ def check_memory(all_stages: list[Stage], plan: ContextExtensionPlan, plugins: A
                 f"{result.summary()} ({plan.jobs} job(s) at once; `megaseq plan` shows the estimate); set "
                 f"{stage.name}.train.memory_policy=auto{shorter} or jobs=1"
             )
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def evaluation_record(spec: dict) -> dict:

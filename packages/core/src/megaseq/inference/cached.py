@@ -23,11 +23,11 @@ from torch import Tensor
 from megaseq.builtins.config import CachedEngineConfig
 from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext, RoutingReplay
+from megaseq.devices import pick_device
 from megaseq.errors import UserError
 from megaseq.inference import Generation, SamplingParams, check_tokens, policy_logprobs, sample, sequence_logprobs
 from megaseq.model import build_model
 from megaseq.plugins import Plugins
-from megaseq.train.trainer import pick_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -40,27 +40,18 @@ planner's accuracy").
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megaseq.config import Recipe
+from megaseq.distributed.layout import Layout, check_zigzag_length
 from megaseq.errors import UserError
+from megaseq.memory.machine import Machine, gib
 from megaseq.plugins import Plugins
 from megaseq.records import MemoryEffect, MemoryEstimate, ModelDims
 
-GiB = 2**30
-# Resident memory of a CPU training process before any tensor of the model: the interpreter, torch and its
-# libraries, the plugins and the held-out data (measured on the 2-core CPU machine, torch 2.13: VmRSS after
-# Trainer.__init__ with the 300 kb shipped excerpt as training data was 0.378 GiB). The training data adds
-# one byte per base: the windows scan the whole token file once (with chr20: 0.437 GiB in all).
-CPU_RUNTIME_BYTES = int(0.378 * GiB)
-# The CUDA context, cuBLAS workspaces and allocator slack of one GPU process (an assumption, not measured here).
-CUDA_RUNTIME_BYTES = int(2.0 * GiB)
 # Gradients with respect to hidden states alive at once during backward, in units of N x d_model values of the
 # residual stream.
 GRAD_STREAM = 3
@@ -71,89 +62,6 @@ HEAD_BYTES = 28
 # What each RMSNorm keeps per token: its input (d_model values of the residual stream) and rstd (NORM_BYTES);
 # the normalised output is recomputed in backward (``megaseq.model.RMSNorm``).
 NORM_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Ranks per parallel dimension: data, context, expert, tensor, and expert-tensor parallelism."""
-
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    tp: int = 1
-    etp: int = 1
-
-    @classmethod
-    def parse(cls, text: str | None, base: Layout | None = None) -> Layout:
-        """``"dp=4,cp=2,ep=32,tp=8"``: any subset; the other dimensions come from ``base`` (default all 1)."""
-        values: dict[str, int] = asdict(base) if base is not None else {}
-        for item in filter(None, (part.strip() for part in (text or "").split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or key not in cls.__dataclass_fields__:
-                raise UserError(f"--parallel {text!r}: expected NAME=N items separated by commas, NAME one of dp, cp, ep, tp, etp")
-            if not value.isdigit() or int(value) < 1:
-                raise UserError(f"--parallel {text!r}: {key} must be a positive integer, got {value!r}")
-            values[key] = int(value)
-        return cls(**values)
-
-    def __str__(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in asdict(self).items())
-
-
-@dataclass(frozen=True)
-class Machine:
-    """The memory the plan must fit in: one device, and the host memory it may use (``None``: unlimited)."""
-
-    kind: str  # "cpu" or "cuda"
-    device_bytes: int
-    host_bytes: int | None
-    disk_bytes: int | None = None  # CPU: free space for scratch files (None: unlimited)
-
-    @classmethod
-    def detect(cls, kind: str, device_gib: float | None = None, host_gib: float | None = None) -> Machine:
-        for flag, value in (("--device-mem", device_gib), ("--host-mem", host_gib)):
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise UserError(f"{flag} {value}: must be a positive number of GiB")
-        if kind == "cpu":
-            device = int(device_gib * GiB) if device_gib else total_ram()
-            if device <= CPU_RUNTIME_BYTES:
-                raise UserError(f"--device-mem {device / GiB:g}: impossible, a CPU process alone needs {CPU_RUNTIME_BYTES / GiB:.2f} GiB")
-            return cls("cpu", device, None, scratch_free())
-        if device_gib is None:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise UserError("the recipe runs on cuda but no CUDA device is visible: give --device-mem GiB (e.g. 178 for a B200)")
-            device = torch.cuda.get_device_properties(0).total_memory
-        else:
-            device = int(device_gib * GiB)
-        if device <= CUDA_RUNTIME_BYTES:
-            raise UserError(f"--device-mem {device / GiB:g}: impossible, a CUDA process alone needs about {CUDA_RUNTIME_BYTES / GiB:.0f} GiB")
-        return cls("cuda", device, int(host_gib * GiB) if host_gib else None)
-
-    @property
-    def runtime_bytes(self) -> int:
-        return CPU_RUNTIME_BYTES if self.kind == "cpu" else CUDA_RUNTIME_BYTES
-
-
-def scratch_free() -> int | None:
-    """Free bytes in the directory where CPU offloading writes by default ($MEGASEQ_SCRATCH, else the system
-    temporary directory)."""
-    import tempfile
-
-    try:
-        stat = os.statvfs(os.environ.get("MEGASEQ_SCRATCH") or tempfile.gettempdir())
-    except OSError:
-        return None
-    return stat.f_bavail * stat.f_frsize
-
-
-def total_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -221,86 +129,6 @@ class Plan:
             return f"nothing fits in {gib(self.machine.device_bytes)} per {self.machine.kind} device"
         c = self.chosen
         return f"{c.label}: predicted peak {gib(c.device_peak)} of {gib(self.machine.device_bytes)} ({self.machine.kind})"
-
-    def to_json(self) -> dict[str, Any]:
-        def one(e: Estimate) -> dict[str, Any]:
-            return {
-                "policies": [{"name": p.name, "config": p.config} for p in e.policies],
-                "label": e.label,
-                "device_peak_bytes": e.device_peak,
-                "host_peak_bytes": e.host,
-                "disk_bytes": e.disk,
-                "fits": e.fits,
-                "time_cost": e.time_cost,
-                "weights_bytes": e.weights,
-                "gradients_bytes": e.gradients,
-                "optimizer_bytes": e.optimizer,
-                "runtime_bytes": e.runtime,
-                "saved_bytes_by_layer_kind": e.saved_by_kind,
-                "recompute_peak_bytes": e.recompute_peak,
-                "gradient_stream_bytes": e.gradient_stream,
-                "temporary_bytes": e.temporary,
-            }
-
-        chosen = self.chosen or (self.candidates[0] if self.given else None)
-        return {
-            "recipe": self.recipe_source,
-            "seq_len": self.seq_len,
-            "tokens_per_device": self.tokens,
-            "parallel": asdict(self.layout),
-            "device": self.machine.kind,
-            "device_bytes": self.machine.device_bytes,
-            "host_bytes": self.machine.host_bytes,
-            "policies": [p.name for p in chosen.policies] if chosen else None,
-            "policy_configs": {p.name: p.config for p in chosen.policies} if chosen else None,
-            "device_peak_bytes": chosen.device_peak if chosen else None,
-            "host_peak_bytes": chosen.host if chosen else None,
-            "fits": bool(chosen and chosen.fits),
-            "candidates": [one(e) for e in self.candidates],
-        }
-
-    def table(self) -> str:
-        m = self.machine
-        host = "unlimited" if m.host_bytes is None else gib(m.host_bytes)
-        head = (
-            f"memory plan for {self.recipe_source}: seq_len {self.seq_len}, parallel {self.layout}, "
-            f"{self.tokens} tokens per device per micro-batch\n"
-            f"device: {m.kind}, {gib(m.device_bytes)}" + (f"; host memory {host}" if m.kind == "cuda" else "")
-            + (f"; scratch disk {gib(m.disk_bytes)} free" if m.disk_bytes is not None else "")
-        )
-        first = self.candidates[0]
-        lines = [head, "", "per device (policy-independent):",
-                 f"  runtime {gib(first.runtime)}   weights {gib(first.weights)}   gradients {gib(first.gradients)}"
-                 f"   optimizer state {gib(first.optimizer) if first.optimizer else 'on host'}", ""]
-        kinds = sorted({k for e in self.candidates for k in e.saved_by_kind})
-        width = max(24, *(len(e.label) for e in self.candidates))
-        cols = "".join(f"{k[:18]:>19}" for k in kinds)
-        off = "disk" if m.kind == "cpu" else "host"
-        lines.append(f"{'policies':<{width}}{cols}{'re-run':>9}{'temp':>9}{off:>9}{'peak':>9}  fits  cost")
-        for e in self.candidates:
-            cells = "".join(f"{gib(e.saved_by_kind.get(k, 0)):>19}" for k in kinds)
-            mark = "yes" if e.fits else "no"
-            chosen = "  <- proposed" if e is self.chosen and not self.given else ""
-            lines.append(
-                f"{e.label:<{width}}{cells}{gib(e.recompute_peak):>9}{gib(e.temporary):>9}"
-                f"{gib(e.disk if m.kind == 'cpu' else e.host):>9}{gib(e.device_peak):>9}  {mark:<4}  {e.time_cost:+.0%}{chosen}"
-            )
-        lines.append("")
-        lines.append("(saved activations by layer kind; re-run: the most one layer re-creates in backward)")
-        if self.given:
-            verdict = "fits" if first.fits else "does NOT fit"
-            lines.append(f"the given set ({first.label}) {verdict}: peak {gib(first.device_peak)} of {gib(m.device_bytes)}")
-        elif self.chosen is None:
-            lines.append(f"nothing fits: the smallest peak is {gib(min(e.device_peak for e in self.candidates))} "
-                         f"of {gib(m.device_bytes)} per device. Shorter sequences, more context parallelism or more memory would.")
-        else:
-            lines.append(f"proposed: {self.chosen.label} (predicted peak {gib(self.chosen.device_peak)}, "
-                         f"about {self.chosen.time_cost:+.0%} step time)")
-        return "\n".join(lines)
-
-
-def gib(n: float) -> str:
-    return f"{n / GiB:.2f}G"
 
 
 # -- the model ---------------------------------------------------------------------------------------------
@@ -553,8 +381,7 @@ def plan(
     layout = layout or Layout()
     if seq_len < 1:
         raise UserError(f"--seq-len {seq_len}: must be a positive number of tokens")
-    if layout.cp > 1 and seq_len % (2 * layout.cp):
-        raise UserError(f"--seq-len {seq_len}: with cp={layout.cp} it must be a multiple of {2 * layout.cp} (zig-zag halves)")
+    check_zigzag_length(seq_len, layout.cp, "--seq-len")
     if layout.ep > 1 and recipe.model.moe is not None:
         experts = getattr(recipe.component("moe", recipe.model.moe), "n_experts", None)
         if experts is not None and experts % layout.ep:
@@ -591,9 +418,7 @@ def _size_pools(e: Estimate, recipe: Recipe, plugins: Plugins) -> None:
 
 def choose_memory_policy(recipe: Recipe, plugins: Plugins, device: Any) -> tuple[Recipe, Plan]:
     """For ``train.memory_policy = "auto"``: the recipe with the planner's proposed policies and configs."""
-    kind = "cuda" if getattr(device, "type", str(device)) == "cuda" else "cpu"
-    layout = Layout(dp=recipe.parallel.dp, cp=recipe.parallel.cp, ep=recipe.parallel.ep)
-    result = plan(recipe, plugins, layout=layout, machine=Machine.detect(kind))
+    result = plan(recipe, plugins, layout=Layout.of(recipe), machine=Machine.detect(device.type))
     if result.chosen is None:
         raise UserError(f"{recipe.source}: train.memory_policy = 'auto': {result.summary()} (see `megaseq plan {recipe.source}`)")
     chosen = result.chosen.policies
@@ -603,48 +428,12 @@ def choose_memory_policy(recipe: Recipe, plugins: Plugins, device: Any) -> tuple
     return recipe.model_copy(update={"train": train, "components": components}), result
 
 
-def describe_memory_policy(recipe: Recipe, plan_result: Plan | None = None) -> str:
-    """One line for a run's header: the policies in use with their configs, and the plan when there is one."""
-    names = recipe.train.memory_policy
-    if names == "auto":
-        return "auto (not planned yet)"
-    if not names:
-        text = "no memory policy"
-    else:
-        parts = []
-        for name in names:
-            cfg = recipe.components.get("memory_policy", {}).get(name)
-            options = ", ".join(f"{k}={v}" for k, v in (cfg.model_dump() if cfg else {}).items() if v is not None)
-            parts.append(f"{name}({options})" if options else name)
-        text = " + ".join(parts)
-    if plan_result is not None:
-        text += f" (chosen by the planner: {plan_result.summary()})"
-    return text
-
-
-def parse_policy_argument(value: str) -> str | list[str]:
-    """``auto``, ``none`` or comma-separated policy names."""
-    value = value.strip()
-    if value in ("auto", "none"):
-        return value
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    if not names or any(not re.fullmatch(r"[A-Za-z0-9_.-]+", n) for n in names):
-        raise UserError(f"--memory-policy {value!r}: expected auto, none or comma-separated policy names")
-    return names
-
-
-def dumps(result: Plan) -> str:
-    return json.dumps(result.to_json(), indent=2)
-
-
 __all__ = [
-    "Layout",
-    "Machine",
+    "Estimate",
     "Plan",
     "PolicyChoice",
     "candidate_sets",
     "choose_memory_policy",
-    "describe_memory_policy",
     "estimate",
     "plan",
 ]

@@ -40,6 +40,7 @@ from megaseq.contracts import ForwardContext
 from megaseq.data.errors import DataError
 from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
+from megaseq.devices import pick_device
 from megaseq.distributed.experts import build_layout_model, layout_expert_dims
 from megaseq.distributed.groups import Parallel
 from megaseq.distributed.layout import Layout, check_layout
@@ -47,7 +48,7 @@ from megaseq.distributed.sharded import local_optimizer_state, read_local_weight
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
 from megaseq.memory import heap
-from megaseq.memory.plan import describe_memory_policy
+from megaseq.memory.plan_report import describe_memory_policy
 from megaseq.model import LanguageModel, build_model, chunked_token_losses, describe
 from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
@@ -70,14 +71,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("run.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
-    return torch.device(name)
 
 
 def freeze_except(model: torch.nn.Module, patterns: list[str], source: str) -> None:
