@@ -66,6 +66,23 @@ class ContextParallel:
         return torch.cat([torch.arange(a, b, device=device) for a, b in self.segments()])
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in a tensor-parallel group, with sequence parallelism (megatron-core's layout).
+
+    A component built with ``ModelDims(tp_rank=r, tp_size=n)`` holds ``1/n`` of its heads or hidden width
+    (rank ``r`` the ``r``-th contiguous block of every split weight). Between components the activations are
+    split along the sequence: a component receives and returns this rank's ``r``-th contiguous ``1/n`` of the
+    tokens of the rank's window (or of its context-parallel shard). It gathers the sequence before its
+    split region and reduce-scatters its partial output after it (``megaseq.parallel.tp_gather`` and
+    ``tp_reduce_scatter``); ``cu_seqlens`` and ``cp`` describe the gathered sequence.
+    """
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    world_size: int
+
+
 class RoutingReplay:
     """Records the expert choice of every MoE layer in one forward and replays it in another.
 
@@ -122,6 +139,7 @@ class ForwardContext:
     inputs are this rank's zig-zag share and ``cu_seqlens`` (if any) are global boundaries.
     ``routing``: MoE routing record/replay, or ``None``.
     ``ep_group``: the expert-parallel process group (experts sharded as ``ModelDims.ep_rank/ep_size``), or ``None``.
+    ``tp``: the tensor-parallel group (:class:`TensorParallel`: inputs are this rank's sequence chunk), or ``None``.
     ``losses``: auxiliary losses (already weighted) that the trainer adds to the LM loss and logs by name.
     ``metrics``: scalars a component wants logged for this step (``log``); ``metric_counts``: how many values
     each holds the mean of.
@@ -137,6 +155,7 @@ class ForwardContext:
     cp: ContextParallel | None = None
     routing: RoutingReplay | None = None
     ep_group: Any | None = None
+    tp: TensorParallel | None = None
     losses: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     metric_counts: dict[str, int] = field(default_factory=dict)

@@ -9,6 +9,12 @@ The residual stream (the embedding's output and every block's input and output) 
 evaluation), the embedding's output is cast to bf16 and the blocks add their bf16 outputs to it in bf16, so
 what recomputation keeps and offloading moves per token is half as large. A forward without autocast (an
 inference engine's own dtype) is unchanged.
+
+Under tensor parallelism (``ModelDims.tp_size > 1``, ``ForwardContext.tp``) the embedding and the head hold
+this rank's block of the vocabulary; the embedding looks up the whole window's tokens in its block and
+reduce-scatters the sum, so the blocks see this rank's sequence chunk (``megaseq.contracts.TensorParallel``),
+and the final hidden states are that chunk. The loss gathers them back and uses the vocabulary-parallel
+cross-entropy.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from megaseq.config import Recipe
-from megaseq.contracts import ForwardContext, Tile
+from megaseq.contracts import ForwardContext, TensorParallel, Tile
+from megaseq.parallel import tp_gather, tp_reduce_scatter, tp_split, vocab_parallel_cross_entropy
 from megaseq.plugins import Plugins
 from megaseq.records import ModelDims
 
@@ -110,11 +117,12 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.dims = dims
         self.residual_bf16 = residual_bf16
-        self.embed = nn.Embedding(dims.vocab_size, dims.d_model)
+        vocab = dims.vocab_size // dims.tp_size  # this rank's block of the vocabulary
+        self.embed = nn.Embedding(vocab, dims.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(blocks)
         self.final_norm = make_norm(norm, dims.d_model, eps)
-        self.head = None if tie else nn.Linear(dims.d_model, dims.vocab_size, bias=False)
+        self.head = None if tie else nn.Linear(dims.d_model, vocab, bias=False)
         if self.head is not None:
             nn.init.normal_(self.head.weight, std=0.02)
 
@@ -125,12 +133,21 @@ class LanguageModel(nn.Module):
     def forward(self, tokens: Tensor, ctx: ForwardContext | None = None, caches: list[Any] | None = None) -> Tensor:
         """Final hidden states ``[B, T, d_model]`` (normalised; apply :meth:`logits` or the chunked loss)."""
         ctx = ctx or ForwardContext()
-        x = self.embed(tokens)
+        x = self.embed(tokens) if ctx.tp is None else self._embed_vocab_parallel(tokens, ctx.tp)
         if self.residual_bf16 and torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == torch.bfloat16:
             x = x.to(torch.bfloat16)
         for i, block in enumerate(self.blocks):
             x = block(x, ctx, None if caches is None else caches[i])
         return self.final_norm(x)
+
+    def _embed_vocab_parallel(self, tokens: Tensor, tp: TensorParallel) -> Tensor:
+        if tp.world_size != self.dims.tp_size:
+            raise ValueError(f"model built for tp {self.dims.tp_size}, run with tp {tp.world_size}")
+        vocab = self.embed.num_embeddings
+        local = tokens - tp.rank * vocab
+        here = (local >= 0) & (local < vocab)
+        partial = self.embed(local.clamp(0, vocab - 1)) * here[..., None].to(self.embed.weight.dtype)
+        return tp_reduce_scatter(partial, tp)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return hidden @ self.head_weight.to(hidden.dtype).t()
@@ -145,27 +162,43 @@ def _chunk_loss(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits, targets, reduction="none")
 
 
-def chunked_token_losses(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+def _chunk_loss_vocab_parallel(hidden: Tensor, weight: Tensor, targets: Tensor, tp: TensorParallel) -> Tensor:
+    logits = (hidden @ weight.to(hidden.dtype).t()).float()
+    return vocab_parallel_cross_entropy(logits, targets, tp)
+
+
+def chunked_token_losses(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, tp: TensorParallel | None = None
+) -> Tensor:
     """Per-token cross-entropy (nats, fp32) of ``hidden [B, T, D]`` against ``targets [B, T]``.
 
-    Logits exist for ``chunk`` tokens at a time, in forward and (by recomputation) in backward.
+    Logits exist for ``chunk`` tokens at a time, in forward and (by recomputation) in backward. With ``tp``:
+    ``hidden`` is this rank's sequence chunk, ``weight`` its vocabulary block and ``targets`` the whole
+    window's; the result is this rank's chunk of the losses (their sum over ranks is the whole loss).
     """
+    if tp is not None:
+        hidden = tp_gather(hidden, tp)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1)
+    loss_of = _chunk_loss if tp is None else _chunk_loss_vocab_parallel
+    extra = () if tp is None else (tp,)
     parts = []
     for start in range(0, flat_t.numel(), chunk):
         h, t = flat_h[start : start + chunk], flat_t[start : start + chunk]
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            parts.append(checkpoint(_chunk_loss, h, weight, t, use_reentrant=False))
+            parts.append(checkpoint(loss_of, h, weight, t, *extra, use_reentrant=False))
         else:
-            parts.append(_chunk_loss(h, weight, t))
-    return torch.cat(parts).view(targets.shape)
+            parts.append(loss_of(h, weight, t, *extra))
+    losses = torch.cat(parts).view(targets.shape)
+    return losses if tp is None else tp_split(losses, tp)
 
 
 def build_model(recipe: Recipe, plugins: Plugins, dims: ModelDims | None = None) -> LanguageModel:
     """Build the model a recipe describes, each block's components through the plugin registry."""
     m = recipe.model
     dims = dims or ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
+    if m.vocab_size % dims.tp_size:
+        raise ValueError(f"model.vocab_size {m.vocab_size} is not a multiple of tp {dims.tp_size}")
     blocks = []
     for layer in range(m.n_layers):
         attn_name = m.attention_of(layer)

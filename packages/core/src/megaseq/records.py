@@ -94,6 +94,8 @@ class ModelDims:
 
     ``ep_rank`` / ``ep_size``: this process's place in the expert-parallel group, so an MoE component
     builds only its local experts (the group itself arrives in ``ForwardContext.ep_group``).
+    ``tp_rank`` / ``tp_size``: this process's place in the tensor-parallel group, so a component that
+    supports tensor parallelism builds only its block of heads or hidden width (``ForwardContext.tp``).
     """
 
     d_model: int
@@ -101,6 +103,8 @@ class ModelDims:
     vocab_size: int
     ep_rank: int = 0
     ep_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 def load_target(target: str) -> Any:

@@ -5,6 +5,10 @@ document separately (no ``T x T`` mask); context parallelism all-gathers keys an
 and masks by global position and document; decoding appends to a key/value cache. On CUDA with fp16/bf16
 and flash-attn installed, plain and packed rows use flash-attn (varlen for packed).
 
+Tensor parallelism: a rank holds ``n_heads / tp`` heads (the ``qkv`` rows of its heads, each head's q, k and v
+rows together, and the matching ``out`` columns); it gathers the sequence chunks, attends with its heads over
+the whole sequence and reduce-scatters its partial output (``megaseq.contracts.TensorParallel``).
+
 Sequence tiles (``megaseq.contracts.SequenceTiling``): a tile's queries attend to the rotated keys and the
 values of every earlier tile (its carry) and of itself, in blocks of queries whose ``[block x keys]`` score
 tile stays under ``TILE_SCORE_BYTES``; each block is recomputed in backward, so no mask or score tile is kept.
@@ -22,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaseq.contracts import ForwardContext, Tile
 from megaseq.documents import Documents, as_documents
-from megaseq.parallel import gather_sequence
+from megaseq.parallel import gather_sequence, tp_gather, tp_reduce_scatter
 from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq.rotary import rotary
 
@@ -44,9 +48,11 @@ class KVCache:
 
 
 class SDPAttention(nn.Module):
-    def __init__(self, d_model: int, config: SDPAConfig, n_layers: int) -> None:
+    def __init__(self, d_model: int, config: SDPAConfig, n_layers: int, tp_size: int = 1) -> None:
         super().__init__()
-        self.n_heads = config.n_heads
+        if config.n_heads % tp_size:
+            raise ValueError(f"attention.sdpa: n_heads {config.n_heads} is not a multiple of tp {tp_size}")
+        self.n_heads = config.n_heads // tp_size  # this rank's heads
         self.head_dim = config.head_dim or d_model // config.n_heads
         if self.head_dim % 2 and config.rope:
             raise ValueError(f"attention.sdpa: head_dim must be even with rope = true, got {self.head_dim}")
@@ -65,12 +71,19 @@ class SDPAttention(nn.Module):
     def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
         return rotary(x, positions, self.theta) if self.rope else x
 
-    def forward(self, x: Tensor, ctx: ForwardContext, cache: KVCache | None = None) -> Tensor:
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).unbind(2)  # [B, T, H, D] each
+        q, k, v = self.qkv(x).view(b, t, self.n_heads, 3, self.head_dim).unbind(3)  # [B, T, H, D] each
+        return q, k, v
+
+    def forward(self, x: Tensor, ctx: ForwardContext, cache: KVCache | None = None) -> Tensor:
+        if ctx.tp is not None:
+            x = tp_gather(x, ctx.tp)
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x)
         if cache is not None:
-            if ctx.cu_seqlens is not None or ctx.cp is not None:
-                raise ValueError("sdpa: a decoding cache cannot be combined with packing or context parallelism")
+            if ctx.cu_seqlens is not None or ctx.cp is not None or ctx.tp is not None:
+                raise ValueError("sdpa: a decoding cache cannot be combined with packing or context or tensor parallelism")
             o = self._decode(q, k, v, cache)
         elif ctx.cp is not None:
             o = self._context_parallel(q, k, v, ctx)
@@ -79,7 +92,8 @@ class SDPAttention(nn.Module):
         else:
             pos = torch.arange(t, device=x.device)
             o = self._causal(self._rope(q, pos), self._rope(k, pos), v)
-        return self.out(o.reshape(b, t, -1))
+        out = self.out(o.reshape(b, t, -1))
+        return out if ctx.tp is None else tp_reduce_scatter(out, ctx.tp)
 
     def _causal(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if q.is_cuda and HAS_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16):
@@ -116,10 +130,10 @@ class SDPAttention(nn.Module):
         self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Tokens ``[tile.start, tile.stop)`` given the earlier tiles' rotated keys and values (``SequenceTiling``)."""
-        if ctx.cp is not None:
-            raise ValueError("sdpa: sequence tiles run without context parallelism")
+        if ctx.cp is not None or ctx.tp is not None:
+            raise ValueError("sdpa: sequence tiles run without context or tensor parallelism")
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k, v = self._qkv(x)
         positions = torch.arange(tile.start, tile.stop, device=x.device)
         doc_start = torch.zeros_like(positions)
         if ctx.documents is not None:
@@ -179,7 +193,7 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 
 def build(config: SDPAConfig, dims: ModelDims, layer_idx: int) -> SDPAttention:
-    return SDPAttention(dims.d_model, config, dims.n_layers)
+    return SDPAttention(dims.d_model, config, dims.n_layers, dims.tp_size)
 
 
 def memory_estimate(config: SDPAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:

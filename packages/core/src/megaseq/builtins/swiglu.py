@@ -1,4 +1,8 @@
-"""Dense SwiGLU feed-forward: ``W2 (silu(W1 x) * W3 x)``."""
+"""Dense SwiGLU feed-forward: ``W2 (silu(W1 x) * W3 x)``.
+
+Tensor parallelism: a rank holds ``hidden / tp`` of the hidden width (rows of ``w1`` and ``w3``, columns of
+``w2``); it gathers the sequence chunks and reduce-scatters its partial output
+(``megaseq.contracts.TensorParallel``)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
+from megaseq.parallel import tp_gather, tp_reduce_scatter
 from megaseq.records import MemoryEstimate, ModelDims
 
 from .config import SwiGLUConfig
@@ -31,7 +36,10 @@ class SwiGLU(nn.Module):
         nn.init.normal_(self.w2.weight, std=out_std)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        return self.w2(_SiLUGate.apply(self.w1(x), self.w3(x)))
+        if ctx.tp is None:
+            return self.w2(_SiLUGate.apply(self.w1(x), self.w3(x)))
+        x = tp_gather(x, ctx.tp)
+        return tp_reduce_scatter(self.w2(_SiLUGate.apply(self.w1(x), self.w3(x))), ctx.tp)
 
 
 class _SiLUGate(torch.autograd.Function):
@@ -53,7 +61,10 @@ class _SiLUGate(torch.autograd.Function):
 
 def build(config: SwiGLUConfig, dims: ModelDims, layer_idx: int) -> SwiGLU:
     # residual-branch outputs shrink with depth so the residual stream's variance stays O(1) at init
-    return SwiGLU(dims.d_model, hidden_size(config, dims), out_std=0.02 / (2 * dims.n_layers) ** 0.5)
+    hidden = hidden_size(config, dims)
+    if hidden % dims.tp_size:
+        raise ValueError(f"ffn.swiglu: hidden width {hidden} is not a multiple of tp {dims.tp_size}")
+    return SwiGLU(dims.d_model, hidden // dims.tp_size, out_std=0.02 / (2 * dims.n_layers) ** 0.5)
 
 
 def memory_estimate(config: SwiGLUConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:

@@ -1,4 +1,5 @@
-"""Expert-sharded state: which tensors expert parallelism splits, and how to split and join them.
+"""Expert- and tensor-sharded state: which tensors expert and tensor parallelism split, and how to split and
+join them.
 
 A component built with ``ModelDims(ep_rank=r, ep_size=n)`` holds only its local experts (the contract of
 ``ModelDims``), stacked along one dimension of each expert tensor. So the expert tensors are found without
@@ -6,6 +7,9 @@ asking the component: build the model once for one rank and once for ``n`` ranks
 memory) and compare shapes. A tensor whose shape differs in exactly one dimension, by a factor ``n``, is
 expert-sharded along that dimension; EP rank ``r`` holds its ``r``-th block. Every other tensor is the
 same on every rank.
+
+Tensor parallelism is found the same way: a component built with ``ModelDims(tp_rank=r, tp_size=n)`` holds
+the ``r``-th contiguous block of each split tensor along one dimension (``megaseq.contracts.TensorParallel``).
 
 The same split serves three purposes: giving every layout the same initial weights (initialise the full
 model, keep the local block), checkpoints (each EP rank writes its block) and resuming under another
@@ -26,35 +30,45 @@ from megaseq.plugins import Plugins
 from megaseq.records import ModelDims
 
 
-def model_dims(recipe: Recipe, ep_rank: int = 0, ep_size: int = 1) -> ModelDims:
+def model_dims(recipe: Recipe, ep_rank: int = 0, ep_size: int = 1, tp_rank: int = 0, tp_size: int = 1) -> ModelDims:
     m = recipe.model
-    return ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size, ep_rank=ep_rank, ep_size=ep_size)
+    return ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size, ep_rank=ep_rank, ep_size=ep_size,
+                     tp_rank=tp_rank, tp_size=tp_size)
 
 
-def build_on_meta(recipe: Recipe, plugins: Plugins, ep_size: int) -> LanguageModel:
-    """The model as EP rank 0 of ``ep_size`` builds it, without memory; a component's refusal is a one-line error."""
+def build_on_meta(recipe: Recipe, plugins: Plugins, ep_size: int, tp_size: int = 1) -> LanguageModel:
+    """The model as rank 0 of ``ep_size`` (and of ``tp_size``) builds it, without memory; a component's refusal
+    is a one-line error."""
     try:
         with torch.device("meta"):
-            return build_model(recipe, plugins, model_dims(recipe, 0, ep_size))
+            return build_model(recipe, plugins, model_dims(recipe, 0, ep_size, 0, tp_size))
     except ValueError as exc:
-        raise UserError(f"{recipe.source}: parallel ep={ep_size}: {exc}") from None
+        where = f"ep={ep_size}" + (f",tp={tp_size}" if tp_size > 1 else "")
+        raise UserError(f"{recipe.source}: parallel {where}: {exc}") from None
 
 
-def expert_dims(full: Mapping[str, Tensor], local: Mapping[str, Tensor], ep_size: int) -> dict[str, int]:
-    """``{name: dim}`` of the tensors of ``local`` (one of ``ep_size`` EP ranks) that hold a block of ``full``."""
+def split_dims(full: Mapping[str, Tensor], local: Mapping[str, Tensor], n: int, what: str = "ep") -> dict[str, int]:
+    """``{name: dim}`` of the tensors of ``local`` (one of ``n`` ranks of ``what``, ep or tp) that hold a block
+    of ``full``."""
     out: dict[str, int] = {}
     for name, tensor in local.items():
         whole = full[name]
         if whole.shape == tensor.shape:
             continue
         differing = [d for d, (a, b) in enumerate(zip(whole.shape, tensor.shape, strict=True)) if a != b]
-        if len(differing) != 1 or whole.shape[differing[0]] != tensor.shape[differing[0]] * ep_size:
+        if len(differing) != 1 or whole.shape[differing[0]] != tensor.shape[differing[0]] * n:
+            rule = ("an expert-parallel component must stack its local experts along one dimension" if what == "ep"
+                    else "a tensor-parallel component must split each tensor along one dimension")
             raise ValueError(
-                f"{name}: shape {tuple(tensor.shape)} under ep={ep_size} is not one 1/{ep_size} block of "
-                f"{tuple(whole.shape)}; an expert-parallel component must stack its local experts along one dimension"
+                f"{name}: shape {tuple(tensor.shape)} under {what}={n} is not one 1/{n} block of {tuple(whole.shape)}; {rule}"
             )
         out[name] = differing[0]
     return out
+
+
+def expert_dims(full: Mapping[str, Tensor], local: Mapping[str, Tensor], ep_size: int) -> dict[str, int]:
+    """``{name: dim}`` of the tensors of ``local`` (one of ``ep_size`` EP ranks) that hold a block of ``full``."""
+    return split_dims(full, local, ep_size, "ep")
 
 
 def layout_expert_dims(recipe: Recipe, plugins: Plugins, ep_size: int) -> dict[str, int]:
@@ -63,6 +77,25 @@ def layout_expert_dims(recipe: Recipe, plugins: Plugins, ep_size: int) -> dict[s
         return {}
     full = build_on_meta(recipe, plugins, 1).state_dict()
     return expert_dims(full, build_on_meta(recipe, plugins, ep_size).state_dict(), ep_size)
+
+
+def layout_tp_dims(recipe: Recipe, plugins: Plugins, tp_size: int) -> dict[str, int]:
+    """``{name: dim}`` of the tensors tensor parallelism over ``tp_size`` ranks splits (empty for 1)."""
+    if tp_size == 1:
+        return {}
+    full = build_on_meta(recipe, plugins, 1).state_dict()
+    dims = split_dims(full, build_on_meta(recipe, plugins, 1, tp_size).state_dict(), tp_size, "tp")
+    m = recipe.model
+    for layer in range(m.n_layers):
+        # a component that splits none of its tensors ignored ModelDims.tp_size: its layer would compute on a
+        # sequence chunk as if it were the whole sequence
+        for part, (kind, name) in (("attention", ("attention", m.attention_of(layer))), ("ffn", m.ffn_of(layer))):
+            if not any(n.startswith(f"blocks.{layer}.{part}.") for n in dims):
+                raise UserError(
+                    f"{recipe.source}: parallel tp={tp_size}: {kind} {name!r} (layer {layer}) does not implement "
+                    f"tensor parallelism (it splits none of its weights); run it with tp=1"
+                )
+    return dims
 
 
 def shard(full: Mapping[str, Tensor], dims: Mapping[str, int], ep_rank: int, ep_size: int) -> dict[str, Tensor]:
@@ -80,17 +113,22 @@ def unshard(blocks: list[Mapping[str, Tensor]], dims: Mapping[str, int]) -> dict
     }
 
 
-def build_layout_model(recipe: Recipe, plugins: Plugins, ep_rank: int, ep_size: int) -> LanguageModel:
-    """The local model of EP rank ``ep_rank`` with the initial weights of the single-rank model.
+def build_layout_model(
+    recipe: Recipe, plugins: Plugins, ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1
+) -> LanguageModel:
+    """The local model of EP rank ``ep_rank`` and TP rank ``tp_rank`` with the initial weights of the
+    single-rank model.
 
-    Under expert parallelism the full model is initialised (so every layout starts from the same weights and
-    leaves the random generators where a single-rank run leaves them) and the local blocks are kept.
+    Under expert or tensor parallelism the full model is initialised (so every layout starts from the same
+    weights and leaves the random generators where a single-rank run leaves them) and the local blocks are kept.
     """
-    if ep_size == 1:
+    if ep_size == 1 and tp_size == 1:
         return build_model(recipe, plugins)
     with torch.random.fork_rng(devices=[]):
-        local = build_model(recipe, plugins, model_dims(recipe, ep_rank, ep_size))
+        local = build_model(recipe, plugins, model_dims(recipe, ep_rank, ep_size, tp_rank, tp_size))
     full = build_model(recipe, plugins).state_dict()
-    dims = expert_dims(full, local.state_dict(), ep_size)
-    local.load_state_dict(shard(full, dims, ep_rank, ep_size))
+    by_ep, by_tp = layout_expert_dims(recipe, plugins, ep_size), layout_tp_dims(recipe, plugins, tp_size)
+    if both := sorted(set(by_ep) & set(by_tp)):
+        raise UserError(f"{recipe.source}: parallel ep={ep_size},tp={tp_size}: {both[0]} is split by both")
+    local.load_state_dict(shard(shard(full, by_ep, ep_rank, ep_size), by_tp, tp_rank, tp_size))
     return local

@@ -1,35 +1,40 @@
 """This process's place in the layout, its process groups, and the few collectives the trainer needs.
 
-The groups come from megatron-core's ``parallel_state`` (tensor and pipeline parallelism 1; its rank order
-puts the ``cp`` ranks of a replica next to each other and cuts expert-parallel groups from consecutive
-ranks). ``torch.distributed`` must already be initialised by the launcher (Ray Train, torchrun, or
+The groups come from megatron-core's ``parallel_state`` (pipeline parallelism 1; its rank order puts the
+``tp`` ranks of a context-parallel rank next to each other, then the ``cp`` ranks of a replica, and cuts
+expert-parallel groups from consecutive ranks). ``torch.distributed`` must already be initialised by the launcher (Ray Train, torchrun, or
 ``megaseq.testing.distributed.run_gloo``). ``Parallel()`` is the single process: no group, no collective,
 no import of torch.distributed machinery or megatron-core.
 
 What the trainer asks of a ``Parallel``, and why each rule makes every layout equal the single process:
 
 - ``local_batch``: each data-parallel rank keeps its contiguous share of the global micro-batch's windows,
-  each context-parallel rank the zig-zag shard of them. The loss is normalised by the weight of the
-  global micro-batch, so the shares of all ranks add up to the single-process loss.
-- ``reduce_gradients``: gradients are summed over all ranks (data, context and expert parallel alike: an
-  expert-parallel group is made of data/context ranks, so the router and shared experts see every token
-  once), except expert-sharded parameters, which already received every token of their expert-parallel
-  group through the dispatch and are summed over the expert-data-parallel group only.
+  each context-parallel rank the zig-zag shard of them; the tensor-parallel ranks of a context-parallel
+  rank all take that shard (the model splits it along the sequence, and each holds the losses of its
+  chunk). The loss is normalised by the weight of the global micro-batch, so the shares of all ranks add
+  up to the single-process loss.
+- ``reduce_gradients``: gradients are summed over all ranks (data, context, tensor and expert parallel
+  alike: an expert-parallel group is made of data/context ranks, so the router and shared experts see every
+  token once, and under sequence parallelism each tensor-parallel rank's norms see its chunk), except
+  expert-sharded parameters, which already received every token of their expert-parallel group through
+  the dispatch and are summed over the expert-data-parallel group only, and tensor-split parameters, which
+  received every token of their window and are summed over the ranks holding the same block (data and
+  context parallel).
 - ``grad_norm``: the norm of the whole model's gradient: replicated parameters counted once, expert
-  blocks summed over the expert-parallel group.
+  blocks summed over the expert-parallel group, tensor-split blocks over the tensor-parallel group.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from megaseq.contracts import ContextParallel, ForwardContext
+from megaseq.contracts import ContextParallel, ForwardContext, TensorParallel
 from megaseq.data.windows import Batch
 from megaseq.distributed.layout import Layout
 from megaseq.errors import UserError
@@ -47,10 +52,13 @@ class Parallel:
     cp_rank: int = 0
     ep_rank: int = 0
     expert_dp_rank: int = 0
+    tp_rank: int = 0
     world_group: Any = None
     cp_group: Any = None
     ep_group: Any = None
     expert_dp_group: Any = None
+    tp_group: Any = None
+    tp_data_group: Any = None  # the ranks holding the same tensor-parallel block: data x context parallel
 
     @property
     def distributed(self) -> bool:
@@ -62,13 +70,15 @@ class Parallel:
 
     # -- what components are handed ---------------------------------------------------------------------
     def model_dims(self, dims: ModelDims) -> ModelDims:
-        return replace(dims, ep_rank=self.ep_rank, ep_size=self.layout.ep)
+        return replace(dims, ep_rank=self.ep_rank, ep_size=self.layout.ep, tp_rank=self.tp_rank, tp_size=self.layout.tp)
 
     def forward_context(self, seq_len: int) -> ForwardContext:
-        cp = None
+        cp = tp = None
         if self.layout.cp > 1:
             cp = ContextParallel(group=self.cp_group, rank=self.cp_rank, world_size=self.layout.cp, seq_len=seq_len)
-        return ForwardContext(cp=cp, ep_group=self.ep_group if self.layout.ep > 1 else None)
+        if self.layout.tp > 1:
+            tp = TensorParallel(group=self.tp_group, rank=self.tp_rank, world_size=self.layout.tp)
+        return ForwardContext(cp=cp, ep_group=self.ep_group if self.layout.ep > 1 else None, tp=tp)
 
     def local_batch(self, batch: Batch) -> Batch:
         """This rank's part of a global micro-batch: its data-parallel share of the windows, zig-zag sharded."""
@@ -112,16 +122,21 @@ class Parallel:
         if self.distributed:
             collectives.barrier(self.world_group)
 
-    def reduce_gradients(self, params: list[nn.Parameter], experts: set[nn.Parameter]) -> None:
+    def reduce_gradients(
+        self, params: list[nn.Parameter], experts: set[nn.Parameter], tp_split: Set[nn.Parameter] = frozenset()
+    ) -> None:
         """Sum gradients over ranks (module docstring). A parameter that no rank has a gradient for keeps
         ``grad = None``, as in one process (the optimizer then leaves it alone)."""
         if not self.distributed:
             return
         import torch.distributed as dist
 
-        replicated = [p for p in params if p not in experts]
+        replicated = [p for p in params if p not in experts and p not in tp_split]
         sharded = [p for p in params if p in experts]
-        for group, members in ((self.world_group, replicated), (self.expert_dp_group, sharded)):
+        split = [p for p in params if p in tp_split]
+        for group, members in (
+            (self.world_group, replicated), (self.expert_dp_group, sharded), (self.tp_data_group, split)
+        ):
             if not members or dist.get_world_size(group) == 1:
                 continue
             device = members[0].device
@@ -135,24 +150,34 @@ class Parallel:
                     p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
                 offset += n
 
-    def grad_norm(self, params: Iterable[nn.Parameter], experts: set[nn.Parameter]) -> Tensor:
+    def grad_norm(
+        self, params: Iterable[nn.Parameter], experts: set[nn.Parameter], tp_split: Set[nn.Parameter] = frozenset()
+    ) -> Tensor:
         """The 2-norm of the whole model's gradient (fp32), equal on every rank."""
-        grads = [(p.grad, p in experts) for p in params if p.grad is not None]
-        squares = torch.zeros(2, device=grads[0][0].device if grads else None)
-        for grad, is_expert in grads:
-            squares[int(is_expert)] += grad.detach().float().pow(2).sum()
+        grads = [(p.grad, 1 if p in experts else 2 if p in tp_split else 0) for p in params if p.grad is not None]
+        squares = torch.zeros(3, device=grads[0][0].device if grads else None)
+        for grad, kind in grads:
+            squares[kind] += grad.detach().float().pow(2).sum()
         if self.distributed and self.layout.ep > 1:
-            collectives.all_reduce(squares[1:], self.ep_group)
+            collectives.all_reduce(squares[1:2], self.ep_group)
+        if self.distributed and self.layout.tp > 1:
+            collectives.all_reduce(squares[2:], self.tp_group)
         return squares.sum().sqrt()
 
     def gather_experts(self, state: Mapping[str, Tensor], dims: Mapping[str, int]) -> dict[str, Tensor]:
         """The whole model's state from this rank's: expert blocks gathered over the expert-parallel group."""
-        if self.layout.ep == 1:
-            return dict(state)
-        full = dict(state)
-        for name, dim in dims.items():
-            full[name] = torch.cat(collectives.all_gather_tensor(state[name], self.ep_group), dim=dim)
-        return full
+        return _gather_blocks(state, dims, self.ep_group) if self.layout.ep > 1 else dict(state)
+
+    def gather_tensor_parallel(self, state: Mapping[str, Tensor], dims: Mapping[str, int]) -> dict[str, Tensor]:
+        """The whole model's state from this rank's: tensor-split blocks gathered over the tensor-parallel group."""
+        return _gather_blocks(state, dims, self.tp_group) if self.layout.tp > 1 else dict(state)
+
+
+def _gather_blocks(state: Mapping[str, Tensor], dims: Mapping[str, int], group: Any) -> dict[str, Tensor]:
+    full = dict(state)
+    for name, dim in dims.items():
+        full[name] = torch.cat(collectives.all_gather_tensor(state[name], group), dim=dim)
+    return full
 
 
 def _grad_or_zeros(p: nn.Parameter) -> Tensor:
@@ -177,10 +202,12 @@ def init_process_groups(layout: Layout) -> Parallel:
         raise RuntimeError("init_process_groups: torch.distributed is not initialised (start workers with a launcher)")
     if dist.get_world_size() != layout.world_size:
         raise UserError(
-            f"parallel {layout}: dp x cp = {layout.world_size} ranks, but {dist.get_world_size()} processes were started"
+            f"parallel {layout}: dp x cp x tp = {layout.world_size} ranks, but {dist.get_world_size()} processes were started"
         )
     ps = import_parallel_state()
-    ps.initialize_model_parallel(context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep
+    )
     return Parallel(
         layout=layout,
         rank=dist.get_rank(),
@@ -188,10 +215,13 @@ def init_process_groups(layout: Layout) -> Parallel:
         cp_rank=ps.get_context_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         expert_dp_rank=ps.get_expert_data_parallel_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
         world_group=dist.group.WORLD,
         cp_group=ps.get_context_parallel_group(),
         ep_group=ps.get_expert_model_parallel_group(),
         expert_dp_group=ps.get_expert_data_parallel_group(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        tp_data_group=ps.get_data_parallel_group(with_context_parallel=True),
     )
 
 

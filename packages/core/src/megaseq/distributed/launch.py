@@ -24,7 +24,7 @@ from typing import Any
 
 from megaseq.config import Recipe, RunConfig, validate_recipe
 from megaseq.devices import device_type, join_torchrun
-from megaseq.distributed.experts import layout_expert_dims
+from megaseq.distributed.experts import layout_expert_dims, layout_tp_dims
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
@@ -44,6 +44,7 @@ def preflight(
     check_layout(recipe, layout)
     check_policies_run_under(recipe, plugins, layout)
     layout_expert_dims(recipe, plugins, layout.ep)  # builds the model on the meta device: components may refuse
+    layout_tp_dims(recipe, plugins, layout.tp)
     if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
         check_resharding(path, recipe, plugins)
     if probe_cp and layout.cp > 1:
@@ -93,19 +94,24 @@ def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:
     from safetensors import safe_open
 
     from megaseq.distributed.experts import build_on_meta
+    from megaseq.distributed.sharded import block_files
 
     meta = checkpoint.read_meta(path)
-    saved_ep = int(meta.get("layout", {}).get("ep", 1))
+    layout = meta.get("layout", {})
+    joined = {"ep": meta.get("expert_dims", {}), "tp": meta.get("tp_dims", {})}
     shapes: dict[str, list[int]] = {}
-    files = [path / "model.safetensors"] + [path / "experts" / f"ep{r}.safetensors" for r in range(saved_ep if saved_ep > 1 else 0)]
-    for file in files:
+    files = [("", path / "model.safetensors")] + [
+        (kind, path / block_files(kind, r)[0]) for kind in joined for r in range(int(layout.get(kind, 1)) if joined[kind] else 0)
+    ]
+    for kind, file in files:
         if not file.exists():
-            raise UserError(f"{path}: checkpoint saved with ep={saved_ep} lacks {file.name}; it cannot be re-sharded")
+            saved_with = f"{kind}={layout.get(kind)}" if kind else "its layout"
+            raise UserError(f"{path}: checkpoint saved with {saved_with} lacks {file.name}; it cannot be re-sharded")
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
                 shape = list(f.get_slice(name).get_shape())
                 if name in shapes:
-                    shapes[name][meta["expert_dims"][name]] += shape[meta["expert_dims"][name]]
+                    shapes[name][joined[kind][name]] += shape[joined[kind][name]]
                 else:
                     shapes[name] = shape
     expected = {n: list(t.shape) for n, t in build_on_meta(recipe, plugins, 1).state_dict().items()}

@@ -1,6 +1,8 @@
-"""The process layout of a run: data, context and expert parallelism, and the checks that it can work.
+"""The process layout of a run: data, context, tensor and expert parallelism, and the checks that it can work.
 
-Layout (megatron-core's, with tensor and pipeline parallelism 1): ``workers = dp x cp``. Each of the ``dp``
+Layout (megatron-core's, with pipeline parallelism 1): ``workers = dp x cp x tp``. The ``tp`` ranks of a
+context-parallel rank share its shard of every window: each holds ``1/tp`` of the heads, hidden widths and
+vocabulary, and (sequence parallelism) ``1/tp`` of the shard's tokens between those regions. Each of the ``dp``
 data-parallel replicas reads ``train.batch_size / dp`` windows of every micro-batch; the ``cp`` ranks of a
 replica share those windows, each holding its zig-zag shard (``megaseq.parallel.zigzag_shard``). Expert
 parallelism does not add processes: the ``dp x cp`` ranks are cut into groups of ``ep`` consecutive ranks
@@ -24,8 +26,8 @@ class LayoutError(UserError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Ranks per parallel dimension: data, context and expert parallelism train; tensor (``tp``) and
-    expert-tensor (``etp``) parallelism are modelled by the planner only, and a training run refuses them."""
+    """Ranks per parallel dimension: data, context, tensor and expert parallelism train; expert-tensor
+    (``etp``) parallelism is modelled by the planner only, and a training run refuses it."""
 
     dp: int = 1
     cp: int = 1
@@ -35,7 +37,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp
+        return self.dp * self.cp * self.tp
 
     def __str__(self) -> str:
         return ",".join(f"{k}={v}" for k, v in asdict(self).items() if k in ("dp", "cp", "ep") or v != 1)
@@ -43,7 +45,7 @@ class Layout:
     @classmethod
     def of(cls, recipe: Recipe) -> Layout:
         p = recipe.parallel
-        return cls(dp=p.dp, cp=p.cp, ep=p.ep)
+        return cls(dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
 
     @classmethod
     def parse(cls, text: str | None, base: Layout | None = None) -> Layout:
@@ -73,8 +75,8 @@ def check_zigzag_length(seq_len: int, cp: int, what: str) -> None:
 def resolve_layout(recipe: Recipe, layout: Layout, workers: int | None) -> Layout:
     """The layout to train with: ``layout`` (the recipe's ``[parallel]`` with ``--parallel`` on top), with
     ``--workers N`` alone meaning ``dp=N``."""
-    if layout.tp > 1 or layout.etp > 1:
-        raise LayoutError(f"--parallel {layout}: tp and etp are for planning (megaseq plan); training runs tp=1, etp=1")
+    if layout.etp > 1:
+        raise LayoutError(f"--parallel {layout}: etp is for planning (megaseq plan); training runs etp=1")
     if workers is None:
         return layout
     if workers < 1:
@@ -83,7 +85,7 @@ def resolve_layout(recipe: Recipe, layout: Layout, workers: int | None) -> Layou
         return Layout(dp=workers)
     if layout.world_size != workers:
         raise LayoutError(
-            f"{recipe.source}: parallel dp x cp = {layout.dp} x {layout.cp} = {layout.world_size} ranks, "
+            f"{recipe.source}: parallel dp x cp x tp = {layout.dp} x {layout.cp} x {layout.tp} = {layout.world_size} ranks, "
             f"but --workers is {workers}; make them equal (ep shares those ranks, it adds none)"
         )
     return layout
@@ -98,16 +100,32 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             f"(it is the global batch; each data-parallel rank reads an equal share)"
         )
     check_zigzag_length(recipe.data.seq_len, layout.cp, f"{where}: data.seq_len")
-    if layout.world_size % layout.ep:
+    if (layout.dp * layout.cp) % layout.ep:
         raise LayoutError(
-            f"{where}: ep {layout.ep} does not divide dp x cp = {layout.world_size} "
+            f"{where}: ep {layout.ep} does not divide dp x cp = {layout.dp * layout.cp} "
             f"(expert-parallel groups are cut from the data- and context-parallel ranks)"
         )
     if layout.ep > 1 and recipe.train.optimizer_shard:
-        raise UserError(
+        raise LayoutError(
             f"{where}: train.optimizer_shard cannot shard expert-parallel parameters (each ep rank holds different "
             f"experts); set train.optimizer_shard = false or parallel.ep = 1"
         )
+    if (recipe.data.seq_len // layout.cp) % layout.tp:
+        raise LayoutError(
+            f"{where}: data.seq_len {recipe.data.seq_len} / cp {layout.cp} is not a multiple of tp {layout.tp} "
+            f"(sequence parallelism gives each tensor-parallel rank an equal share of a rank's tokens)"
+        )
+    if recipe.model.vocab_size % layout.tp:
+        raise LayoutError(
+            f"{where}: model.vocab_size {recipe.model.vocab_size} is not a multiple of tp {layout.tp} "
+            f"(the embedding and the output head are split by vocabulary)"
+        )
+    if layout.tp > 1 and layout.ep > 1:
+        raise LayoutError(f"{where}: tp {layout.tp} with ep {layout.ep}: tensor parallelism runs without expert parallelism; "
+                        f"use tp=1 or ep=1")
+    if layout.tp > 1 and recipe.train.optimizer_shard:
+        raise LayoutError(f"{where}: train.optimizer_shard shards over data- and context-parallel ranks only; "
+                        f"set train.optimizer_shard = false or parallel.tp = 1")
     if layout.ep > 1 and recipe.model.moe is None:
         raise LayoutError(f"{where}: ep {layout.ep} > 1 but model.moe is not set: there are no experts to share")
 

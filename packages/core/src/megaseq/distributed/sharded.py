@@ -2,24 +2,28 @@
 
 A checkpoint directory (published whole, with its manifest, by ``megaseq.train.checkpoint.commit``) holds:
 
-- ``model.safetensors``: every weight that all ranks hold alike (all of them without expert parallelism);
+- ``model.safetensors``: every weight that all ranks hold alike (all of them without expert or tensor
+  parallelism);
 - ``state.pt``: the run's state (sampler position, RNG, plugin state, ...) and the optimizer state of those
   weights with their names (``optimizer_param_names``): written by rank 0;
 - under expert parallelism, ``experts/ep{r}.safetensors`` and ``experts/ep{r}.pt``: the expert blocks of
-  EP rank ``r`` and their optimizer state by name, written by one rank holding them;
+  EP rank ``r`` and their optimizer state by name, written by one rank holding them; under tensor
+  parallelism, ``tensor/tp{r}.safetensors`` and ``tensor/tp{r}.pt`` the same for TP rank ``r``'s blocks;
 - with ``train.optimizer_shard`` (ZeRO-1, ``megaseq.train.optimizer``), ``optimizer/rank{r}.pt``: rank ``r``'s
   optimizer state with its parameter names, and ``state.pt`` holds no optimizer state but the number of shards;
-- ``meta.json`` records the ``layout`` and the ``expert_dims`` (``megaseq.distributed.experts``).
+- ``meta.json`` records the ``layout``, the ``expert_dims`` and the ``tp_dims``
+  (``megaseq.distributed.experts``).
 
-Reading joins the expert blocks (and the optimizer shards) into the whole model's state and cuts it for the
-reader's layout, so a run saved with ``ep=2`` resumes with ``ep=1`` (or any other layout), a sharded optimizer
-state resumes under any number of ranks, sharded or not, and ``megaseq eval`` reads any checkpoint.
+Reading joins the blocks (and the optimizer shards) into the whole model's state and cuts it for the reader's
+layout, so a run saved with ``ep=2`` or ``tp=2`` resumes with any other layout, a sharded optimizer state
+resumes under any number of ranks, sharded or not, and ``megaseq eval`` reads any checkpoint.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +33,25 @@ from torch import Tensor, nn
 
 from megaseq.distributed.experts import shard, unshard
 
+FOLDERS = {"ep": "experts", "tp": "tensor"}
 
-def expert_files(ep_rank: int) -> tuple[str, str]:
-    """Names (inside a checkpoint) of EP rank ``ep_rank``'s expert weights and their optimizer state."""
-    return f"experts/ep{ep_rank}.safetensors", f"experts/ep{ep_rank}.pt"
+
+@dataclass(frozen=True)
+class Split:
+    """How one kind of parallelism (``kind``: "ep" or "tp") splits the model on this rank: the split tensors'
+    dimensions, this rank's block ``rank`` of ``size``, and whether this rank writes that block (one of its
+    holders does)."""
+
+    kind: str
+    dims: Mapping[str, int]
+    rank: int = 0
+    size: int = 1
+    writes: bool = True
+
+
+def block_files(kind: str, rank: int) -> tuple[str, str]:
+    """Names (inside a checkpoint) of ``kind`` rank ``rank``'s blocks and their optimizer state."""
+    return f"{FOLDERS[kind]}/{kind}{rank}.safetensors", f"{FOLDERS[kind]}/{kind}{rank}.pt"
 
 
 def optimizer_shard_file(rank: int) -> str:
@@ -40,8 +59,12 @@ def optimizer_shard_file(rank: int) -> str:
     return f"optimizer/rank{rank}.pt"
 
 
-def _saved_layout(meta: Mapping[str, Any]) -> tuple[int, dict[str, int]]:
-    return int(meta.get("layout", {}).get("ep", 1)), dict(meta.get("expert_dims", {}))
+def _saved_splits(meta: Mapping[str, Any]) -> list[tuple[str, int, dict[str, int]]]:
+    """``(kind, size, dims)`` of every split the checkpoint was written with (size > 1)."""
+    layout = meta.get("layout", {})
+    found = [("ep", int(layout.get("ep", 1)), dict(meta.get("expert_dims", {}))),
+             ("tp", int(layout.get("tp", 1)), dict(meta.get("tp_dims", {})))]
+    return [(kind, size, dims) for kind, size, dims in found if size > 1 and dims]
 
 
 def _blocked(value: Any) -> bool:
@@ -56,16 +79,15 @@ def write_shard(
     optimizer: torch.optim.Optimizer,
     param_names: list[list[str]],
     run_state: Mapping[str, Any] | None,
-    expert_dims: Mapping[str, int],
-    ep_rank: int,
-    writes_experts: bool,
+    splits: Sequence[Split] = (),
     shard: tuple[int, int] | None = None,
 ) -> list[str]:
     """Write this rank's files into the staging directory; returns their names (for the manifest).
 
     ``run_state`` is given to the one rank that writes ``model.safetensors`` and ``state.pt`` (rank 0);
-    ``writes_experts`` to one rank of each EP rank's holders. ``shard = (rank, ranks)``: ``optimizer`` holds
-    only this rank's share of the state (ZeRO-1, no expert parallelism), written to its own file.
+    each split with ``writes`` makes this rank write its block of that split. ``shard = (rank, ranks)``:
+    ``optimizer`` holds only this rank's share of the state (ZeRO-1, no expert or tensor parallelism),
+    written to its own file.
     """
     written = []
     saved = optimizer.state_dict()
@@ -81,56 +103,65 @@ def write_shard(
         return written
     index_of = {name: i for group, names in zip(saved["param_groups"], param_names, strict=True)
                 for i, name in zip(group["params"], names, strict=True)}
+    split_names = {n for split in splits if split.size > 1 for n in split.dims}
     if run_state is not None:
-        if expert_dims:
-            replicated = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n not in expert_dims}
+        if split_names:
+            replicated = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n not in split_names}
             save_file(replicated, str(staged / "model.safetensors"))
         else:
             save_model(model, str(staged / "model.safetensors"))  # handles tied tensors
-        experts_at = {index_of[n] for n in expert_dims if n in index_of}
-        replicated_optimizer = {**saved, "state": {i: v for i, v in saved["state"].items() if i not in experts_at}}
+        split_at = {index_of[n] for n in split_names if n in index_of}
+        replicated_optimizer = {**saved, "state": {i: v for i, v in saved["state"].items() if i not in split_at}}
         torch.save({**run_state, "optimizer": replicated_optimizer, "optimizer_param_names": param_names}, staged / "state.pt")
         written += ["model.safetensors", "state.pt"]
-    if writes_experts and expert_dims:
-        weights_file, optimizer_file = expert_files(ep_rank)
-        (staged / "experts").mkdir(exist_ok=True)
-        state = model.state_dict()
-        save_file({n: state[n].detach().contiguous() for n in expert_dims}, str(staged / weights_file))
-        torch.save({n: saved["state"][index_of[n]] for n in expert_dims if index_of.get(n) in saved["state"]}, staged / optimizer_file)
+    state = model.state_dict()
+    for split in splits:
+        if not (split.writes and split.size > 1 and split.dims):
+            continue
+        weights_file, optimizer_file = block_files(split.kind, split.rank)
+        (staged / FOLDERS[split.kind]).mkdir(exist_ok=True)
+        save_file({n: state[n].detach().contiguous() for n in split.dims}, str(staged / weights_file))
+        torch.save({n: saved["state"][index_of[n]] for n in split.dims if index_of.get(n) in saved["state"]}, staged / optimizer_file)
         written += [weights_file, optimizer_file]
     return written
 
 
 # -- reading under any layout -------------------------------------------------------------------------------
 def read_full_weights(path: Path, meta: Mapping[str, Any]) -> dict[str, Tensor]:
-    """The whole model's weights, expert blocks joined."""
+    """The whole model's weights, every split's blocks joined."""
     weights = load_file(str(path / "model.safetensors"))
-    ep, dims = _saved_layout(meta)
-    if ep > 1:
-        weights.update(unshard([load_file(str(path / expert_files(r)[0])) for r in range(ep)], dims))
+    for kind, size, dims in _saved_splits(meta):
+        weights.update(unshard([load_file(str(path / block_files(kind, r)[0])) for r in range(size)], dims))
     return weights
 
 
-def read_local_weights(path: Path, meta: Mapping[str, Any], dims: Mapping[str, int], ep_rank: int, ep_size: int) -> dict[str, Tensor]:
-    """EP rank ``ep_rank`` of ``ep_size``'s weights (expert dims ``dims``) from a checkpoint of any layout."""
-    return shard(read_full_weights(path, meta), dims, ep_rank, ep_size)
+def _cut(full: Mapping[str, Any], splits: Sequence[Split], cut) -> dict[str, Any]:
+    out = dict(full)
+    for split in splits:
+        if split.size > 1:
+            out = cut(out, split)
+    return out
+
+
+def read_local_weights(path: Path, meta: Mapping[str, Any], splits: Sequence[Split]) -> dict[str, Tensor]:
+    """This rank's weights (its block of every split) from a checkpoint of any layout."""
+    return _cut(read_full_weights(path, meta), splits, lambda state, sp: shard(state, sp.dims, sp.rank, sp.size))
 
 
 def local_optimizer_state(
-    path: Path, meta: Mapping[str, Any], state: Mapping[str, Any], dims: Mapping[str, int], ep_rank: int, ep_size: int
+    path: Path, meta: Mapping[str, Any], state: Mapping[str, Any], splits: Sequence[Split]
 ) -> tuple[dict[str, Any], list[list[str]]]:
     """``(optimizer state dict, its parameter names)`` as ``megaseq.train.checkpoint.load_optimizer`` takes
-    them, with every expert tensor's state joined from the saved blocks and cut for EP rank ``ep_rank``, and
-    the shards of a sharded optimizer state joined."""
+    them, with every split tensor's state joined from the saved blocks and cut for this rank's blocks, and the
+    shards of a sharded optimizer state joined."""
     if "optimizer_shards" in state:
         return _join_optimizer_shards(path, state["optimizer_shards"])
     saved, names = copy.copy(state["optimizer"]), state["optimizer_param_names"]
     saved["state"] = dict(saved["state"])
     index_of = {name: i for group, group_names in zip(saved["param_groups"], names, strict=True)
                 for i, name in zip(group["params"], group_names, strict=True)}
-    saved_ep, saved_dims = _saved_layout(meta)
-    if saved_ep > 1:
-        blocks = [torch.load(path / expert_files(r)[1], weights_only=False) for r in range(saved_ep)]
+    for kind, size, saved_dims in _saved_splits(meta):
+        blocks = [torch.load(path / block_files(kind, r)[1], weights_only=False) for r in range(size)]
         for name, dim in saved_dims.items():
             per_rank = [b[name] for b in blocks if name in b]
             if per_rank and name in index_of:
@@ -138,12 +169,15 @@ def local_optimizer_state(
                     key: torch.cat([s[key] for s in per_rank], dim=dim) if _blocked(value) else value
                     for key, value in per_rank[0].items()
                 }
-    for name, dim in dims.items():
-        if index_of.get(name) in saved["state"]:
-            saved["state"][index_of[name]] = {
-                key: value.chunk(ep_size, dim=dim)[ep_rank].clone() if _blocked(value) else value
-                for key, value in saved["state"][index_of[name]].items()
-            }
+    for split in splits:
+        if split.size == 1:
+            continue
+        for name, dim in split.dims.items():
+            if index_of.get(name) in saved["state"]:
+                saved["state"][index_of[name]] = {
+                    key: value.chunk(split.size, dim=dim)[split.rank].clone() if _blocked(value) else value
+                    for key, value in saved["state"][index_of[name]].items()
+                }
     return saved, names
 
 

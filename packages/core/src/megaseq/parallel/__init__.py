@@ -1,5 +1,6 @@
-"""Splitting a sequence over a context-parallel group (see ``ContextParallel``), and the autograd-aware
-collectives components use across ranks (``megaseq.parallel.collectives``)."""
+"""Splitting a sequence over a context-parallel group (see ``ContextParallel``), the autograd-aware
+collectives components use across ranks (``megaseq.parallel.collectives``), and the tensor-parallel
+mappings (``megaseq.parallel.tensor``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor
 
 from megaseq.parallel.collectives import all_gather, all_to_all
+from megaseq.parallel.tensor import tp_chunk, tp_gather, tp_reduce_scatter, tp_split, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
     from megaseq.contracts import ContextParallel
@@ -39,4 +41,15 @@ def gather_sequence(local: Tensor, cp: ContextParallel, dim: int = 1) -> Tensor:
     return zigzag_unshard(all_gather(local, cp.group), dim=dim)
 
 
-__all__ = ["all_gather", "all_to_all", "gather_sequence", "zigzag_shard", "zigzag_unshard"]
+__all__ = [
+    "all_gather",
+    "all_to_all",
+    "gather_sequence",
+    "tp_chunk",
+    "tp_gather",
+    "tp_reduce_scatter",
+    "tp_split",
+    "vocab_parallel_cross_entropy",
+    "zigzag_shard",
+    "zigzag_unshard",
+]

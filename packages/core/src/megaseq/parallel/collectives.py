@@ -140,6 +140,26 @@ def all_gather(x: Tensor, group: Any) -> Tensor:
     return _AllGather.apply(x, group)
 
 
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, stacked: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _reduce_scatter(stacked, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        out = grad.new_empty(dist.get_world_size(ctx.group) * grad.numel())
+        _all_gather_single(out, grad.view(-1), group=ctx.group)
+        return out.view(-1, *grad.shape), None
+
+
+def reduce_scatter(stacked: Tensor, group: Any) -> Tensor:
+    """``stacked [world_size, ...]``: the sum over ranks of their slice ``rank``. Backward: every rank's
+    gradient of its slice, stacked (an all-gather)."""
+    return _ReduceScatter.apply(stacked, group)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -175,4 +195,5 @@ __all__ = [
     "exchange",
     "gather_object",
     "group_device",
+    "reduce_scatter",
 ]

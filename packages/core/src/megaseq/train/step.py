@@ -82,7 +82,8 @@ class Update:
 
 class OptimizerStep:
     """The optimizer step of a loop (module docstring). ``expert_params``: parameters sharded over expert
-    parallelism (their gradients are summed over the expert-data-parallel group only)."""
+    parallelism (their gradients are summed over the expert-data-parallel group only); ``tp_params``: those
+    split over tensor parallelism (summed over the ranks holding the same block)."""
 
     def __init__(
         self,
@@ -93,11 +94,13 @@ class OptimizerStep:
         parallel: Parallel | None = None,
         policies: Sequence[MemoryPolicy] = (),
         expert_params: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset(),
+        tp_params: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset(),
     ) -> None:
         self.optimizer, self.train, self.model, self.plugins = optimizer, train, model, plugins
         self.parallel = parallel or Parallel()
         self.policies = list(policies)
         self.expert_params = expert_params
+        self.tp_params = tp_params
         self.device = next(model.parameters()).device
 
     def set_hyperparameters(self) -> None:
@@ -132,8 +135,8 @@ class OptimizerStep:
         aux = aux or {}
         p = self.parallel
         params = [param for param in self.model.parameters() if param.requires_grad]
-        p.reduce_gradients(params, self.expert_params)
-        grad_norm = float(p.grad_norm(params, self.expert_params))
+        p.reduce_gradients(params, self.expert_params, self.tp_params)
+        grad_norm = float(p.grad_norm(params, self.expert_params, self.tp_params))
         finite = all(math.isfinite(v) for v in (loss, grad_norm, *aux.values()))
         agreed = p.max(torch.tensor([float(not finite), peak_memory_gib(self.device)], dtype=torch.float64))
         applied = bool(agreed[0] == 0)

@@ -41,15 +41,16 @@ from megaseq.data.errors import DataError
 from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
 from megaseq.devices import pick_device
-from megaseq.distributed.experts import build_layout_model, layout_expert_dims
+from megaseq.distributed.experts import build_layout_model, layout_expert_dims, layout_tp_dims
 from megaseq.distributed.groups import Parallel
 from megaseq.distributed.layout import Layout, check_layout
-from megaseq.distributed.sharded import local_optimizer_state, read_local_weights, write_shard
+from megaseq.distributed.sharded import Split, local_optimizer_state, read_local_weights, write_shard
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
 from megaseq.memory import heap
 from megaseq.memory.plan_report import describe_memory_policy
 from megaseq.model import LanguageModel, build_model, chunked_token_losses, describe
+from megaseq.parallel import tp_chunk
 from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
 from megaseq.train.interrupt import Interrupted, StopRequests
@@ -121,9 +122,10 @@ def lm_loss(
     ``total_weight`` (default: this batch's weight, i.e. the mean); a rank holding part of a larger batch
     passes that batch's weight and gets its share of the mean."""
     hidden = model(batch.inputs, ctx)
-    token_losses = chunked_token_losses(hidden, model.head_weight, batch.targets, chunk)
+    token_losses = chunked_token_losses(hidden, model.head_weight, batch.targets, chunk, ctx.tp)
     weight = batch.weights.sum() if total_weight is None else total_weight
-    return (token_losses * batch.weights).sum() / weight, token_losses
+    weights = batch.weights if ctx.tp is None else tp_chunk(batch.weights, ctx.tp)  # the losses of this rank's chunk
+    return (token_losses * weights).sum() / weight, token_losses
 
 
 class Trainer:
@@ -149,9 +151,11 @@ class Trainer:
         self.train_windows = data_windows(recipe, "train")
         data_windows(recipe, "heldout")  # a bad data.heldout fails now, not after training
         p = self.parallel
-        self.model = build_layout_model(recipe, plugins, p.ep_rank, p.layout.ep).to(self.device)
+        self.model = build_layout_model(recipe, plugins, p.ep_rank, p.layout.ep, p.tp_rank, p.layout.tp).to(self.device)
         self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
+        self.tp_dims = layout_tp_dims(recipe, plugins, p.layout.tp)
         self.expert_params = {param for name, param in self.model.named_parameters() if name in self.expert_dims}
+        self.tp_params = {param for name, param in self.model.named_parameters() if name in self.tp_dims}
         self.plan = None
         if recipe.train.memory_policy == "auto":  # the planner's choice for this recipe, layout and device
             from megaseq.memory.plan import choose_memory_policy
@@ -167,7 +171,7 @@ class Trainer:
             freeze_except(self.model, recipe.train.trainable, recipe.source)
         self.optimizer = make_optimizer(self.model, recipe.train, self.parallel)
         self.optimizer_step = OptimizerStep(
-            self.optimizer, recipe.train, self.model, plugins, self.parallel, policies, self.expert_params
+            self.optimizer, recipe.train, self.model, plugins, self.parallel, policies, self.expert_params, self.tp_params
         )
         self.sampler = WindowSampler(len(self.train_windows), recipe.train.batch_size, recipe.run.seed)
         self.step = 0
@@ -181,6 +185,15 @@ class Trainer:
     @property
     def checkpoint_root(self) -> Path:
         return self.out_dir / "checkpoints"
+
+    def splits(self) -> list[Split]:
+        """How this rank's model is split (expert and tensor parallelism) and which blocks it writes: one
+        holder of each block."""
+        p = self.parallel
+        return [
+            Split("ep", self.expert_dims, p.ep_rank, p.layout.ep, writes=p.expert_dp_rank == 0),
+            Split("tp", self.tp_dims, p.tp_rank, p.layout.tp, writes=p.dp_rank == 0 and p.cp_rank == 0),
+        ]
 
     def save(self) -> Path:
         """Write a checkpoint; every rank calls this (each writes its files, rank 0 publishes them)."""
@@ -205,9 +218,7 @@ class Trainer:
             local,
             checkpoint.optimizer_param_names(local, self.model),
             run_state if p.is_main else None,
-            self.expert_dims,
-            p.ep_rank,
-            writes_experts=p.expert_dp_rank == 0,  # one copy of each expert block
+            self.splits(),
             shard=(p.rank, p.layout.world_size) if self.recipe.train.optimizer_shard else None,
         )
         described = p.gather_on_main(checkpoint.file_entries(staged, written))  # every rank hashes its own files
@@ -219,6 +230,7 @@ class Trainer:
                 "plugins": self.plugins.active(),
                 "layout": vars(p.layout),
                 "expert_dims": self.expert_dims,
+                "tp_dims": self.tp_dims,
                 **self.checkpoint_meta,
             }
             path = checkpoint.commit(self.checkpoint_root, self.step, meta, {k: v for d in described for k, v in d.items()})
@@ -241,7 +253,7 @@ class Trainer:
                 self.checkpoint_root,
                 self.model,
                 self.recipe.to_dict(),
-                lambda path, meta: read_local_weights(path, meta, self.expert_dims, p.ep_rank, p.layout.ep),
+                lambda path, meta: read_local_weights(path, meta, self.splits()),
             )
 
         # rank 0 first: it sets damaged checkpoints aside, so that the others find the same newest good one
@@ -255,7 +267,7 @@ class Trainer:
             print(f"megaseq: warning: {resumed.warning}", file=sys.stderr)
         state = resumed.state
         names = checkpoint.optimizer_param_names(self.optimizer, self.model)
-        saved, saved_names = local_optimizer_state(resumed.path, resumed.meta, state, self.expert_dims, p.ep_rank, p.layout.ep)
+        saved, saved_names = local_optimizer_state(resumed.path, resumed.meta, state, self.splits())
         local = local_optimizer(self.optimizer)  # a shard of the state takes its tensors by name
         checkpoint.load_optimizer(local, saved, saved_names, checkpoint.optimizer_param_names(local, self.model))
         trained, saved_trained = {n for g in names for n in g}, {n for g in saved_names for n in g}
@@ -292,7 +304,7 @@ class Trainer:
             loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
         total = loss + sum(ctx.losses.values()) / p.layout.dp
         (total / t.grad_accum).backward()
-        totals.add(loss.detach(), batch.inputs.numel(), ctx)
+        totals.add(loss.detach(), batch.inputs.numel() // p.layout.tp, ctx)  # tensor-parallel ranks share them
 
     def train_step(self) -> dict[str, float]:
         t, p = self.recipe.train, self.parallel
@@ -388,7 +400,7 @@ class Trainer:
 
     def eval(self, baseline: bool, write: bool = False) -> dict[str, Any] | None:
         """Held-out evaluation of the whole model on rank 0 (``None`` on the other ranks, which wait)."""
-        model = self._whole_model() if self.parallel.layout.ep > 1 else self.model
+        model = self._whole_model() if self.parallel.layout.ep > 1 or self.parallel.layout.tp > 1 else self.model
         result = None
         if model is not None and self.parallel.is_main:
             out_dir = self.out_dir / "eval" if write else None
@@ -397,8 +409,9 @@ class Trainer:
         return result
 
     def _whole_model(self) -> LanguageModel | None:
-        """On rank 0, a one-rank copy of the model holding every expert (the blocks gathered over EP)."""
-        full = self.parallel.gather_experts(self.model.state_dict(), self.expert_dims)
+        """On rank 0, a one-rank copy of the model holding every expert and tensor-parallel block (gathered)."""
+        p = self.parallel
+        full = p.gather_tensor_parallel(p.gather_experts(self.model.state_dict(), self.expert_dims), self.tp_dims)
         if not self.parallel.is_main:
             return None
         whole = build_model(self.recipe, self.plugins).to(self.device)

@@ -1,0 +1,94 @@
+"""Tensor parallelism with sequence parallelism (``megaseq.contracts.TensorParallel``): the mappings around a
+split region, and the cross-entropy of a vocabulary split over ranks.
+
+They are megatron-core's sequence-parallel mappings (``gather_from_sequence_parallel_region``,
+``reduce_scatter_to_sequence_parallel_region``, ``scatter_to_sequence_parallel_region``) and its
+``vocab_parallel_cross_entropy``, on ``[batch, tokens, ...]`` tensors along any dimension and on the
+group's device through ``megaseq.parallel.collectives``: megatron-core's own allocate their buffers on
+``torch.cuda.current_device()`` and take the sequence as dimension 0, so they cannot run on a CPU rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megaseq.contracts import TensorParallel
+from megaseq.parallel import collectives
+
+
+def tp_chunk(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
+    """This rank's contiguous ``1/tp`` of ``x`` along ``dim`` (no gradient plumbing: for inputs)."""
+    if x.shape[dim] % tp.world_size:
+        raise ValueError(f"length {x.shape[dim]} along dim {dim} is not a multiple of tp {tp.world_size}")
+    return x.chunk(tp.world_size, dim=dim)[tp.rank]
+
+
+def tp_gather(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
+    """The whole sequence from every rank's chunk ``x`` (along ``dim``). Backward: each chunk's gradient summed
+    over the ranks (a reduce-scatter): every rank's split region used the whole sequence."""
+    stacked = collectives.all_gather(x, tp.group)  # [tp, *x.shape]
+    return stacked.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def tp_reduce_scatter(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
+    """This rank's chunk (along ``dim``) of the sum over ranks of their partial ``x``. Backward: the chunks'
+    gradients gathered (an all-gather)."""
+    n = tp.world_size
+    if x.shape[dim] % n:
+        raise ValueError(f"length {x.shape[dim]} along dim {dim} is not a multiple of tp {n}")
+    stacked = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0)
+    return collectives.reduce_scatter(stacked, tp.group)
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel, dim: int) -> Tensor:  # type: ignore[override]
+        ctx.tp, ctx.dim = tp, dim
+        return tp_chunk(x, tp, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        with torch.no_grad():
+            return tp_gather(grad, ctx.tp, ctx.dim), None, None
+
+
+def tp_split(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
+    """This rank's chunk of ``x``, which every rank holds alike. Backward: every rank's chunk gradient gathered,
+    so that the same whole gradient flows on every rank into what computed ``x``."""
+    return _Split.apply(x, tp, dim)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, tp: TensorParallel) -> Tensor:  # type: ignore[override]
+        vocab = logits.shape[-1]
+        first = tp.rank * vocab
+        here = (targets >= first) & (targets < first + vocab)
+        local = (targets - first).clamp(0, vocab - 1)
+        peak = collectives.all_reduce(logits.max(-1).values, tp.group, op="max")
+        shifted = logits - peak[:, None]
+        target_logit = collectives.all_reduce(shifted.gather(1, local[:, None])[:, 0] * here, tp.group)
+        exp = shifted.exp()
+        total = collectives.all_reduce(exp.sum(-1), tp.group)
+        ctx.save_for_backward(exp.div_(total[:, None]), here, local)
+        return total.log() - target_logit
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        softmax, here, local = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits[torch.arange(len(local), device=local.device), local] -= here.to(softmax.dtype)
+        return grad_logits.mul_(grad[:, None]), None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: TensorParallel) -> Tensor:
+    """Per-token cross-entropy of ``logits [N, V / tp]`` (this rank's block ``rank`` of the vocabulary) against
+    ``targets [N]`` (whole-vocabulary ids), the same on every rank; no rank holds whole-vocabulary logits.
+    The incoming gradient must be the same on every rank (each computes only its block's logit gradient)."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp)
+
+
+__all__ = ["tp_chunk", "tp_gather", "tp_reduce_scatter", "tp_split", "vocab_parallel_cross_entropy"]
