@@ -57,9 +57,11 @@ batch_size = 4
         (["--parallel", "cp=3"], "data.seq_len 64 is not a multiple of 2 x cp = 6"),
         (["--parallel", "dp=2,ep=3"], "ep 3 does not divide dp x cp = 2"),
         (["--parallel", "dp=2,ep=2"], "ep 2 > 1 but model.moe is not set"),
-        (["--parallel", "dp=2", "--workers", "4"], "dp x cp = 2 x 1 = 2 ranks, but --workers is 4"),
+        (["--parallel", "dp=2", "--workers", "4"], "dp x cp x tp = 2 x 1 x 1 = 2 ranks, but --workers is 4"),
         (["--parallel", "xp=2"], "NAME one of dp, cp, ep, tp, etp"),
-        (["--parallel", "tp=2"], "tp and etp are for planning (megaseq plan)"),
+        (["--parallel", "etp=2"], "etp is for planning (megaseq plan)"),
+        (["--parallel", "tp=2"], "model.vocab_size 5 is not a multiple of tp 2"),
+        (["--parallel", "tp=3"], "data.seq_len 64 / cp 1 is not a multiple of tp 3"),
         (["--parallel", "dp=0"], "dp must be a positive integer"),
         (["--workers", "2", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: cannot reach a Ray cluster there"),
         (["--workers", "2", "--address", "nowhere"], "expected HOST:PORT"),
@@ -102,6 +104,7 @@ def test_parse_parallel():
     assert Layout.parse("ep=2", base=Layout(dp=2)) == Layout(dp=2, ep=2)
     assert Layout.parse("tp=8,etp=2") == Layout(tp=8, etp=2)
     assert Layout(dp=2, cp=2, ep=2).world_size == 4
+    assert Layout(dp=2, cp=2, tp=2).world_size == 8
     for bad in ("dp2", "xp=2", "dp=0", "dp=-1"):
         with pytest.raises(UserError):
             Layout.parse(bad)
