@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megaseq.config import validate_recipe
+from megaseq.config import ParallelConfig, validate_recipe
 from megaseq.distributed.groups import destroy_process_groups, init_process_groups
 from megaseq.distributed.layout import Layout
 from megaseq.testing import assert_close, installed_plugins
@@ -25,7 +25,8 @@ UNCOMPARED = frozenset({"tokens_per_s", "peak_mem_gib"})
 
 
 def _recipe(raw: dict[str, Any], layout: Layout, out_dir: Path, **train: Any):
-    raw = {**raw, "parallel": vars(layout), "run": {**raw["run"], "out_dir": str(out_dir)}}
+    parallel = {k: v for k, v in vars(layout).items() if k in ParallelConfig.model_fields}  # etp: planned only
+    raw = {**raw, "parallel": parallel, "run": {**raw["run"], "out_dir": str(out_dir)}}
     raw["train"] = {**raw.get("train", {}), **train}
     return validate_recipe(raw, installed_plugins())
 
