@@ -298,9 +298,16 @@ class MemoryPolicy(Protocol):
       and, when the block exits, normally or by an exception, releases all of it. Nothing outlives a step,
       so a policy needs no global state and no lifecycle hook.
 
+    Forwards outside ``step()`` (evaluation, generation) and forwards under ``torch.no_grad()`` (also inside a
+    step: the RL loop's old log-probabilities) must work and give the outputs of the model without the
+    policy; they save nothing for backward, so a policy usually lets them run as they are. Several forwards
+    may run before one backward (each micro-batch's forward, then one backward of their sum): what a policy
+    keeps for a forward must not be keyed so that a later forward of the same layer replaces it.
+
     Correct means invisible: with the policy, the loss, every gradient, the auxiliary losses and the metrics
     equal those without it (bitwise where the order of operations is unchanged), also under context
-    parallelism. Recomputation gets auxiliary losses and metrics right by construction: a forward re-run in
+    parallelism. A lossy policy (one that rounds what it keeps, e.g. bf16 copies) states its bound: the
+    relative error of the loss and of the whole gradient vector. Recomputation gets auxiliary losses and metrics right by construction: a forward re-run in
     backward does not record them again (``ForwardContext.recomputing``). ``megaseq.testing.memory_policy.
     MemoryPolicyConformance`` is the executable form of this contract.
     """

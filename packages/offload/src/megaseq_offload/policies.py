@@ -72,6 +72,7 @@ class _OffloadHooks:
         self.live = 0
         self.moved = 0
         self.largest_kept = 0
+        self.saved = 0  # tensors autograd saved in this step (none when it ran only no-grad forwards)
         self.open = True
 
     def pack(self, t: Tensor) -> Any:
@@ -79,6 +80,7 @@ class _OffloadHooks:
         # through C++ that leaks the whole graph of a forward that fails before its backward.
         if recomputing():  # saved by a re-run in backward: used at once, not worth moving
             return t.detach()
+        self.saved += 1
         nbytes = t.numel() * t.element_size()
         if t.device != self.device or t.untyped_storage().data_ptr() in self.parameters or nbytes < self.min_bytes:
             self.largest_kept = max(self.largest_kept, nbytes)
@@ -146,13 +148,13 @@ class OffloadPolicy:
             hooks.open = False
             store.close()
         self.last_moved = hooks.moved
-        if not self.checked and hooks.moved == 0:
+        if not self.checked and hooks.saved and hooks.moved == 0:  # a no-grad-only step says nothing
             raise UserError(
                 f"memory_policy.offload: a whole step saved no tensor of at least min_bytes = {self.config.min_bytes} "
                 f"(the largest was {hooks.largest_kept} bytes), so there is nothing to offload; lower min_bytes or "
                 "remove the policy"
             )
-        self.checked = True
+        self.checked = self.checked or hooks.saved > 0
 
 
 def build_recompute(config: RecomputeConfig) -> RecomputePolicy:
