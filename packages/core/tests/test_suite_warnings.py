@@ -27,7 +27,7 @@ def core_warnings(run: Callable[[], None]) -> list[str]:
 
 class _Attention(AttentionConformance):
     name = "sdpa"
-    config = {"n_heads": 2}  # noqa: RUF012
+    config = {"n_heads": 2}
 
 
 class _FeedForward(FeedForwardConformance):
