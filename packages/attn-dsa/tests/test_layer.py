@@ -131,6 +131,19 @@ def test_sparse_mode_attends_to_the_reference_selection(pool: int):
     assert_close(out, reference_forward(m, x, cu, indices), 1e-10, "layer vs masked dense MLA")
 
 
+@pytest.mark.parametrize("pool", [1, 4])
+def test_bf16_index_scores_attend_to_the_reference_selection(pool: int):
+    """index_scores = "bf16": the exact second pass gives the selection of the fp32 scores, so the layer's
+    output is the masked dense reference's over that selection."""
+    m = build(torch.float64, topk=8, index_pool=pool, index_scores="bf16")
+    cu = cumulative([30, 3, 20])
+    x = inputs(53, dtype=torch.float64)
+    q_idx, k_idx, w = indexer_outputs(m, x)
+    indices = select_topk_reference(q_idx, k_idx, w, 8, cu, pool)
+    out, _ = run(m, x, cu)
+    assert_close(out, reference_forward(m, x, cu, indices), 1e-10, "layer vs masked dense MLA")
+
+
 def test_batch_rows_are_independent():
     m = build(topk=8)
     x = inputs(21, batch=3)

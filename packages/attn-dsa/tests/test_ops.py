@@ -610,3 +610,55 @@ def test_attention_with_indexer_kl_equals_the_two_operations(shared: bool):
         assert (got is None) == (want is None)
         if got is not None:
             assert_close(got, want)
+
+
+# ------------------------------------------------------------------------------------- bf16 index scores
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bf16_scores_with_the_exact_pass_equal_the_reference(pool: int, dtype: torch.dtype):
+    """bf16 operands, then the exact pass over the candidates: the oracle's rows exactly (documents, keys that
+    outnumber queries, awkward blocks), exact-zero relu ties broken to the earlier key as the oracle does."""
+    seq_len, topk, cu = 301, 24, torch.tensor([0, 150, 151, 301])
+    q, k, w = indexer_inputs(seq_len, dtype=dtype, seed=3)
+    fast = select_topk(q, k, w, topk, cu, pool=pool, scores="bf16", **SMALL_BLOCKS)
+    assert torch.equal(fast, select_topk_reference(q, k, w, topk, cu, pool=pool))
+    positions = key_positions(seq_len, 40, 1, seed=4)
+    fast = select_topk(q[:, :40], k, w[:, :40], topk, pool=pool, query_positions=positions, scores="bf16")
+    assert torch.equal(fast, select_topk_reference(q[:, :40], k, w[:, :40], topk, pool=pool, query_positions=positions))
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+def test_bf16_scores_ties_go_to_the_earlier_key(pool: int):
+    """Every score equal: the candidates tie far beyond k + margin and the earliest blocks still win."""
+    seq_len, topk = 300, 8
+    q, k, w = indexer_inputs(seq_len)
+    out = select_topk(q, k, torch.zeros_like(w), topk, pool=pool, scores="bf16", rescore_margin=2)
+    assert torch.equal(out, select_topk_reference(q, k, torch.zeros_like(w), topk, pool=pool))
+
+
+def test_selection_recall_counts_shared_keys():
+    a = torch.tensor([[[0, 2, 5, -1], [1, 3, -1, -1]]], dtype=torch.int32)
+    b = torch.tensor([[[0, 3, 5, -1], [1, 3, -1, -1]]], dtype=torch.int32)
+    assert indexer_module.selection_recall(a, b) == 4 / 5
+    assert indexer_module.selection_recall(b, b) == 1.0
+
+
+def test_bf16_scores_alone_miss_keys_that_the_exact_pass_recovers():
+    """The wrong selection the exact pass exists for: bf16 scores' own choice (margin 0) over a thousand keys
+    differs from the fp32 choice at the top-k boundary; the recall check catches it, and the default margin
+    gives the fp32 rows back."""
+    q, k, w = indexer_inputs(1500, heads=4, dim=32, seed=5, dtype=torch.float32)
+    exact = select_topk(q, k, w, 64)
+    plain = select_topk(q, k, w, 64, scores="bf16", rescore_margin=0)
+    assert indexer_module.selection_recall(plain, exact) < 1.0
+    assert torch.equal(select_topk(q, k, w, 64, scores="bf16"), exact)
+
+
+def test_select_topk_rejects_unknown_scores():
+    q, k, w = indexer_inputs(10)
+    with pytest.raises(ValueError, match="scores must be one of fp32, bf16, got 'fp8'"):
+        select_topk(q, k, w, 4, scores="fp8")
+    with pytest.raises(ValueError, match="rescore_margin must be >= 0"):
+        select_topk(q, k, w, 4, scores="bf16", rescore_margin=-1)

@@ -2,7 +2,8 @@
 
 - ``torch``: ``megaseq_dsa.ops.select_topk`` and ``sparse_attention`` (anywhere; numpy's selection on CPU).
 - ``triton``: ``megaseq_dsa.ops.triton`` (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests); the
-  same arguments and results, pooled selection included.
+  same arguments and results, pooled selection included. Its kernel scores in fp32: ``index_scores = "bf16"``
+  selects with torch's bf16 path on the same device.
 - ``auto``: triton where it is installed and runs on the tensors' device, else torch (logged).
 
 The rule is core's (``megaseq.backends``): a requested backend whose package is missing fails when the layer
@@ -21,8 +22,8 @@ from megaseq.backends import Backend, Backends
 
 @dataclass(frozen=True)
 class DSAOps:
-    """``select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk)`` ->
-    int32 indices; ``sparse_attention(q, key, value, indices, scale, query_chunk)`` -> outputs.
+    """``select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores)`` ->
+    int32 indices (``scores``: the recipe's ``index_scores``); ``sparse_attention(q, key, value, indices, scale, query_chunk)`` -> outputs.
     ``query_chunk``: the layer's memory knob (``None``: by memory); a backend may ignore it.
     ``sparse_attention_with_indexer_kl(q, key, value, indices, scale, q_idx, k_idx, weights, query_chunk)`` ->
     (outputs, summed indexer KL) in one pass, where the backend has it (else the layer calls
@@ -36,17 +37,20 @@ class DSAOps:
 def _torch() -> DSAOps:
     from megaseq_dsa.ops import select_topk, sparse_attention, sparse_attention_with_indexer_kl
 
-    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk):
+    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores="fp32"):
         block = {"query_block": query_chunk} if query_chunk else {}
-        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, **block)
+        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, **block, scores=scores)
 
     return DSAOps(select, sparse_attention, sparse_attention_with_indexer_kl)
 
 
 def _triton() -> DSAOps:
+    from megaseq_dsa.ops import select_topk
     from megaseq_dsa.ops.triton import select_topk_triton, sparse_attention_triton
 
-    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk):
+    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores="fp32"):
+        if scores != "fp32":  # the kernel scores in fp32; bf16 scores are torch's (on the same device)
+            return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, scores=scores)
         return select_topk_triton(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions)
 
     def attend(q, key, value, indices, scale, query_chunk):

@@ -26,6 +26,11 @@ class DSAConfig(ComponentConfig):
     index_dim: int = Field(64, ge=1, description="lightning-indexer width (GLM 128)")
     topk: int = Field(2048, ge=1, description="keys each query attends to (GLM 2048)")
     index_pool: int = Field(1, ge=1, description="score keys in pooled blocks of this many tokens (GLM 4)")
+    index_scores: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="top-k selection's scores: fp32, or bf16 operands then an exact fp32 pass over the best "
+        "candidates (faster only where bf16 products are: GPUs, AVX512-BF16/AMX CPUs; megaseq_dsa/ops/indexer.py)",
+    )
     mode: Literal["dense_warmup", "sparse"] = Field(
         "sparse",
         description="dense_warmup: dense main attention, indexer learns it by KL; sparse: attend to the top-k only",

@@ -262,7 +262,8 @@ class DeepSeekSparseAttention(nn.Module):
         """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice)."""
         config = self.config
         return ops.select_topk(
-            q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos, config.query_chunk
+            q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos, config.query_chunk,
+            config.index_scores,
         )
 
     def _dense(

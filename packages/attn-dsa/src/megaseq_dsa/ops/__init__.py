@@ -4,7 +4,7 @@ Each fast path has a dense oracle beside it in `reference.py`; `tests/test_ops.p
 selection's per-row k-th value and nonzero run in numpy (much faster there than torch's).
 """
 
-from megaseq_dsa.ops.indexer import select_topk, selected_slots
+from megaseq_dsa.ops.indexer import select_topk, selected_slots, selection_recall
 from megaseq_dsa.ops.reference import (
     indexer_scores_reference,
     select_topk_reference,
@@ -17,6 +17,7 @@ __all__ = [
     "select_topk",
     "select_topk_reference",
     "selected_slots",
+    "selection_recall",
     "sparse_attention",
     "sparse_attention_reference",
     "sparse_attention_with_indexer_kl",

@@ -29,6 +29,17 @@ tokens are <= t. The best topk // pool blocks are expanded to their tokens, and 
 tail block (the tokens of t's block up to t, at most pool - 1) is always added. With pool=1 a "block" is one
 token and there is never a tail, so one code path serves both.
 
+Low-precision scores (`scores="bf16"`, the recipe's `attention.dsa.index_scores`): a block's scores over
+all its keys come from bf16 operands (bf16 per-head products, their weighted sum in fp32), as a GPU indexer
+scores in low precision; then each query's best `topk // pool + RESCORE_MARGIN` candidates by those scores
+are scored again exactly (fp32 operands) and the top-k is chosen among them by the exact scores, with the same
+tie rule. bf16 keeps 8 bits of mantissa: over thousands of visible keys the scores near the k-th best lie
+closer together than bf16 rounds them (`benchmarks/indexer_recall.py` measures how often the plain bf16
+choice differs), so the exact second pass decides the boundary; the result equals the fp32 selection unless
+a key of the fp32 top-k ranks below the margin by the bf16 scores. It pays only where bf16 products are
+faster than fp32 ones (bf16 matrix units: AVX512-BF16/AMX CPUs, GPUs); on a CPU without them torch emulates
+them, many times slower than fp32.
+
 Output convention (shared with `select_topk_reference`): int32 [B, Tq, slots] with
 slots = round_up(topk + pool - 1, 64); each row lists its selected key positions in ascending order,
 followed by -1 padding. A query with at most `topk` visible keys gets all of them, so T <= topk is exactly
@@ -49,6 +60,9 @@ from megaseq.dtypes import compute_dtype
 SLOT_MULTIPLE = 64
 DEFAULT_QUERY_BLOCK = 256
 DEFAULT_KEY_BLOCK = 2048
+# Low-precision scores: candidates beyond the topk // pool best that are scored again exactly.
+RESCORE_MARGIN = 128
+SCORE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def selected_slots(topk: int, pool: int = 1) -> int:
@@ -131,7 +145,8 @@ def _index_scores(
     q_block: torch.Tensor, k_block: torch.Tensor, w_block: torch.Tensor, out: torch.Tensor, work: torch.Tensor
 ) -> None:
     """I(t, s) for a tile: q [B, Q, Hi, D], k [B, K, D], w [B, Q, Hi] -> out [B, Q, K] (a view into the block's
-    scores); work: flat scratch of at least B * Q * Hi * K elements for the per-head scores."""
+    scores); work: flat scratch of at least B * Q * Hi * K elements for the per-head scores, in q's dtype (the
+    head sum runs in w's)."""
     batch, queries, heads, dim = q_block.shape
     n = k_block.shape[1]
     per_head = work[: batch * queries * heads * n].view(batch, queries * heads, n)
@@ -140,7 +155,7 @@ def _index_scores(
     # fall back to one small product per query.)
     out.copy_(
         torch.bmm(
-            w_block.reshape(batch * queries, 1, heads), per_head.view(batch * queries, heads, n)
+            w_block.reshape(batch * queries, 1, heads), per_head.view(batch * queries, heads, n).to(w_block.dtype)
         ).view_as(out)
     )
 
@@ -156,6 +171,8 @@ def select_topk(
     query_positions: torch.Tensor | None = None,
     query_block: int = DEFAULT_QUERY_BLOCK,
     key_block: int = DEFAULT_KEY_BLOCK,
+    scores: str = "fp32",
+    rescore_margin: int = RESCORE_MARGIN,
 ) -> torch.Tensor:
     """Indices of each query's top-k keys by the lightning-indexer score.
 
@@ -165,10 +182,19 @@ def select_topk(
     documents on the key axis. Returns int32 [B, Tq, selected_slots(topk, pool)]: ascending key positions,
     then -1 padding; equal scores go to the earlier key. See the module docstring for pooling and the tail.
     query_block: at most this many queries per block (fewer when a block's scores would pass
-    SCORE_BLOCK_BYTES); key_block: keys per scoring tile.
+    SCORE_BLOCK_BYTES); key_block: keys per scoring tile. scores: "fp32", or "bf16" for bf16 scores with an
+    exact second pass over the best ``topk // pool + rescore_margin`` candidates (module docstring; a margin of
+    0 keeps the bf16 scores' own choice).
     """
+    if scores not in SCORE_DTYPES:
+        raise ValueError(f"scores must be one of {', '.join(SCORE_DTYPES)}, got {scores!r}")
+    if rescore_margin < 0:
+        raise ValueError(f"rescore_margin must be >= 0, got {rescore_margin}")
     with torch.autocast(q_idx.device.type, enabled=False):  # scores in fp32 (or float64) under any autocast
-        return _select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_block, key_block)
+        return _select_topk(
+            q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_block, key_block,
+            SCORE_DTYPES[scores], rescore_margin,
+        )
 
 
 def _select_topk(
@@ -181,6 +207,8 @@ def _select_topk(
     query_positions: torch.Tensor | None,
     query_block: int,
     key_block: int,
+    low: torch.dtype | None = None,
+    margin: int = RESCORE_MARGIN,
 ) -> torch.Tensor:
     documents = None if cu_seqlens is None else as_documents(cu_seqlens)  # read to the host once, checked below
     positions = check_index_inputs(q_idx, k_idx, weights, documents, query_positions)
@@ -204,7 +232,7 @@ def _select_topk(
     # Scratch reused by every block: fresh large allocations would each pay for their page faults.
     scores = torch.empty(batch * query_block * len(block_first), dtype=dtype, device=device)
     work = torch.empty(
-        batch * query_block * q_idx.shape[2] * min(key_block, len(block_first)), dtype=dtype, device=device
+        batch * query_block * q_idx.shape[2] * min(key_block, len(block_first)), dtype=low or dtype, device=device
     )
     for q0 in range(0, n_queries, query_block):
         q1 = min(q0 + query_block, n_queries)
@@ -218,6 +246,8 @@ def _select_topk(
             key_block,
             scores,
             work,
+            low,
+            margin,
         )
         tails = tail_start[:, q0:q1], tail_len[:, q0:q1]
         out[:, q0:q1] = expand_rows(selected, block_first, pool, *tails, slots)
@@ -292,18 +322,22 @@ def _select_block(
     key_block: int,
     scores: torch.Tensor,
     work: torch.Tensor,
+    low: torch.dtype | None = None,
+    margin: int = RESCORE_MARGIN,
 ) -> torch.Tensor:
     """Top-k key ids [B, Q, k] (ascending, -1 padded) of a query block: q [B, Q, Hi, D], weights [B, Q, Hi],
-    keys [B, n_keys, D], visible key range [lo, hi] per query [B, Q]; scores and work: flat scratch."""
+    keys [B, n_keys, D], visible key range [lo, hi] per query [B, Q]; scores and work: flat scratch (work in
+    ``low`` when given: the scores' operands in that dtype, then the exact second pass over ``margin`` more)."""
     batch, queries = lo.shape
     # The block's keys lie in [min lo, max hi] and every row sees [max lo, min hi]. An empty row has
     # hi = lo - 1 >= min lo - 1, so the range never runs backwards.
     start, end = int(lo.min()), int(hi.max()) + 1
     all_see_from, all_see_to = int(lo.max()), int(hi.min())
     scores = scores[: batch * queries * (end - start)].view(batch, queries, end - start)
+    operands = q if low is None else q.to(low)
     for k0 in range(start, end, key_block):
         k1 = min(k0 + key_block, end)
-        _index_scores(q, keys[:, k0:k1].to(q.dtype), weights, scores[..., k0 - start : k1 - start], work)
+        _index_scores(operands, keys[:, k0:k1].to(operands.dtype), weights, scores[..., k0 - start : k1 - start], work)
     # Hidden keys (-inf) can only lie outside the range every row sees.
     for k0, k1 in ((start, min(all_see_from, end)), (max(all_see_to + 1, start), end)):
         if k1 > k0:
@@ -312,6 +346,8 @@ def _select_block(
             scores[..., k0 - start : k1 - start].masked_fill_(hidden, float("-inf"))
     scores = scores.view(batch * queries, -1)
     visible = (hi - lo + 1).clamp_min(0).view(-1)
+    if low is not None:
+        return _rescored(scores, q, weights, keys, lo, hi, visible, k, start, margin).view(batch, queries, k)
     need = visible.clamp_max(k)
 
     # Each row keeps its scores >= its need-th best: for a row with more than k visible keys that is the k-th
@@ -343,6 +379,57 @@ def _select_block(
     slot = torch.arange(len(kept), device=q.device) - (need.cumsum(0) - need).index_select(0, row)
     out[row, slot] = kept - row * width + start
     return out.view(batch, queries, k)
+
+
+def _rescored(
+    scores: torch.Tensor,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    start: int,
+    margin: int,
+) -> torch.Tensor:
+    """Top-k key ids [R, k] (ascending, -1 padded) from low-precision scores [R, width] (keys start..): a row
+    that sees at most k keys keeps them all; each other row scores again, from the fp32 operands, every key
+    whose low-precision score reaches its (k + margin)-th best (more than k + margin where scores tie there),
+    and keeps the k best of those, equal exact scores to the earlier key."""
+    rows, width = scores.shape
+    queries, heads, dim = q.shape[1:]
+    offsets = torch.arange(k, device=q.device)
+    out = (lo.reshape(-1, 1) + offsets).masked_fill(offsets >= visible[:, None], -1)  # all visible, in order
+    full = (visible > k).nonzero()[:, 0]
+    if len(full) == 0:
+        return out
+    chosen = scores[full].contiguous()
+    kept = _flat_positions_at_least(chosen, _kth_largest(chosen, min(k + margin, width)))  # row-major, ascending
+    row = kept // width
+    counts = torch.bincount(row, minlength=len(full))
+    slot = torch.arange(len(kept), device=q.device) - (counts.cumsum(0) - counts).index_select(0, row)
+    candidates = torch.full((len(full), int(counts.max())), -1, dtype=torch.long, device=q.device)
+    candidates[row, slot] = kept % width  # each row's candidates ascending, then -1
+    ids = candidates.clamp_min(0) + start
+    exact_keys = keys[(full // queries)[:, None], ids]  # [F, C, D]
+    per_head = torch.bmm(q.reshape(rows, heads, dim)[full], exact_keys.transpose(1, 2)).relu_()
+    exact = torch.bmm(weights.reshape(rows, 1, heads)[full], per_head)[:, 0]
+    hidden = (candidates < 0) | (ids < lo.reshape(-1)[full, None]) | (ids > hi.reshape(-1)[full, None])
+    # a stable sort of ascending candidates: equal exact scores keep the earlier key first
+    best = exact.masked_fill_(hidden, float("-inf")).sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    out[full] = ids.gather(1, best).sort(-1).values
+    return out
+
+
+def selection_recall(selected: torch.Tensor, reference: torch.Tensor) -> float:
+    """The share of the reference's selected keys that ``selected`` selects too, over all rows: two outputs of
+    ``select_topk`` ([..., slots], ascending, -1 padded) for the same queries; 1.0 when every row agrees."""
+    sel, ref = (x.reshape(-1, x.shape[-1]).long() for x in (selected, reference))
+    padded = ref.masked_fill(ref < 0, torch.iinfo(torch.long).max)  # ascending including the padding
+    where = torch.searchsorted(padded, sel.clamp_min(0)).clamp_max(ref.shape[-1] - 1)
+    hits = ((padded.gather(1, where) == sel) & (sel >= 0)).sum()
+    return float(hits) / max(int((ref >= 0).sum()), 1)
 
 
 # numpy's selection (introselect, vectorised on x86), comparison and nonzero are about 10x, 4x and 4x faster
