@@ -63,7 +63,8 @@ def summarise(name: str, out: Path) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "bits_per_base" in r]
     tail = steps[-max(1, len(steps) // 4) :]
-    heldout = json.loads((out / "eval" / "heldout.json").read_text())["results"]
+    final = max(r["step"] for r in rows)  # the trainer evaluates the final step into eval/step_N
+    heldout = json.loads((out / "eval" / f"step_{final:07d}" / "heldout.json").read_text())["results"]
     last = steps[-1]
     loads = [v for k, v in last.items() if k.startswith("moe/layer") and k.endswith("expert_max_over_mean")]
     return {

@@ -30,6 +30,7 @@ from megaseq.testing.layouts import single_trainer, train_single
 from megaseq.train.checkpoint import read_meta
 
 STEPS = 8
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _ray_workers(pid: int) -> list[psutil.Process]:
@@ -81,4 +82,20 @@ def test_killed_worker_restarts_and_resumes_to_the_uninterrupted_weights(tmp_pat
     weights = read_full_weights(final, meta)
     for name, value in expected["weights"].items():
         assert_close(weights[name], value, 1e-5, f"{name} after the restart")
-    assert Path(out / "eval" / "heldout.json").exists()
+    assert Path(out / "eval" / f"step_{STEPS:07d}" / "heldout.json").exists()
+
+
+def test_workers_started_from_another_directory_write_the_default_run_directory(tmp_path):
+    """The README's `--workers 2` command, run where the run directory (runs/{name}) and the cache are
+    relative to the working directory: Ray's workers run in a directory of their own, so the launcher hands
+    them absolute paths."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASEQ_CACHE": "cache"}
+    cmd = [sys.executable, "-m", "megaseq.cli", "train", str(REPO / "recipes" / "tiny.toml"), "--workers", "2",
+           "--no-progress", "--set", "train.steps=2", "--set", "eval.windows=2", "--set", "data.seq_len=64"]
+    proc = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = elsewhere / "runs" / "tiny"
+    assert (run / "eval" / "step_0000002" / "heldout.json").exists() and (run / "checkpoints" / "step_0000002").is_dir()
+    assert (elsewhere / "cache" / "tokens").is_dir(), "the workers did not use the relative MEGASEQ_CACHE"

@@ -133,12 +133,15 @@ def test_plugins_check_passes_on_installed_plugins():
 
 def test_train_then_eval_checkpoint(tmp_path, monkeypatch):
     env_cache = {"MEGASEQ_CACHE": str(tmp_path / "cache")}
-    args = ["train", str(REPO / "recipes" / "tiny.toml"), "--no-progress", "--set", f"run.out_dir={tmp_path / 'run'}",
-            "--set", "train.steps=2"]
+    args = ["train", str(REPO / "recipes" / "tiny.toml"), "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "train.steps=2"]
     proc = subprocess.run([sys.executable, "-m", "megaseq.cli", *args], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, **env_cache})
     assert proc.returncode == 0, proc.stderr
     assert "bits/base by context position" in proc.stdout and "markov-3" in proc.stdout
+    # the progress bar shows the loss in the unit of every result, labelled; the header says what its memory is
+    assert re.search(r"loss \d\.\d{4} bits/base, \d+ tok/s, peak RSS \d+\.\d\d GiB", proc.stderr), proc.stderr
+    assert "loss=" not in proc.stderr and "megaseq plan predicts the training tensors alone" in proc.stderr
+    assert (tmp_path / "run" / "eval" / "step_0000002" / "heldout.json").exists()  # where megaseq eval writes too
     proc = subprocess.run([sys.executable, "-m", "megaseq.cli", "eval", str(tmp_path / "run"), "--set", "eval.windows=2"],
                           capture_output=True, text=True, timeout=300, env={**__import__("os").environ, **env_cache})
     assert proc.returncode == 0, proc.stderr
@@ -149,6 +152,31 @@ def test_train_then_eval_checkpoint(tmp_path, monkeypatch):
     assert f"writing {out}" in proc.stderr and "eval model" in proc.stderr
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step_0000002").iterdir()) == [
         "manifest.json", "meta.json", "model.safetensors", "state.pt"]
+
+
+def test_eval_into_an_unwritable_place_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", str(REPO / "recipes" / "tiny.toml"), "--no-progress", "--set", f"run.out_dir={run}",
+                 "--set", "train.steps=1", "--set", "eval.windows=1", "--set", "data.seq_len=64"]) == 0
+    (tmp_path / "file").write_text("")
+    capsys.readouterr()
+    assert main(["eval", str(run), "--out", str(tmp_path / "file" / "eval"), "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"megaseq: error: eval --out {tmp_path / 'file' / 'eval'}: cannot write there (Not a directory)"
+
+
+def test_a_misspelt_layer_name_is_reported_before_the_unused_section(tmp_path, capsys):
+    assert main(["train", str(REPO / "recipes" / "tiny.toml"), "--set", 'model.layer_pattern=["sdpaa"]',
+                 "--set", f"run.out_dir={tmp_path}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "model.layer_pattern[0]" in line and "'sdpaa'" in line and "configured but not used" not in line, line
+
+
+def test_a_command_of_an_uninstalled_package_names_the_package(monkeypatch, capsys):
+    monkeypatch.setattr("megaseq.cli.plugin_commands", lambda name=None: {})  # as without megaseq-rl
+    assert main(["rl", "recipe.toml"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "'rl' is a command of the megaseq-rl package, which is not installed" in line and "pip install" in line
 
 
 def test_help_says_where_output_goes_and_what_data_may_be(capsys):

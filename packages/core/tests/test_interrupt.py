@@ -1,12 +1,14 @@
 """SIGINT / SIGTERM on a real `megaseq train` process: the first signal saves a checkpoint at the next step
 boundary and exits 128 + signal; a second one exits at once without saving; the saved run resumes with each
-step logged once."""
+step logged once. While it trains, its run directory is locked: a second trainer, an --overwrite or an
+evaluation into it is one line naming it; once it is killed, the next run takes the lock over."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,10 +54,10 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def start(tmp_path: Path, cache: Path, sleep: float) -> tuple[subprocess.Popen, Path]:
+def start(tmp_path: Path, cache: Path, sleep: float, *extra: str) -> tuple[subprocess.Popen, Path]:
     marker = tmp_path / "in-step-3"
     env = {**os.environ, "MEGASEQ_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    args = ["train", RECIPE, *ARGS, "--set", f"run.out_dir={tmp_path / 'run'}"]
+    args = ["train", RECIPE, *ARGS, "--set", f"run.out_dir={tmp_path / 'run'}", *extra]
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(marker), str(sleep), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
@@ -98,3 +100,27 @@ def test_second_signal_exits_at_once_without_saving(tmp_path, cache):
     assert time.monotonic() - started < 30, "the second signal did not stop the sleeping step"
     assert "SIGTERM again: stopped at once, without saving" in err and "Traceback" not in err
     assert not list(run.glob("checkpoints/step_*")) and not list(run.glob("checkpoints/.tmp-*"))
+
+
+def test_a_live_run_is_locked_and_a_killed_ones_lock_is_taken_over(tmp_path, cache, monkeypatch, capsys):
+    proc, run = start(tmp_path, cache, 120.0, "--set", "train.checkpoint_every=2")
+    try:
+        monkeypatch.setenv("MEGASEQ_CACHE", str(cache))
+        holder = f"PID {proc.pid} on {socket.gethostname()} (training)"
+        metrics = (run / "metrics.jsonl").read_text()
+        capsys.readouterr()
+        for args in (["train", RECIPE, *ARGS, "--set", f"run.out_dir={run}", "--resume"],
+                     ["train", RECIPE, *ARGS, "--set", f"run.out_dir={run}", "--overwrite"],
+                     ["eval", str(run), "--no-progress", "--no-baseline"]):
+            assert main(args) == 2, args
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            assert line.startswith("megaseq: error:") and f"in use by {holder}" in line, line
+        assert (run / "metrics.jsonl").read_text() == metrics, "a refused --overwrite touched the live run"
+        assert (run / "checkpoints" / "step_0000002").is_dir()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    assert main(["train", RECIPE, *ARGS, "--set", f"run.out_dir={run}", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"taking over {run / '.megaseq.lock'}: its holder {holder} is no longer running" in err, err
+    assert (run / ".megaseq.lock").read_text() == "", "a finished run leaves its lock file empty"

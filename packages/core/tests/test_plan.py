@@ -9,6 +9,7 @@ third-party component's own formula is shown to reach the plan. The accuracy aga
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,9 @@ def test_nothing_fits_is_said_plainly(capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--seq-len", "0"], "--seq-len 0: must be a positive number of tokens"),
+        (["--seq-len", "0"], "--seq-len 0: Input should be greater than or equal to 2"),
+        (["--seq-len", "1000000000000000"], "--seq-len 1000000000000000: Input should be less than or equal to 1073741824"),
+        (["--seq-len", "1.5"], "--seq-len 1.5: Input should be a valid integer"),
         (["--device-mem", "0"], "--device-mem 0"),
         (["--device-mem", "-2"], "must be a positive number of GiB"),
         (["--device-mem", "0.1"], "impossible"),
@@ -71,6 +74,20 @@ def test_bad_input_is_one_line_exit_2(args, message, capsys, tmp_path, monkeypat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megaseq: error:") and message in err[0], err
     assert not list(tmp_path.iterdir())
+
+
+def test_seq_len_is_read_as_the_recipe_reads_data_seq_len(capsys):
+    """``--seq-len 1e3`` as ``--set data.seq_len=1e3``: a TOML number that is an integer is one."""
+    assert main(["plan", TINY, "--seq-len", "1e3", "--json"]) == 0
+    by_flag = json.loads(capsys.readouterr().out)
+    assert main(["plan", TINY, "--set", "data.seq_len=1e3", "--json"]) == 0
+    assert by_flag == json.loads(capsys.readouterr().out) and by_flag["seq_len"] == 1000
+
+
+def test_columns_stay_apart_at_the_largest_seq_len(capsys):
+    assert main(["plan", TINY, "--seq-len", str(2**30)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("none ", "offload "))]
+    assert rows and all(re.search(r"\dG\d", row) is None for row in rows), rows
 
 
 # -- choosing, with a policy registered here ---------------------------------------------------------------

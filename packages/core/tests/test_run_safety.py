@@ -93,6 +93,18 @@ def test_resume_logs_each_step_once(tmp_path, capsys):
     assert "resumed from" in capsys.readouterr().err
 
 
+def test_unreadable_metrics_lines_are_kept_aside_and_reported_on_resume(run, capsys):
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    garbage = ["not json at all", '{"loss": 1.0}', '{"step": 3, "loss": 1.']  # no step; a row cut short
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], *garbage[:2], *lines[1:], garbage[2]]) + "\n")
+    capsys.readouterr()
+    assert train(run, "--resume", steps=5) == 0
+    err = capsys.readouterr().err
+    assert f"moved 3 unreadable line(s) of metrics.jsonl to {run / 'metrics.unreadable.txt'}" in err, err
+    assert (run / "metrics.unreadable.txt").read_text().splitlines() == garbage
+    assert logged_steps(run) == [1, 2, 3, 4, 5]
+
+
 def test_latest_naming_a_missing_checkpoint_falls_back(run, capsys):
     shutil.rmtree(run / "checkpoints" / "step_0000004")
     capsys.readouterr()

@@ -46,9 +46,9 @@ def test_run_writes_metrics_checkpoint_and_eval(tmp_path):
     assert not list((out / "checkpoints").glob(".tmp-*")), "a temporary checkpoint directory was left behind"
     meta = json.loads((out / "checkpoints" / "step_0000006" / "meta.json").read_text())
     assert meta["plugins"][0]["dist"] == "megaseq-core" and meta["recipe"]["train"]["steps"] == 6
-    heldout = json.loads((out / "eval" / "heldout.json").read_text())
+    heldout = json.loads((out / "eval" / "step_0000006" / "heldout.json").read_text())
     assert set(heldout["results"]) == {"model", "markov-2"}
-    assert (out / "eval" / "heldout_by_position.png").stat().st_size > 1000
+    assert (out / "eval" / "step_0000006" / "heldout_by_position.png").stat().st_size > 1000
     assert result.eval is not None and "markov-2" in result.eval["table"]
 
 

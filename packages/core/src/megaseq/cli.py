@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -37,7 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from megaseq.train.trainer import Trainer
 
         result = Trainer(recipe, plugins, progress=not args.no_progress).run(mode)
-        print_eval(result.out_dir, recipe)
+        print_eval(result.out_dir, result.step, recipe)
         return 0
 
     from megaseq.distributed.launch import WorkerFailed, preflight, run_torchrun, run_with_ray
@@ -47,28 +48,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     if in_torchrun():
         result = run_torchrun(recipe, mode, progress=not args.no_progress)
         if result is not None:
-            print_eval(result.out_dir, recipe)
+            print_eval(result.out_dir, result.step, recipe)
         return 0
-    rundir.prepare(recipe.out_dir, mode)  # once, here: restarted workers must not refuse or wipe their own run
-    try:
-        out_dir = run_with_ray(recipe, layout, args.resume, args.address, args.max_failures)
-    except WorkerFailed as exc:
-        print(f"megaseq: error: {exc}", file=sys.stderr)
-        return 1
-    print_eval(out_dir, recipe)
+    with rundir.RunLock(recipe.out_dir, "training"):  # held here for the workers, over their restarts
+        rundir.prepare(recipe.out_dir, mode)  # once, here: restarted workers must not refuse or wipe their own run
+        try:
+            out_dir = run_with_ray(recipe, layout, args.resume, args.address, args.max_failures)
+        except WorkerFailed as exc:
+            print(f"megaseq: error: {exc}", file=sys.stderr)
+            return 1
+    print_eval(out_dir, recipe.train.steps, recipe)
     return 0
 
 
-def print_eval(out_dir: Path, recipe: Any) -> None:
-    """The held-out table the run wrote (rank 0 of a distributed run writes it); after a run on the
-    experiment's data, how far it is from the context-extension experiment."""
+def print_eval(out_dir: Path, step: int, recipe: Any) -> None:
+    """The held-out table the run wrote for its final step (rank 0 of a distributed run writes it); after a
+    run on the experiment's data, how far it is from the context-extension experiment."""
     from megaseq.eval.positions import format_table
+    from megaseq.train.rundir import eval_dir
 
-    heldout = json.loads((out_dir / "eval" / "heldout.json").read_text())
+    where = eval_dir(out_dir, step)
+    heldout = json.loads((where / "heldout.json").read_text())
     print(f"\nheld-out {heldout['heldout']}, {heldout['windows']} windows of {heldout['seq_len']} bases "
           f"(bits/base by context position):")
     print(format_table(heldout["results"]))
-    print(f"\nwrote {out_dir}/eval/heldout.json, heldout_by_position.png; checkpoints in {out_dir}/checkpoints")
+    print(f"\nwrote {where}/heldout.json, heldout_by_position.png; checkpoints in {out_dir}/checkpoints")
     if (recipe.data.train, recipe.data.heldout) == ("grch37-chr20", "grch37-chrX"):
         from megaseq.experiment.summary import comparison
 
@@ -113,9 +117,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # the recipe's [parallel] layout, with --parallel's dimensions (also tp and etp, for planning) on top
     layout = Layout.parse(args.parallel, base=Layout.of(recipe))
     machine = Machine.detect(device_type(recipe.run.device), args.device_mem, args.host_mem)
-    result = plan(recipe, plugins, seq_len=args.seq_len, layout=layout, machine=machine, policies=policies)
+    seq_len = None if args.seq_len is None else seq_len_argument(args.seq_len)
+    result = plan(recipe, plugins, seq_len=seq_len, layout=layout, machine=machine, policies=policies)
     print(json.dumps(plan_json(result), indent=2) if args.json else render_table(result))
     return 0
+
+
+def seq_len_argument(value: str) -> int:
+    """``--seq-len`` read and checked as ``--set data.seq_len=VALUE`` is (so ``1e6`` works in both)."""
+    from pydantic import ValidationError
+
+    from megaseq.config import DataConfig, parse_override
+
+    _, parsed = parse_override(f"data.seq_len={value}")
+    try:
+        return DataConfig(seq_len=parsed).seq_len
+    except ValidationError as exc:
+        raise UserError(f"--seq-len {value}: {exc.errors()[0]['msg']}") from None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -127,7 +145,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from megaseq.eval.evaluate import evaluate_heldout
     from megaseq.model import build_model
     from megaseq.plugins import get_plugins
-    from megaseq.train import checkpoint
+    from megaseq.train import checkpoint, rundir
 
     path = Path(args.checkpoint)
     if (path / "checkpoints").is_dir():  # a run directory: take its newest verified checkpoint
@@ -143,14 +161,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
         checkpoint.verify(path)
     meta = checkpoint.read_meta(path)
     out = Path(args.out) if args.out else default_eval_dir(path)
-    plugins = get_plugins()
-    recipe = validate_recipe(apply_overrides(meta["recipe"], args.set), plugins, source=f"{path}/meta.json")
-    device = pick_device(recipe.run.device)
-    model = build_model(recipe, plugins).to(device)
-    checkpoint.load_weights(path, model, read_full_weights(path, meta))  # checkpoints of any layout hold every expert
-    print(f"evaluating {path} (step {meta['step']}) on {recipe.data.heldout}; writing {out}", file=sys.stderr)
-    with torch.no_grad():
-        result = evaluate_heldout(model, recipe, device, out_dir=out, baseline=not args.no_baseline, progress=not args.no_progress)
+    # writing into the checkpoint's run directory: under its lock, so never beside a trainer writing it
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
+    into_run = run_dir is not None and out.absolute().is_relative_to(run_dir.absolute())
+    with rundir.RunLock(run_dir, "evaluation") if into_run else contextlib.nullcontext():
+        rundir.check_writable(out, "eval --out" if args.out else "evaluation output")
+        plugins = get_plugins()
+        recipe = validate_recipe(apply_overrides(meta["recipe"], args.set), plugins, source=f"{path}/meta.json")
+        device = pick_device(recipe.run.device)
+        model = build_model(recipe, plugins).to(device)
+        checkpoint.load_weights(path, model, read_full_weights(path, meta))  # checkpoints of any layout hold every expert
+        print(f"evaluating {path} (step {meta['step']}) on {recipe.data.heldout}; writing {out}", file=sys.stderr)
+        with torch.no_grad():
+            result = evaluate_heldout(model, recipe, device, out_dir=out, baseline=not args.no_baseline, progress=not args.no_progress)
     print(f"step {meta['step']}: held-out {recipe.data.heldout}, {result['windows']} windows of {recipe.data.seq_len} bases")
     print(result["table"])
     print(f"wrote {out}/heldout.json and heldout_by_position.png")
@@ -206,7 +229,8 @@ TRAIN_HELP = """Train the model a TOML recipe describes.
 
 Output goes to the run directory, run.out_dir (default runs/{run.name}; set it with --set
 run.out_dir=PATH): metrics.jsonl, tensorboard/, checkpoints/ (train.checkpoint_every, the newest
-train.keep_checkpoints kept) and eval/ (held-out loss by context position, JSON and PNG).
+train.keep_checkpoints kept) and eval/step_N/ (held-out loss by context position of the final
+step, JSON and PNG; where megaseq eval writes too).
 
 A run directory holds one run: training into one that already holds output is an error unless you pass
 --resume (continue from its newest good checkpoint; the logs are cut back to that step) or --overwrite
@@ -223,6 +247,9 @@ RUN/checkpoints (never into the checkpoint directory itself)."""
 
 
 CORE_COMMANDS = ("train", "eval", "experiment", "plugins", "data", "plan")
+# Commands of this repository's plugin packages, by name only (core imports no plugin): without the package
+# installed, asking for one says what to install instead of argparse's "invalid choice".
+PACKAGED_COMMANDS = {"rl": "megaseq-rl", "logprob-gap": "megaseq-rl"}
 
 
 def plugin_commands(name: str | None = None) -> dict[str, Any]:
@@ -274,7 +301,7 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
                         description="Predict a recipe's peak memory per device under each memory-policy set and "
                         "propose the cheapest set that fits.")
     mp.add_argument("recipe", help="path to a TOML recipe")
-    mp.add_argument("--seq-len", type=int, help="tokens per sequence (default: the recipe's data.seq_len)")
+    mp.add_argument("--seq-len", metavar="N", help="tokens per sequence, read as --set data.seq_len=N is (default: the recipe's)")
     mp.add_argument("--parallel", metavar="dp=..,cp=..,ep=..,tp=..",
                     help="ranks per dimension, over the recipe's [parallel] (also tp and etp, planned only)")
     mp.add_argument("--device-mem", type=float, metavar="GiB", help="memory per device (default: this machine's RAM or GPU)")
@@ -362,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             commands = plugin_commands(argv[0] if argv else None)
             if argv and argv[0] in commands:
                 return run_plugin_command(commands[argv[0]], argv[1:])
+            if argv and argv[0] in PACKAGED_COMMANDS:
+                package = PACKAGED_COMMANDS[argv[0]]
+                raise UserError(f"{argv[0]!r} is a command of the {package} package, which is not installed: "
+                                f"pip install -e packages/{package.removeprefix('megaseq-')} (in a clone) or pip install {package}")
         args = parser(commands).parse_args(argv)
         return args.func(args)
     except UserError as exc:

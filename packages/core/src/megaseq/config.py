@@ -18,6 +18,7 @@ from megaseq.errors import ConfigError
 from megaseq.plugins import Plugins
 from megaseq.records import ComponentConfig
 
+MAX_SEQ_LEN = 2**30  # beyond any memory; a bound keeps a typo from reaching the planner's arithmetic
 COMPONENT_SECTIONS = {"attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy"}
 
 
@@ -45,7 +46,7 @@ class RunConfig(Section):
 class DataConfig(Section):
     train: str = Field("grch37-chr20", description="dataset name (megaseq data list) or FASTA path")
     heldout: str = Field("grch37-chrX", description="dataset name or FASTA path")
-    seq_len: int = Field(1024, ge=2)
+    seq_len: int = Field(1024, ge=2, le=MAX_SEQ_LEN, description="bases per training window")
     max_n_fraction: float = Field(0.5, ge=0, le=1, description="skip windows with more N than this")
     softmask_weight: float = Field(1.0, ge=0, le=1, description="loss weight of soft-masked (lower-case) bases")
 
@@ -269,11 +270,15 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
             used["memory_policy"].add(name)
             where.setdefault(("memory_policy", name), f"train.memory_policy[{i}]")
 
+    for section, kind in COMPONENT_SECTIONS.items():
+        if not isinstance(component_raw[section], dict):
+            raise ConfigError(f"{source}: [{section}] must be a table of [{section}.NAME] tables")
+        # an unknown name first: a misspelt name also leaves the section of the intended one unused
+        for name in sorted(used[kind]):
+            plugins.get(kind, name, where=f"{source}: {where[(kind, name)]}")
     components: dict[str, dict[str, Any]] = {kind: {} for kind in COMPONENT_SECTIONS.values()}
     for section, kind in COMPONENT_SECTIONS.items():
         tables = component_raw[section]
-        if not isinstance(tables, dict):
-            raise ConfigError(f"{source}: [{section}] must be a table of [{section}.NAME] tables")
         for name in sorted(set(tables) - used[kind]):
             users = {"attention": "model.layer_pattern", "ffn": "model.ffn", "moe": "model.moe",
                      "memory_policy": "train.memory_policy"}[kind]

@@ -398,7 +398,12 @@ class RLRun:
 
     def run(self, mode: rundir.StartMode = "new") -> RLResult:
         """Run to ``train.steps`` RL steps in ``run.out_dir``, started as ``mode``: "new", "resume" or
-        "overwrite" (core's run-directory rules, ``megaseq.train.rundir``)."""
+        "overwrite" (core's run-directory rules, ``megaseq.train.rundir``); rank 0 holds the run directory's
+        lock throughout."""
+        with rundir.RunLock(self.recipe.out_dir, "rl") if self.parallel.is_main else contextlib.nullcontext():
+            return self._run(mode)
+
+    def _run(self, mode: rundir.StartMode) -> RLResult:
         r, p = self.recipe, self.parallel
         out = r.out_dir
         if p.is_main:
@@ -408,7 +413,8 @@ class RLRun:
             if not self.resume():
                 self.notes.append(f"no checkpoint in {self.checkpoint_root} yet: starting at step 0")
             if p.is_main:
-                rundir.truncate_metrics(out, self.step)
+                if note := rundir.truncate_metrics(out, self.step):
+                    self.notes.append(note)
         if p.is_main:
             print(self.header(), file=sys.stderr)
         logger = MetricsLogger(out, tensorboard=False) if p.is_main else None

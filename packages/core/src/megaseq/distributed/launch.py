@@ -136,7 +136,8 @@ def run_worker(raw: dict[str, Any], source: str, mode: str, progress: bool, laun
     torch.set_num_threads(threads)  # the workers of one machine share its cores
     parallel = init_process_groups(layout)
     try:
-        trainer = Trainer(recipe, plugins, parallel=parallel, progress=progress)
+        # a Ray run's launcher holds the run directory's lock for the whole launch, restarts included
+        trainer = Trainer(recipe, plugins, parallel=parallel, progress=progress, lock_run=launch is None)
         if launch is not None:
             trainer.checkpoint_meta["launch"] = launch
         return trainer.run(mode)
@@ -174,6 +175,32 @@ def _ray_worker(config: dict[str, Any]) -> None:
     run_worker(config["recipe"], config["source"], mode, progress=False, launch=config["launch"])
 
 
+def with_absolute_paths(recipe: Recipe) -> Recipe:
+    """The recipe with every path a worker reads or writes made absolute against this process's working
+    directory: Ray starts its workers in a working directory of its own. ``run.out_dir`` (with ``{name}``
+    filled in) and FASTA paths in ``data.train``/``data.heldout``; dataset names stay names."""
+    from megaseq.data.sources import DATASETS
+
+    data = {}
+    for which in ("train", "heldout"):
+        spec = getattr(recipe.data, which)
+        if spec not in DATASETS:
+            data[which] = str(Path(spec).expanduser().absolute())
+    return recipe.model_copy(update={
+        "run": recipe.run.model_copy(update={"out_dir": str(recipe.out_dir.absolute())}),
+        "data": recipe.data.model_copy(update=data),
+    })
+
+
+def worker_environment() -> dict[str, str]:
+    """The environment variables megaseq reads that workers must see as this process does (a relative
+    ``MEGASEQ_CACHE`` made absolute), for Ray's ``runtime_env``."""
+    env = {name: os.environ[name] for name in ("OMP_NUM_THREADS",) if name in os.environ}
+    if os.environ.get("MEGASEQ_CACHE"):
+        env["MEGASEQ_CACHE"] = str(Path(os.environ["MEGASEQ_CACHE"]).expanduser().absolute())
+    return env
+
+
 def check_address(address: str) -> None:
     """An unreachable ``host:port`` is one line, not a long wait inside Ray."""
     if address in ("auto", "local") or address.startswith("ray://"):
@@ -203,8 +230,10 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
     workers = layout.world_size
     use_gpu = device_type(recipe.run.device) == "cuda"
     init = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
+    recipe = with_absolute_paths(recipe)
     try:
-        ray.init(**init, include_dashboard=False, log_to_driver=True, logging_level="ERROR", configure_logging=True)
+        ray.init(**init, include_dashboard=False, log_to_driver=True, logging_level="ERROR", configure_logging=True,
+                 runtime_env={"env_vars": worker_environment()})
     except ConnectionError as exc:
         raise UserError(f"--address {address}: {str(exc).splitlines()[0]}") from None
     try:
@@ -216,7 +245,7 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
                     f"{workers} workers need {amount} {resource}s; the Ray cluster{f' at {address}' if address else ''} "
                     f"has {available.get(resource, 0):g}"
                 )
-        out = recipe.out_dir.resolve()
+        out = recipe.out_dir
         trainer = TorchTrainer(
             _ray_worker,
             train_loop_config={"recipe": recipe.to_dict(), "source": recipe.source, "resume": resume, "launch": uuid.uuid4().hex},
@@ -245,4 +274,5 @@ class WorkerFailed(RuntimeError):
         super().__init__(f"training workers failed: {lines[-1] if lines else type(error).__name__}")
 
 
-__all__ = ["WorkerFailed", "in_torchrun", "preflight", "run_torchrun", "run_with_ray", "run_worker"]
+__all__ = ["WorkerFailed", "in_torchrun", "preflight", "run_torchrun", "run_with_ray", "run_worker", "with_absolute_paths",
+           "worker_environment"]

@@ -68,12 +68,13 @@ def render_table(plan: Plan) -> str:
     off = "disk" if m.kind == "cpu" else "host"
     lines.append(f"{'policies':<{width}}{cols}{'re-run':>9}{'temp':>9}{off:>9}{'peak':>9}  fits  cost")
     for e in plan.candidates:
-        cells = "".join(f"{gib(e.saved_by_kind.get(k, 0)):>19}" for k in kinds)
+        # a space before every cell, so that a number wider than its column never runs into the next
+        cells = "".join(f" {gib(e.saved_by_kind.get(k, 0)):>18}" for k in kinds)
         mark = "yes" if e.fits else "no"
         chosen = "  <- proposed" if e is plan.chosen and not plan.given else ""
         lines.append(
-            f"{e.label:<{width}}{cells}{gib(e.recompute_peak):>9}{gib(e.temporary):>9}"
-            f"{gib(e.disk if m.kind == 'cpu' else e.host):>9}{gib(e.device_peak):>9}  {mark:<4}  {e.time_cost:+.0%}{chosen}"
+            f"{e.label:<{width}}{cells} {gib(e.recompute_peak):>8} {gib(e.temporary):>8}"
+            f" {gib(e.disk if m.kind == 'cpu' else e.host):>8} {gib(e.device_peak):>8}  {mark:<4}  {e.time_cost:+.0%}{chosen}"
         )
     lines.append("")
     lines.append("(saved activations by layer kind; re-run: the most one layer re-creates in backward)")

@@ -128,6 +128,21 @@ def lm_loss(
     return (token_losses * weights).sum() / weight, token_losses
 
 
+MEMORY_NOTE = {
+    "cpu": "the progress bar's peak RSS is the whole process (libraries, data, the heap's freed pages unless trimmed); "
+    "megaseq plan predicts the training tensors alone",
+    "cuda": "the progress bar's peak mem is torch's allocator peak on the device; megaseq plan predicts the training "
+    "tensors alone",
+}
+
+
+def progress_line(metrics: dict[str, float], device: torch.device) -> str:
+    """The progress bar's postfix: the loss in bits per base (the unit of every result), labelled."""
+    peak = "peak mem" if device.type == "cuda" else "peak RSS"
+    return (f"loss {metrics['bits_per_base']:.4f} bits/base, {metrics['tokens_per_s']:.0f} tok/s, "
+            f"{peak} {metrics['peak_mem_gib']:.2f} GiB")
+
+
 class Trainer:
     def __init__(
         self,
@@ -137,7 +152,9 @@ class Trainer:
         parallel: Parallel | None = None,
         progress: bool = True,
         tensorboard: bool = True,
+        lock_run: bool = True,
     ) -> None:
+        """``lock_run=False``: another process (the launcher of a Ray run) holds the run directory's lock."""
         self.recipe = recipe
         self.plugins = plugins
         self.parallel = parallel or Parallel()
@@ -179,6 +196,7 @@ class Trainer:
         self.skipped_steps = 0
         self.checkpoint_meta: dict[str, Any] = {}  # more for every checkpoint's meta.json (e.g. the launch)
         self.tensorboard = tensorboard
+        self.lock_run = lock_run
         self.notes: list[str] = []  # what resuming changed or found, for the run header
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -344,12 +362,19 @@ class Trainer:
             f"  model: {describe(self.model)}",
             f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases; out: {self.out_dir}",
             f"  memory: {describe_memory_policy(self.recipe, self.plan)}; heap: {self.heap}",
+            f"  {MEMORY_NOTE[self.device.type]}",
             *(f"  {note}" for note in self.notes),
         ])
 
     def run(self, mode: rundir.StartMode = "new", evaluate: bool = True) -> TrainResult:
         """Train to ``train.steps`` in the run directory, started as ``mode``: "new", "resume" or "overwrite";
-        then, with ``evaluate``, score the held-out set (``[eval]``)."""
+        then, with ``evaluate``, score the held-out set (``[eval]``). Rank 0 holds the run directory's lock
+        throughout (``rundir.RunLock``)."""
+        holds_lock = self.parallel.is_main and self.lock_run
+        with rundir.RunLock(self.out_dir, "training") if holds_lock else contextlib.nullcontext():
+            return self._run(mode, evaluate)
+
+    def _run(self, mode: rundir.StartMode, evaluate: bool) -> TrainResult:
         t, p = self.recipe.train, self.parallel
         if p.is_main:
             rundir.prepare(self.out_dir, mode)
@@ -358,7 +383,8 @@ class Trainer:
             if not self.resume():
                 self.notes.append(f"no checkpoint in {self.checkpoint_root} yet: starting at step 0")
             if p.is_main:
-                rundir.truncate_metrics(self.out_dir, self.step)
+                if note := rundir.truncate_metrics(self.out_dir, self.step):
+                    self.notes.append(note)
         if p.is_main:
             print(self.header(), file=sys.stderr)
             logger = MetricsLogger(self.out_dir, self.tensorboard, purge_step=self.step + 1 if mode == "resume" else None)
@@ -372,9 +398,7 @@ class Trainer:
                 metrics = self.train_step()
                 losses.append(metrics["loss"])
                 bar.update(1)
-                bar.set_postfix(
-                    loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}", mem=f"{metrics['peak_mem_gib']:.2f}G"
-                )
+                bar.set_postfix_str(progress_line(metrics, self.device), refresh=False)
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(self.step, metrics)
                 if self.step == t.steps:
@@ -403,7 +427,7 @@ class Trainer:
         model = self._whole_model() if self.parallel.layout.ep > 1 or self.parallel.layout.tp > 1 else self.model
         result = None
         if model is not None and self.parallel.is_main:
-            out_dir = self.out_dir / "eval" if write else None
+            out_dir = rundir.eval_dir(self.out_dir, self.step) if write else None
             result = evaluate_heldout(model, self.recipe, self.device, out_dir, baseline=baseline, progress=self.progress)
         self.parallel.barrier()
         return result
