@@ -1,8 +1,10 @@
 """Tensor parallelism (with sequence parallelism) on gloo ranks equals the single process.
 
 A dense recipe (core's sdpa attention and SwiGLU FFN, the vocabulary split over ranks) trains two optimizer
-steps under tp=2 and must log the same loss, tokens, gradient norm and metrics and reach the same weights as
-one process (fp32, 1e-5 relative). Its checkpoint, written per tensor-parallel block, resumes in one process.
+steps under tp=2 and under tp=2 x cp=2 and must log the same loss, tokens, gradient norm and metrics and
+reach the same weights as one process (fp32, 1e-5 relative). Each tp=2 rank holds half of every split
+tensor's bytes. The tp=2 checkpoint, written per tensor-parallel block, resumes in one process. Layouts the
+recipe's components cannot run are one line, exit 2, before any worker starts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
 
+from megaseq.cli import main
 from megaseq.distributed.layout import Layout
 from megaseq.testing.distributed import run_gloo
 from megaseq.testing.layouts import assert_same_run, single_trainer, train_single, train_under_layouts
@@ -38,15 +41,59 @@ def cache_dir(tmp_path_factory):
         yield
 
 
-def test_tp2_equals_one_process_and_its_checkpoint_resumes_on_one(tmp_path):
-    trainer = single_trainer(DENSE, tmp_path / "single")
-    first_two, third = train_single(trainer, 2), train_single(trainer, 1)
-    layouts = [Layout(tp=2)]
-    ranks = run_gloo(2, train_under_layouts, DENSE, layouts, str(tmp_path), 2, True)
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The one-process run: its first two steps, then its third."""
+    trainer = single_trainer(DENSE, tmp_path_factory.mktemp("single"))
+    return train_single(trainer, 2), train_single(trainer, 1)
+
+
+def test_tp2_equals_one_process_holds_half_the_split_bytes_and_its_checkpoint_resumes_on_one(tmp_path, single):
+    first_two, third = single
+    ranks = run_gloo(2, train_under_layouts, DENSE, [Layout(tp=2)], str(tmp_path), 2, True)
     assert_same_run(ranks[0][0], first_two, RTOL, "tp=2")
+
+    # every weight but the norms is split: a rank holds half of them, plus the replicated norms
+    weights = first_two["weights"]
+    norms = sum(t.numel() * 4 for n, t in weights.items() if "norm" in n)
+    split = sum(t.numel() * 4 for t in weights.values()) - norms
+    for rank in ranks:
+        assert rank[0]["parameter_bytes"] == split // 2 + norms
 
     saved = Path(ranks[0][0]["checkpoint"])
     assert sorted(p.name for p in (saved / "tensor").iterdir()) == ["tp0.pt", "tp0.safetensors", "tp1.pt", "tp1.safetensors"]
     resumed = single_trainer(DENSE, saved.parents[1])
     assert resumed.resume() and resumed.step == 2
     assert_same_run(train_single(resumed, 1), third, RTOL, "tp=2 checkpoint resumed with tp=1")
+
+
+def test_tp2_cp2_equals_one_process(tmp_path, single):
+    layouts = [Layout(cp=2, tp=2)]
+    assert_same_run(run_gloo(4, train_under_layouts, DENSE, layouts, str(tmp_path), 2)[0][0], single[0], RTOL, "tp=2,cp=2")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--parallel", "tp=2", "--set", "attention.sdpa.n_heads=3"], "parallel ep=1,tp=2: attention.sdpa: n_heads 3 is not a multiple of tp 2"),
+        (["--parallel", "tp=2", "--set", "ffn.swiglu.hidden=63"], "ffn.swiglu: hidden width 63 is not a multiple of tp 2"),
+        (["--parallel", "tp=4", "--workers", "4"], "model.vocab_size 6 is not a multiple of tp 4"),
+        (["--parallel", "tp=2", "--set", "train.optimizer_shard=true"], "train.optimizer_shard shards over data- and context-parallel ranks only"),
+    ],
+)
+def test_impossible_tensor_parallel_layouts_are_one_line_exit_2(tmp_path, recipe_toml, capsys, args, message):
+    recipe = tmp_path / "dense.toml"
+    recipe.write_text(recipe_toml({**DENSE, "run": {**DENSE["run"], "out_dir": str(tmp_path / "run")}}))
+    assert main(["train", str(recipe), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_component_without_tensor_parallelism_refuses_tp(tmp_path, hybrid, recipe_toml, capsys):
+    recipe = tmp_path / "hybrid.toml"
+    raw = {**hybrid, "model": {**hybrid["model"], "vocab_size": 6}, "run": {**hybrid["run"], "out_dir": str(tmp_path / "run")}}
+    recipe.write_text(recipe_toml(raw))
+    assert main(["train", str(recipe), "--parallel", "tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel tp=2: attention 'kda' (layer 0) does not implement tensor parallelism" in err and err.count("\n") == 1, err

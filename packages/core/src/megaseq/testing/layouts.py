@@ -3,7 +3,7 @@
 :func:`train_under_layouts` runs inside ``run_gloo`` workers (it must be importable, hence here): for each
 layout in turn it creates the process groups with megatron-core, trains ``steps`` optimizer steps, and
 returns per step the logged metrics and the tokens, and at the end the whole model's weights (expert and
-tensor-parallel blocks gathered); :func:`resume_under_layout` continues a saved run under a layout. :func:`train_single` is the same in this process with no group. :func:`assert_same_run`
+tensor-parallel blocks gathered) and this rank's parameter bytes; :func:`resume_under_layout` continues a saved run under a layout. :func:`train_single` is the same in this process with no group. :func:`assert_same_run`
 compares two such results: loss, tokens, gradient norm, every logged metric and the updated weights.
 """
 
@@ -35,7 +35,8 @@ def _train(trainer: Trainer, steps: int) -> dict[str, Any]:
     history = [trainer.train_step() for _ in range(steps)]
     p = trainer.parallel
     whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), trainer.expert_dims), trainer.tp_dims)
-    return {"metrics": history, "tokens": trainer.tokens, "weights": {n: t.detach().clone() for n, t in whole.items()}}
+    return {"metrics": history, "tokens": trainer.tokens, "weights": {n: t.detach().clone() for n, t in whole.items()},
+            "parameter_bytes": sum(t.numel() * t.element_size() for t in trainer.model.parameters())}
 
 
 def single_trainer(raw: dict[str, Any], out_dir: Path) -> Trainer:
