@@ -27,6 +27,11 @@ Parts:
    16 heads x 128, forward+backward.
 5. Training: a few steps of the default hybrid recipe (recipes/genome-cpu.toml: KDA/DSA/MoE) at 64k tokens
    on CUDA with the backends ``auto`` picks (the choices are logged into the row): tokens/s, peak memory.
+6. Distributed, on two GPUs over NCCL (one process each): two optimizer steps of a dense recipe under tp=2
+   and of a tiny hybrid recipe under cp=2 and under dp=2 x ep=2, each against the same steps in one process:
+   loss, gradient norm and tokens per step and every weight after them (``DIST_TOLERANCE``). Where fewer
+   than two GPUs are visible the rows are skipped; the rehearsal runs the tp=2 one on two gloo CPU processes
+   (the hybrid layouts run on gloo in tests/test_distributed.py).
 
 What it needs: Python >= 3.11, torch (a CUDA build), triton, numpy, pydantic >= 2.6, pluggy, packaging, and
 megaseq's packages (core, attn-kda, attn-dsa, moe-chunked), installed (``pip install -e packages/core
@@ -105,6 +110,7 @@ class Sizes:
     dsa_shape: tuple[int, int, int, int, int, int, int]  # index heads, index dim, topk, pool, heads, D, dense D
     train_seq_len: int
     train_steps: int
+    dist_seq_len: int
     budgets: dict[str, float]
     deadline: float
 
@@ -119,8 +125,9 @@ FULL = Sizes(
     dsa_shape=(32, 128, 2048, 4, 16, 512, 128),
     train_seq_len=65536,
     train_steps=3,
-    budgets={"setup": 40, "correctness": 140, "kda_speed": 90, "dsa_speed": 90, "train": 110},
-    deadline=480,
+    dist_seq_len=1024,
+    budgets={"setup": 40, "correctness": 140, "kda_speed": 90, "dsa_speed": 90, "train": 110, "distributed": 80},
+    deadline=560,
 )
 REHEARSAL = Sizes(
     kda=(70, 1, 16, 16, [0, 1, 40, 70]),
@@ -132,8 +139,9 @@ REHEARSAL = Sizes(
     dsa_shape=(2, 16, 16, 4, 2, 32, 16),
     train_seq_len=512,
     train_steps=1,
-    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40},
-    deadline=150,
+    dist_seq_len=96,
+    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 90},
+    deadline=240,
 )
 
 
@@ -741,18 +749,25 @@ def part_train(env: Env, report: Report) -> None:
                  note="recipe as shipped, data excerpt-chr20")
 
 
-def train_steps(env: Env) -> tuple[str, str, dict]:
-    import torch
-
-    from megaseq.config import load_recipe
+def megaseq_plugins():
+    """The installed plugins, with megaseq's own registered from this checkout where they are not installed."""
     from megaseq.plugins import get_plugins
-    from megaseq.train.trainer import Trainer
 
     plugins = get_plugins()
     active = {info.dist for info in plugins if info.status == "active"}
     for module, (dist, _, plugin_module) in SOURCES.items():
         if plugin_module and dist not in active:  # not installed: registered from this checkout
             plugins.register(importlib.import_module(plugin_module), name=module, dist=dist, version="source")
+    return plugins
+
+
+def train_steps(env: Env) -> tuple[str, str, dict]:
+    import torch
+
+    from megaseq.config import load_recipe
+    from megaseq.train.trainer import Trainer
+
+    plugins = megaseq_plugins()
     choices: list[str] = []
 
     class Choices(logging.Handler):
@@ -793,6 +808,102 @@ def train_steps(env: Env) -> tuple[str, str, dict]:
         "backend_choices": choices}
 
 
+# ==== 6. distributed ===========================================================================================
+
+# max relative error (as ``relative_error``) of the loss, gradient norm and weights against one process: fp32
+# on the CPU sums in the same order up to the collectives' (1e-5); NCCL's reduction order and CUDA kernels
+# that split their sums differently at another shape (a rank's half of the heads) move the last bits further.
+DIST_TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
+DIST_STEPS = 2
+
+
+def dist_recipes(seq_len: int, device: str) -> dict[str, tuple[dict, dict[str, int]]]:
+    """``check name -> (recipe, layout)``: a dense recipe (core's components) and a tiny hybrid (KDA, DSA, MoE)."""
+    data = {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": seq_len}
+    train = {"steps": DIST_STEPS, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64}
+    run = {"name": "dist", "device": device}
+    dense = {"run": run, "data": data, "train": train,
+             "model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["sdpa"], "vocab_size": 6, "tie_embeddings": False},
+             "attention": {"sdpa": {"n_heads": 4}}, "ffn": {"swiglu": {"hidden": 64}}}
+    hybrid = {"run": run, "data": data, "train": train,
+              "model": {"d_model": 32, "n_layers": 4, "layer_pattern": ["kda", "kda", "kda", "dsa"], "moe": "chunked",
+                        "dense_layers": 1},
+              "attention": {"kda": {"n_heads": 2, "head_dim": 16},
+                            "dsa": {"n_heads": 2, "head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 16, "index_heads": 2,
+                                    "index_dim": 8, "topk": 16, "index_pool": 4}},
+              "moe": {"chunked": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "chunk_tokens": 40}}}
+    return {"dense tp=2": (dense, {"tp": 2}), "hybrid cp=2": (hybrid, {"cp": 2}),
+            "hybrid dp=2 x ep=2": (hybrid, {"dp": 2, "ep": 2})}
+
+
+def _train_run(raw: dict, layout: dict[str, int], out_dir: str, parallel=None) -> dict:
+    """``DIST_STEPS`` steps of ``raw`` under ``layout``: per-step loss, gradient norm and tokens, and the
+    whole model's weights (blocks gathered) on the CPU."""
+    from megaseq.config import validate_recipe
+    from megaseq.train.trainer import Trainer
+
+    recipe = validate_recipe({**raw, "parallel": layout, "run": {**raw["run"], "out_dir": out_dir}}, megaseq_plugins())
+    trainer = Trainer(recipe, megaseq_plugins(), parallel=parallel, progress=False, tensorboard=False)
+    steps = [trainer.train_step() for _ in range(DIST_STEPS)]
+    p = trainer.parallel
+    whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), trainer.expert_dims), trainer.tp_dims)
+    return {"steps": [(m["loss"], m["grad_norm"]) for m in steps], "tokens": trainer.tokens,
+            "weights": {n: t.detach().cpu() for n, t in whole.items()}}
+
+
+def _dist_worker(rank: int, world: int, raw: dict, layout: dict[str, int], out_dir: str) -> dict:
+    from megaseq.distributed.groups import destroy_process_groups, init_process_groups
+    from megaseq.distributed.layout import Layout
+
+    parallel = init_process_groups(Layout(**layout))
+    try:
+        return _train_run(raw, layout, f"{out_dir}/rank{rank}", parallel)
+    finally:
+        destroy_process_groups()
+
+
+def part_distributed(env: Env, report: Report) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count() if env.cuda else 0
+    for name, (raw, layout) in dist_recipes(env.sizes.dist_seq_len, env.device.type).items():
+        report.check(name, "fp32", lambda raw=raw, layout=layout: dist_equivalence(env, gpus, raw, layout),
+                     note=f"two ranks against one process, {DIST_STEPS} optimizer steps")
+
+
+def dist_equivalence(env: Env, gpus: int, raw: dict, layout: dict[str, int]) -> tuple[str, str, dict]:
+    import torch
+
+    from megaseq.testing.distributed import run_gloo
+
+    if env.cuda and gpus < 2:
+        raise Skip(f"needs two GPUs for NCCL, {gpus} visible")
+    if not env.cuda and (not env.rehearse or "tp" not in layout):
+        raise Skip("no CUDA: on gloo in tests/test_distributed.py" if env.rehearse else "no CUDA")
+    if not all(env.has(m) for m in SOURCES):
+        raise Skip("megaseq's packages are not importable")
+    world = 1
+    for value in layout.values():
+        world *= value
+    world //= layout.get("ep", 1)  # expert parallelism shares the data-parallel ranks
+    with tempfile.TemporaryDirectory() as out:
+        single = _train_run(raw, {}, f"{out}/single")
+        backend = "nccl" if env.cuda else "gloo"
+        ranks = run_gloo(world, _dist_worker, raw, layout, out, timeout=240, backend=backend)
+    got = ranks[0]
+    errors = {"tokens": float(got["tokens"] != single["tokens"])}
+    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got["steps"], single["steps"], strict=True), 1):
+        errors[f"step {step} loss"] = relative_error(torch.tensor(loss), torch.tensor(want_loss))
+        errors[f"step {step} grad_norm"] = relative_error(torch.tensor(norm), torch.tensor(want_norm))
+    for n, w in single["weights"].items():
+        errors[n] = relative_error(got["weights"][n], w)
+    tol = DIST_TOLERANCE[env.device.type]
+    worst = max(errors, key=errors.get)
+    status = "pass" if all(e <= tol for e in errors.values()) else "FAIL"
+    return status, f"{backend}: max error {errors[worst]:.2e} ({worst}), tol {tol:g}", {
+        "errors": errors, "tolerance": tol, "backend": backend, "layout": layout}
+
+
 # ==== main =====================================================================================================
 
 
@@ -824,6 +935,7 @@ def main() -> int:
         "kda_speed": part_kda_speed,
         "dsa_speed": part_dsa_speed,
         "train": part_train,
+        "distributed": part_distributed,
     }
     for name, fn in parts.items():
         if name == "setup" or args.parts is None or name in args.parts:

@@ -44,10 +44,11 @@ def test_rehearsal_runs_every_part(tmp_path: Path) -> None:
         ("correctness", "dsa triton top-k pool 4, query positions"),
         ("correctness", "dsa triton sparse attention fwd+bwd"),
         ("correctness", "sdpa layer fwd+bwd, packed"),
+        ("distributed", "dense tp=2"),
     ]:
         assert (part, check) in passed, (part, check)
     assert {r["part"] for r in rows if r["status"] == "pass"} == {"setup", "correctness", "kda_speed", "dsa_speed",
-                                                                   "train"}
+                                                                   "train", "distributed"}
     assert all(r["note"].startswith("no CUDA") for r in rows if r["status"] == "skipped")
     assert re.fullmatch(r"\d+ pass, 0 FAIL, 0 error, \d+ skipped, \d+ missing", done.stdout.splitlines()[-1])
 

@@ -1,4 +1,5 @@
-"""Run a function on several CPU processes joined by a gloo process group, for multi-rank tests.
+"""Run a function on several CPU processes joined by a gloo process group, for multi-rank tests (or, with
+``backend="nccl"``, on one GPU per process).
 
 Processes start from a fork server that has already imported torch and core's test kit, so a launch costs a
 fraction of a second instead of a fresh interpreter importing torch per rank (seconds each on a busy
@@ -35,13 +36,15 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megaseq.testing.atten
 
 def _worker(
     rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any,
-    environ: dict[str, str], timeout: float,
+    environ: dict[str, str], timeout: float, backend: str = "gloo",
 ) -> None:
     os.environ.clear()
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # several ranks share the machine's cores: intra-op threads would oversubscribe
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     # a rank stuck in a collective that another rank never entered fails after ``timeout`` instead of hanging
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
     try:
         # results travel as bytes: tensors sent through a queue would share memory with a process about to exit
         buffer = io.BytesIO()
@@ -54,9 +57,11 @@ def _worker(
 
 
 def run_gloo(
-    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, collective_timeout: float = 60.0
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, collective_timeout: float = 60.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes with a gloo group initialised.
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes with a gloo group initialised
+    (``backend="nccl"``: an NCCL group, rank ``r`` on CUDA device ``r``).
 
     ``fn`` must be importable (a module-level function) and its return value picklable (e.g. tensors).
     Returns the results in rank order; raises ``RuntimeError`` with the worker's traceback if any rank fails.
@@ -67,7 +72,7 @@ def run_gloo(
     ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     port = _free_port()
-    worker_args = (queue, dict(os.environ), min(timeout, collective_timeout))
+    worker_args = (queue, dict(os.environ), min(timeout, collective_timeout), backend)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, *worker_args)) for r in range(world_size)
     ]
