@@ -26,6 +26,7 @@ class TestToyAttention(AttentionConformance):
 
     name = "toy"
     factory = factory("ToyAttention")
+    capabilities = frozenset({"context_parallel"})
     d_model = 8
 
 
@@ -35,7 +36,6 @@ class TestOptOut(AttentionConformance):
     name = "toy-no-cp"
     factory = factory("OptOutRaises")
     d_model = 8
-    cp_world_sizes = ()
 
     # only the opt-out check differs from TestToyAttention
     test_shape_and_dtype = test_causal = test_packed_equals_separate = test_decode_equals_forward = None
@@ -73,7 +73,7 @@ def test_suite_catches(variant: str, test: str, message: str, monkeypatch: pytes
         name = variant
         factory = globals()["factory"](variant)
         d_model = 8
-        cp_world_sizes = () if test == "opt-out" else (2, 4)
+        capabilities = frozenset() if test == "opt-out" else frozenset({"context_parallel"})
 
     with pytest.raises((AssertionError, pytest.fail.Exception), match=message):
         getattr(Suite(), "test_context_parallel" if test == "opt-out" else test)()

@@ -239,12 +239,14 @@ class Bf16Saved(CheckpointBlocks):
 
 
 def _suite(policy: str, **settings: Any) -> MemoryPolicyConformance:
-    return type(f"Suite{policy}", (MemoryPolicyConformance,), {"name": policy, "factory": f"{__file__}:{policy}", **settings})()
+    knobs = {"name": policy, "factory": f"{__file__}:{policy}", "capabilities": frozenset({"context_parallel"}), **settings}
+    return type(f"Suite{policy}", (MemoryPolicyConformance,), knobs)()
 
 
 class TestThirdPartyCheckpointPolicy(MemoryPolicyConformance):
     name = "checkpoint-blocks"
     factory = f"{__file__}:CheckpointBlocks"
+    capabilities = frozenset({"context_parallel"})
 
 
 class TestLossyPolicy(MemoryPolicyConformance):
@@ -290,7 +292,7 @@ def test_wrong_policy_under_context_parallelism_is_caught():
 
 def test_undeclared_context_parallel_support_is_checked():
     with pytest.raises(AssertionError, match="did not raise under ctx.cp"):
-        _suite("CheckpointBlocks", cp_world_sizes=()).test_context_parallel()
+        _suite("CheckpointBlocks", capabilities=frozenset()).test_context_parallel()
 
 
 def test_recomputation_does_not_record_again():

@@ -109,6 +109,7 @@ class ShrinkPlugin:
         return [MemoryPolicySpec(
             name="shrink", target=f"{__name__}:ShrinkConfig", config=ShrinkConfig, memory=f"{__name__}:shrink_effect",
             presets=({"part": "ffn", "cost": 0.1}, {"part": "block", "cost": 0.3}, {"part": "block", "tile_tokens": 64, "cost": 0.4}),
+            capabilities=frozenset({"context_parallel"}),
         )]
 
 
@@ -189,7 +190,7 @@ def test_tiles_are_never_planned_under_context_parallelism():
     """Tiling refuses context parallelism (``SequenceTiling``): ``auto`` must not propose a tiled set that
     every worker would then fail on, and a recipe that names one is refused in one line before any launch."""
     from megaseq.errors import UserError
-    from megaseq.memory.plan import check_policies_run_under
+    from megaseq.capabilities import check_components
 
     plugins = fresh_plugins()
     plugins.register(ShrinkPlugin(), name="shrink-plugin")
@@ -201,10 +202,10 @@ def test_tiles_are_never_planned_under_context_parallelism():
     assert labels and not any("tile_tokens" in label for label in labels)
 
     tiled = load_recipe(TINY, plugins, ["train.batch_size=2", 'train.memory_policy=["shrink"]', "memory_policy.shrink.tile_tokens=64"])
-    check_policies_run_under(tiled, plugins, Layout())  # one device: tiles run
-    for refuse in (lambda: check_policies_run_under(tiled, plugins, cp2),
+    check_components(tiled, plugins, Layout())  # one device: tiles run
+    for refuse in (lambda: check_components(tiled, plugins, cp2),
                    lambda: plan(tiled, plugins, seq_len=65536, layout=cp2, machine=tight, policies=["shrink"])):
         with pytest.raises(UserError, match=r"memory_policy\.shrink\.tile_tokens cannot run under context parallelism \(cp=2"):
             refuse()
     whole = load_recipe(TINY, plugins, ["train.batch_size=2", 'train.memory_policy=["shrink"]'])
-    check_policies_run_under(whole, plugins, cp2)  # recompute without tiles runs under CP
+    check_components(whole, plugins, cp2)  # recompute without tiles runs under CP

@@ -117,10 +117,11 @@ def prefix_mean_memory(config: dict, dims: Any, seq_len: int) -> MemoryEstimate:
                           tiling=None if config.get("undeclared") else TileCarry(per_tile=4 * dims.d_model))
 
 
-def _suite(cls: type, declares_tiling: bool = True) -> SequenceTilingConformance:
+def _suite(cls: type, declares_tiling: bool = True, carry_estimated: bool = True) -> SequenceTilingConformance:
     class Suite(SequenceTilingConformance):
         name = "prefix-mean"
-        config: ClassVar[dict[str, Any]] = {"variant": cls.__name__, "undeclared": not declares_tiling}
+        config: ClassVar[dict[str, Any]] = {"variant": cls.__name__, "undeclared": not carry_estimated}
+        capabilities = frozenset({"sequence_tiling"} if declares_tiling else ())
         factory = f"{__file__}:build_prefix_mean"
         memory = f"{__file__}:prefix_mean_memory"
         d_model = 8
@@ -159,5 +160,7 @@ def test_wrong_components_are_caught(cls, check, message):
 
 
 def test_undeclared_tiling_is_caught():
-    with pytest.raises(AssertionError, match="MemoryEstimate.tiling is None"):
+    with pytest.raises(AssertionError, match="does not declare sequence_tiling"):
         _suite(PrefixMean, declares_tiling=False).test_record_declares_tiling()
+    with pytest.raises(AssertionError, match="MemoryEstimate.tiling is None"):
+        _suite(PrefixMean, carry_estimated=False).test_record_declares_tiling()

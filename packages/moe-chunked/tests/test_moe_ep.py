@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -103,3 +104,21 @@ def test_expert_parallel_equals_one_rank() -> None:
 def assert_close(actual: Tensor, expected: Tensor, what: str) -> None:
     err = (actual.double() - expected.double()).abs().max().item()
     assert err <= 1e-5 * max(1.0, expected.abs().max().item()), f"{what}: error {err:.3e}"
+
+
+def test_the_planner_reports_an_expert_split_the_layer_refuses():
+    """The experts' split is the layer's own business: the planner reports the memory estimate's refusal
+    in one line, as the build would refuse it."""
+    from megaseq.config import validate_recipe
+    from megaseq.distributed.layout import Layout
+    from megaseq.errors import UserError
+    from megaseq.memory.machine import GiB, Machine
+    from megaseq.memory.plan import plan
+    from megaseq.plugins import get_plugins
+
+    plugins = get_plugins()
+    raw = {"run": {"device": "cpu"}, "data": {"seq_len": 32}, "model": {"d_model": 8, "n_layers": 2, "moe": "chunked"},
+           "moe": {"chunked": {**BASE, "n_experts": 6}}, "attention": {"sdpa": {"n_heads": 2}}}
+    recipe = validate_recipe(raw, plugins, source="r.toml")
+    with pytest.raises(UserError, match=r"moe 'chunked' .*n_experts \(6\) must be a multiple of the expert-parallel size \(4\)"):
+        plan(recipe, plugins, layout=Layout(dp=4, ep=4), machine=Machine("cpu", 64 * GiB, None), policies="none")

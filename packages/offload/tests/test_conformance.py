@@ -33,7 +33,6 @@ class TestRecomputeTiles(MemoryPolicyConformance):
     config: ClassVar[dict[str, Any]] = {"part": "block", "tile_tokens": 16}
     exact = False
     probe_noise = False  # a tiled block calls its feed-forward once per tile
-    cp_world_sizes = ()
 
 
 class TestOffload(MemoryPolicyConformance):

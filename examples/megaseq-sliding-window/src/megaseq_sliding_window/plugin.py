@@ -16,5 +16,6 @@ def megaseq_attention() -> list[AttentionSpec]:
             config=SlidingWindowConfig,
             summary="causal softmax attention over the last `window` keys, blockwise (memory O(T * window))",
             memory="megaseq_sliding_window.layer:memory_estimate",
+            capabilities=frozenset({"context_parallel"}),
         )
     ]

@@ -17,5 +17,6 @@ def megaseq_attention() -> list[AttentionSpec]:
             summary="DeepSeek Sparse Attention: MLA (MQA over one latent per token) attending to the lightning "
             "indexer's top-k keys; dense warm-up and sparse training, packing, decoding, context parallelism",
             memory="megaseq_dsa.layer:memory_estimate",
+            capabilities=frozenset({"context_parallel", "sequence_tiling"}),
         )
     ]

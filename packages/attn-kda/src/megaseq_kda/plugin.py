@@ -17,5 +17,6 @@ def megaseq_attention() -> list[AttentionSpec]:
             summary="Kimi Delta Attention: gated delta-rule linear attention, O(T) memory; packing, "
             "decoding and exact context parallelism",
             memory="megaseq_kda.layer:memory_estimate",
+            capabilities=frozenset({"context_parallel", "sequence_tiling"}),
         )
     ]

@@ -44,7 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megaseq.distributed.launch import WorkerFailed, preflight, run_torchrun, run_with_ray
     from megaseq.train import rundir
 
-    preflight(recipe, plugins, layout, args.resume, args.address, probe_cp=not in_torchrun())  # torchrun ranks would each probe
+    preflight(recipe, plugins, layout, args.resume, args.address)
     if in_torchrun():
         result = run_torchrun(recipe, mode, progress=not args.no_progress)
         if result is not None:

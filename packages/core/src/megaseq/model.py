@@ -79,12 +79,12 @@ class Block(nn.Module):
 
     ``names``: the recipe's component names, ``(attention name, ffn kind, ffn name)``, e.g.
     ``("kda", "moe", "chunked")``, so that memory policies can pick layers by component
-    (``megaseq.memory.model_layers``).
+    (``megaseq.memory.model_layers``); ``tiles``: the attention's record declares ``sequence_tiling``.
     """
 
     def __init__(
         self, attention: nn.Module, ffn: nn.Module, d_model: int, norm: str, eps: float,
-        names: tuple[str, str, str] = ("", "", ""),
+        names: tuple[str, str, str] = ("", "", ""), tiles: bool = False,
     ) -> None:
         super().__init__()
         self.attn_norm = make_norm(norm, d_model, eps)
@@ -92,6 +92,7 @@ class Block(nn.Module):
         self.ffn_norm = make_norm(norm, d_model, eps)
         self.ffn = ffn
         self.names = names
+        self.tiles = tiles
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: Any | None = None) -> Tensor:
         return self.feed(self.mix(x, ctx, cache), ctx)
@@ -101,7 +102,7 @@ class Block(nn.Module):
         return x + self.attention(self.attn_norm(x), ctx, cache).to(x.dtype)
 
     def mix_tile(self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """The attention half on one tile (the attention implements ``megaseq.contracts.SequenceTiling``)."""
+        """The attention half on one tile (the attention declares ``sequence_tiling``)."""
         out, carry = self.attention.forward_tile(self.attn_norm(x), ctx, tile, history)
         return x + out.to(x.dtype), carry
 
@@ -202,10 +203,12 @@ def build_model(recipe: Recipe, plugins: Plugins, dims: ModelDims | None = None)
     blocks = []
     for layer in range(m.n_layers):
         attn_name = m.attention_of(layer)
-        attn = plugins.get("attention", attn_name).load()(recipe.component("attention", attn_name), dims, layer)
+        attn_provided = plugins.get("attention", attn_name)
+        attn = attn_provided.load()(recipe.component("attention", attn_name), dims, layer)
         ffn_kind, ffn_name = m.ffn_of(layer)
         ffn = plugins.get(ffn_kind, ffn_name).load()(recipe.component(ffn_kind, ffn_name), dims, layer)
-        blocks.append(Block(attn, ffn, m.d_model, m.norm, m.norm_eps, names=(attn_name, ffn_kind, ffn_name)))
+        blocks.append(Block(attn, ffn, m.d_model, m.norm, m.norm_eps, names=(attn_name, ffn_kind, ffn_name),
+                            tiles="sequence_tiling" in attn_provided.spec.capabilities))
     return LanguageModel(blocks, dims, m.norm, m.norm_eps, m.tie_embeddings, residual_bf16=m.residual_dtype == "bf16")
 
 

@@ -44,8 +44,8 @@ class MemoryEstimate:
     ``parameters``: the parameters at their stored dtype (this device's share, e.g. its experts);
     ``saved_per_token``: what autograd keeps alive per token between forward and backward, including the
     component's input; ``temporary``: the largest transient buffer inside one forward or backward call;
-    ``tiling``: for an attention component that implements ``megaseq.contracts.SequenceTiling``, what it
-    carries from tile to tile (``None``: it does not tile). The memory planner (``megaseq plan``) sums these
+    ``tiling``: for an attention component that declares ``sequence_tiling`` (:data:`CAPABILITIES`), what
+    it carries from tile to tile (required then, ignored otherwise). The memory planner (``megaseq plan``) sums these
     over a recipe's layers and applies the memory policies' effects to them, so a third-party component is
     planned like a built-in one.
     """
@@ -118,6 +118,24 @@ def load_target(target: str) -> Any:
     return obj
 
 
+# The optional capabilities a record may declare, per kind: the one declaration that the launch, the
+# planner, memory policies and the conformance suites read (``megaseq.capabilities``). A kind not listed
+# declares none.
+#   context_parallel  attention: runs on a zig-zag shard (``ctx.cp``); memory policy: keeps a step under
+#                     context parallelism equal to the step without it (except while it tiles sequences,
+#                     which needs the whole sequence)
+#   sequence_tiling   attention: implements ``megaseq.contracts.SequenceTiling`` (``forward_tile``) and its
+#                     ``MemoryEstimate.tiling``
+#   expert_parallel   moe: builds only its ``ModelDims.ep_rank`` share of the experts, stacked along one
+#                     dimension of each expert tensor
+#   pool_sizing       memory policy: has a ``pool_bytes`` option that the planner sets to the bytes it moves
+CAPABILITIES: dict[str, frozenset[str]] = {
+    "attention": frozenset({"context_parallel", "sequence_tiling"}),
+    "moe": frozenset({"expert_parallel"}),
+    "memory_policy": frozenset({"context_parallel", "pool_sizing"}),
+}
+
+
 @dataclass(frozen=True)
 class Component:
     """A named, configurable building block provided by a plugin.
@@ -125,7 +143,8 @@ class Component:
     ``target`` resolves to ``build(config, dims, layer_idx) -> torch.nn.Module`` for model components, or to
     ``build(config) -> object`` for the other kinds. ``memory`` optionally resolves, for the memory planner,
     to ``estimate(config, dims, seq_len) -> MemoryEstimate`` (model components) or to
-    ``effect(config) -> MemoryEffect`` (memory policies).
+    ``effect(config) -> MemoryEffect`` (memory policies). ``capabilities``: the optional capabilities it
+    has, from :data:`CAPABILITIES` for its kind; its conformance suite verifies each one it declares.
     """
 
     kind: ClassVar[str] = ""
@@ -134,7 +153,7 @@ class Component:
     config: type[ComponentConfig] = NoConfig
     summary: str = ""
     memory: str | None = None
-    extras: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    capabilities: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "_").replace(".", "_").isidentifier():
@@ -143,6 +162,14 @@ class Component:
             raise ValueError(f"{self.kind} {self.name!r}: target {self.target!r} is not 'module:attr'")
         if not (isinstance(self.config, type) and issubclass(self.config, ComponentConfig)):
             raise ValueError(f"{self.kind} {self.name!r}: config must be a megaseq.records.ComponentConfig subclass")
+        object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        allowed = CAPABILITIES.get(self.kind, frozenset())
+        unknown = sorted(self.capabilities - allowed)
+        if unknown:
+            raise ValueError(f"{self.kind} {self.name!r}: capabilities {unknown} are not among those of kind "
+                             f"{self.kind!r}: {sorted(allowed) or 'none'}")
+        if "pool_sizing" in self.capabilities and "pool_bytes" not in self.config.model_fields:
+            raise ValueError(f"{self.kind} {self.name!r} declares pool_sizing but its config has no pool_bytes field")
 
     def load(self) -> Any:
         return load_target(self.target)
@@ -178,8 +205,8 @@ class MemoryPolicySpec(Component):
 
     ``presets``: configs (partial tables of ``[memory_policy.NAME]``) that ``megaseq plan`` and
     ``train.memory_policy = "auto"`` may choose from, each modelled through the ``memory`` target's
-    ``effect(config)``. A policy that moves saved tensors to host memory may have a ``pool_bytes`` config
-    field: the planner sets it to the bytes it predicts the policy moves per step.
+    ``effect(config)``. A policy that moves saved tensors to host memory may declare ``pool_sizing``: the
+    planner then sets its ``pool_bytes`` option to the bytes it predicts the policy moves per step.
     """
 
     kind: ClassVar[str] = "memory_policy"

@@ -42,11 +42,7 @@ class ChunkedMoE(nn.Module):
 
     def __init__(self, config: ChunkedMoEConfig, dims: ModelDims, layer_idx: int) -> None:
         super().__init__()
-        if config.n_experts % dims.ep_size:
-            raise ValueError(
-                f"n_experts ({config.n_experts}) must be a multiple of "
-                f"the expert-parallel size ({dims.ep_size})"
-            )
+        check_expert_split(config, dims)
         self.n_experts = config.n_experts
         self.top_k = config.top_k
         self.chunk_tokens = config.chunk_tokens
@@ -388,9 +384,15 @@ def build(config: ChunkedMoEConfig, dims: ModelDims, layer_idx: int) -> ChunkedM
     return ChunkedMoE(ChunkedMoEConfig.model_validate(config), dims, layer_idx)
 
 
+def check_expert_split(config: ChunkedMoEConfig, dims: ModelDims) -> None:
+    if config.n_experts % dims.ep_size:
+        raise ValueError(f"n_experts ({config.n_experts}) must be a multiple of the expert-parallel size ({dims.ep_size})")
+
+
 def memory_estimate(config: ChunkedMoEConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
     """Bytes for one layer in fp32. ``temporary`` is the peak inside one chunk's backward (the larger pass),
     sized for the worst skew: every expert-parallel rank sends its whole chunk to this rank."""
+    check_expert_split(config, dims)
     d, h, hs, e, k = dims.d_model, config.expert_hidden, config.shared_width, config.n_experts, config.top_k
     n_local = e // dims.ep_size
     parameters = 4 * (n_local * 3 * d * h + e * d + 3 * d * hs + e)

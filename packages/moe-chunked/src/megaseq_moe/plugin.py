@@ -27,6 +27,7 @@ def megaseq_moe() -> list[MoESpec]:
             config=ChunkedMoEConfig,
             summary="dropless sigmoid-routed SwiGLU experts, processed in token chunks, expert-parallel",
             memory="megaseq_moe.layer:memory_estimate",
+            capabilities=frozenset({"expert_parallel"}),
         )
     ]
 

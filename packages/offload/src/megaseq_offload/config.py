@@ -23,7 +23,7 @@ class RecomputeConfig(ComponentConfig):
         None,
         ge=1,
         description="with part = 'block': re-run each block in sequence tiles of this many tokens (its attention "
-        "must implement megaseq.contracts.SequenceTiling); default: whole blocks",
+        "must declare sequence_tiling); default: whole blocks",
     )
 
     @model_validator(mode="after")

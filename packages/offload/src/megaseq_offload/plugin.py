@@ -26,6 +26,7 @@ def megaseq_memory_policy() -> list[MemoryPolicySpec]:
             "blocks optionally in sequence tiles",
             memory="megaseq_offload.policies:recompute_effect",
             presets=RECOMPUTE_PRESETS,
+            capabilities=frozenset({"context_parallel"}),
         ),
         MemoryPolicySpec(
             name="offload",
@@ -35,5 +36,6 @@ def megaseq_memory_policy() -> list[MemoryPolicySpec]:
             "scratch file on local disk (CPU)",
             memory="megaseq_offload.policies:offload_effect",
             presets=({},),
+            capabilities=frozenset({"context_parallel", "pool_sizing"}),
         ),
     ]

@@ -47,7 +47,7 @@ class RecomputePolicy:
             if untileable:
                 raise UserError(
                     f"memory_policy.recompute.tile_tokens: the attention of layer {', '.join(untileable)} cannot run "
-                    "in sequence tiles (no megaseq.contracts.SequenceTiling); restrict layers or drop tile_tokens"
+                    "in sequence tiles (its record does not declare sequence_tiling); restrict layers or drop tile_tokens"
                 )
         return chosen
 

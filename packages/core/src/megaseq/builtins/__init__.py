@@ -18,6 +18,7 @@ def megaseq_attention() -> list[AttentionSpec]:
             config=SDPAConfig,
             summary="causal softmax attention (torch SDPA; flash-attn varlen on CUDA when installed), RoPE optional",
             memory="megaseq.builtins.sdpa:memory_estimate",
+            capabilities=frozenset({"context_parallel", "sequence_tiling"}),
         )
     ]
 

@@ -22,71 +22,29 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from megaseq.capabilities import check_components
 from megaseq.config import Recipe, RunConfig, validate_recipe
 from megaseq.devices import device_type, join_torchrun
 from megaseq.distributed.experts import layout_expert_dims, layout_tp_dims
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
-from megaseq.memory.plan import check_policies_run_under
 from megaseq.plugins import Plugins, get_plugins
 from megaseq.train import checkpoint
 from megaseq.train.trainer import Trainer, TrainResult
 
 
-def preflight(
-    recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, address: str | None = None, probe_cp: bool = True
-) -> None:
-    """Everything about a layout that can be checked before a worker starts (``probe_cp``: also run each
-    component under context parallelism, see :func:`check_context_parallel`)."""
+def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, address: str | None = None) -> None:
+    """Everything about a layout that can be checked before a worker starts: the layout, what it asks of the
+    components (their declared capabilities), the experts' split, the checkpoint to resume, the cluster."""
     if address is not None:
         check_address(address)
     check_layout(recipe, layout)
-    check_policies_run_under(recipe, plugins, layout)
+    check_components(recipe, plugins, layout)
     layout_expert_dims(recipe, plugins, layout.ep)  # builds the model on the meta device: components may refuse
     layout_tp_dims(recipe, plugins, layout.tp)
     if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
         check_resharding(path, recipe, plugins)
-    if probe_cp and layout.cp > 1:
-        check_context_parallel(recipe, layout.cp)
-
-
-def check_context_parallel(recipe: Recipe, cp: int) -> None:
-    """Each of the recipe's components, alone, runs a forward and backward under ``cp`` context-parallel
-    ranks (local gloo processes, a short random input): a component that cannot (the contract lets it
-    refuse with a ``ValueError``) is one line now instead of a failure of every worker later."""
-    from megaseq.testing.distributed import run_gloo
-
-    refusal = run_gloo(cp, _probe_context_parallel, recipe.to_dict(), recipe.source, timeout=300)[0]
-    if refusal is not None:
-        raise UserError(f"{recipe.source}: parallel cp={cp}: {refusal}")
-
-
-def _probe_context_parallel(rank: int, world: int, raw: dict[str, Any], source: str) -> str | None:
-    import torch
-    import torch.distributed as dist
-
-    from megaseq.contracts import ContextParallel, ForwardContext
-    from megaseq.distributed.experts import model_dims
-    from megaseq.parallel import zigzag_shard
-
-    plugins = get_plugins()
-    recipe = validate_recipe(raw, plugins, source=source)
-    m = recipe.model
-    used = {("attention", m.attention_of(i)): i for i in range(m.n_layers)} | {m.ffn_of(i): i for i in range(m.n_layers)}
-    length = 2 * world * 16
-    cp = ContextParallel(group=dist.group.WORLD, rank=rank, world_size=world, seq_len=length)
-    for (kind, name), layer in sorted(used.items()):
-        torch.manual_seed(0)
-        module = plugins.get(kind, name).load()(recipe.component(kind, name), model_dims(recipe), layer)
-        x = zigzag_shard(torch.randn(1, length, m.d_model), rank, world).requires_grad_(True)
-        ctx = ForwardContext(cp=cp)
-        try:
-            out = module(x, ctx)
-            (out.sum() + sum(ctx.losses.values(), torch.zeros(()))).backward()
-        except (ValueError, NotImplementedError) as exc:
-            return f"{kind} {name!r} cannot run under context parallelism: {exc}"
-    return None
 
 
 def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:

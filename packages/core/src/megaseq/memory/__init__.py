@@ -26,8 +26,6 @@ from typing import Any, Literal
 
 from torch import nn
 
-from megaseq.contracts import SequenceTiling
-
 Part = Literal["block", "attention", "ffn"]
 PARTS: tuple[Part, ...] = ("block", "attention", "ffn")
 Wrapper = Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
@@ -66,8 +64,9 @@ class Layer:
 
     @property
     def tiles(self) -> bool:
-        """Whether the attention can run in sequence tiles (implements ``megaseq.contracts.SequenceTiling``)."""
-        return isinstance(self.block.attention, SequenceTiling)
+        """Whether the attention runs in sequence tiles: its record declares ``sequence_tiling``
+        (``megaseq.records.CAPABILITIES``; it implements ``megaseq.contracts.SequenceTiling``)."""
+        return self.block.tiles
 
     @property
     def ffn_tiles(self) -> bool:

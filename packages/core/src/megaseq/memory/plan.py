@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaseq.capabilities import check_components, policy_runs_under
 from megaseq.config import Recipe
 from megaseq.distributed.layout import Layout, check_zigzag_length
 from megaseq.errors import UserError
@@ -142,6 +143,7 @@ class _LayerCost:
     attention: tuple[Any, Any]  # (estimate function, config)
     ffn: tuple[Any, Any]
     ffn_tiles: bool
+    attention_tiles: bool  # the attention declares sequence_tiling
     dims: ModelDims
     cache: dict[tuple[str, int], MemoryEstimate] = field(default_factory=dict)
 
@@ -155,12 +157,17 @@ class _LayerCost:
 def _estimate_fn(plugins: Plugins, recipe: Recipe, kind: str, name: str) -> tuple[Any, Any]:
     provided = plugins.get(kind, name)
     fn = provided.spec.load_memory()
+    where = f"{recipe.source}: {kind} {name!r} ({provided.plugin.label})"
     if fn is None:
-        raise UserError(
-            f"{recipe.source}: {kind} {name!r} ({provided.plugin.label}) reports no memory estimate "
-            f"(its record has no 'memory' target): the planner cannot model it"
-        )
-    return fn, recipe.component(kind, name)
+        raise UserError(f"{where} reports no memory estimate (its record has no 'memory' target): the planner cannot model it")
+
+    def refusing(config: Any, dims: ModelDims, length: int) -> MemoryEstimate:
+        try:  # a component refuses sizes it cannot run with a ValueError, as its build does
+            return fn(config, dims, length)
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}") from None
+
+    return refusing, recipe.component(kind, name)
 
 
 def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout) -> list[_LayerCost]:
@@ -175,7 +182,8 @@ def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout) -> list[_Laye
         if key not in shared:  # layers of the same kind share their estimates
             shared[key] = _LayerCost(
                 f"{attention}+{ffn_name}", _estimate_fn(plugins, recipe, "attention", attention),
-                _estimate_fn(plugins, recipe, ffn_kind, ffn_name), ffn_kind == "ffn", dims,
+                _estimate_fn(plugins, recipe, ffn_kind, ffn_name), ffn_kind == "ffn",
+                "sequence_tiling" in plugins.get("attention", attention).spec.capabilities, dims,
             )
         out.append(shared[key])
     return out
@@ -236,9 +244,12 @@ def estimate(
             kept, work, unit_input = (a + norms + x) * tokens, f * tokens + temp, x * tokens
         elif part == "attention":
             kept, work, unit_input = (f + norms + x) * tokens, a * tokens + temp, x * tokens
-        elif tile is None or attention.tiling is None or tile >= length:
+        elif tile is None or not c.attention_tiles or tile >= length:
             kept, work, unit_input = x * tokens, (a + f + norms) * tokens + temp, x * tokens
         else:
+            if attention.tiling is None:
+                raise UserError(f"{recipe.source}: attention of layer {i} ({c.kind}) declares sequence_tiling but its "
+                                f"MemoryEstimate.tiling is None: the planner cannot size its tiles")
             n_tiles = math.ceil(length / tile)
             carry = attention.tiling.per_token * tokens / layout.tp + attention.tiling.per_tile * n_tiles * rows
             tile_attention = c.at("attention", tile)
@@ -331,7 +342,7 @@ def candidate_sets(recipe: Recipe, plugins: Plugins) -> list[list[PolicyChoice]]
     options: list[list[PolicyChoice]] = []
     for name in plugins.names("memory_policy"):
         spec = plugins.get("memory_policy", name).spec
-        if spec.memory and getattr(spec, "presets", ()):
+        if spec.memory and spec.presets:
             options.append([_policy_choice(recipe, plugins, name, preset) for preset in spec.presets])
     sets: list[list[PolicyChoice]] = [[]]
     for group in options:
@@ -339,31 +350,6 @@ def candidate_sets(recipe: Recipe, plugins: Plugins) -> list[list[PolicyChoice]]
     for first, second in itertools.combinations(options, 2):
         sets += [[a, b] for a in first for b in second]
     return sets
-
-
-def _refuse_tiles_under_cp(recipe: Recipe, policies: list[PolicyChoice], layout: Layout) -> None:
-    """Sequence tiles split one device's whole sequence; under context parallelism each rank holds a share of
-    it and tiling refuses to run (``megaseq.contracts.SequenceTiling``: no context parallelism)."""
-    name = _tiled_under_cp(policies, layout)
-    if name is not None:
-        raise UserError(f"{recipe.source}: memory_policy.{name}.tile_tokens cannot run under context parallelism "
-                        f"(cp={layout.cp}: each rank already holds a share of the sequence); remove tile_tokens or use cp=1")
-
-
-def _tiled_under_cp(policies: list[PolicyChoice], layout: Layout) -> str | None:
-    """The policy of ``policies`` that tiles sequences, where ``layout`` has context parallelism."""
-    return next((p.name for p in policies if p.effect.tile_tokens is not None), None) if layout.cp > 1 else None
-
-
-def check_policies_run_under(recipe: Recipe, plugins: Plugins, layout: Layout) -> None:
-    """The recipe's memory policies (a list of names) must be able to run under ``layout``: checked before a
-    distributed launch, so that a set that cannot is one line instead of a failure of every worker. A policy
-    that reports no memory effect cannot be judged here and passes."""
-    names = recipe.train.memory_policy
-    if layout.cp == 1 or names == "auto":
-        return
-    modelled = [n for n in names if plugins.get("memory_policy", n).spec.load_memory() is not None]
-    _refuse_tiles_under_cp(recipe, [_policy_choice(recipe, plugins, n, {}) for n in modelled], layout)
 
 
 def plan(
@@ -382,19 +368,16 @@ def plan(
     if seq_len < 1:
         raise UserError(f"--seq-len {seq_len}: must be a positive number of tokens")
     check_zigzag_length(seq_len, layout.cp, "--seq-len")
-    if layout.ep > 1 and recipe.model.moe is not None:
-        experts = getattr(recipe.component("moe", recipe.model.moe), "n_experts", None)
-        if experts is not None and experts % layout.ep:
-            raise UserError(f"--parallel ep={layout.ep}: does not divide the {experts} experts of moe.{recipe.model.moe}")
+    check_components(recipe, plugins, layout, policies if isinstance(policies, list) else [])
     if policies == "auto":
         # a set that cannot run under this layout is never a candidate
-        sets, given = [s for s in candidate_sets(recipe, plugins) if _tiled_under_cp(s, layout) is None], False
+        sets = [s for s in candidate_sets(recipe, plugins)
+                if all(policy_runs_under(plugins.get("memory_policy", p.name).spec, p.effect, layout.cp) for p in s)]
+        given = False
     elif policies == "none":
         sets, given = [[]], True
     else:
-        names = list(policies)
-        sets, given = [[_policy_choice(recipe, plugins, n, {}) for n in names]], True
-        _refuse_tiles_under_cp(recipe, sets[0], layout)
+        sets, given = [[_policy_choice(recipe, plugins, n, {}) for n in policies]], True
     costs = _layer_costs(recipe, plugins, layout)
     estimates = [estimate(recipe, plugins, s, layout, machine, seq_len, costs) for s in sets]
     for e in estimates:
@@ -409,9 +392,10 @@ def plan(
 
 
 def _size_pools(e: Estimate, recipe: Recipe, plugins: Plugins) -> None:
-    """Give offloading policies with a ``pool_bytes`` option the bytes this plan moves (plus a margin)."""
+    """Give the policies that declare ``pool_sizing`` the bytes this plan moves (plus a margin) as their
+    ``pool_bytes``, unless the recipe sets it."""
     for i, p in enumerate(e.policies):
-        if p.effect.offload_min_bytes is not None and "pool_bytes" in p.config and p.config["pool_bytes"] is None:
+        if "pool_sizing" in plugins.get("memory_policy", p.name).spec.capabilities and p.config["pool_bytes"] is None:
             sized = {**p.config, "pool_bytes": int(e.offloaded * 1.1) + 2**20}
             e.policies[i] = PolicyChoice(p.name, sized, p.effect, p.defaults)
 

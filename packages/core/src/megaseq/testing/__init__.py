@@ -103,6 +103,17 @@ def memory_estimator(
     return lambda seq_len: fn(validated, dims, seq_len)
 
 
+def declared_capabilities(
+    kind: str, name: str, factory: str | None = None, knob: frozenset[str] | None = None, plugins: Plugins | None = None
+) -> frozenset[str]:
+    """The capabilities a suite verifies (``megaseq.records.CAPABILITIES``): the record's, from the installed
+    plugins (or ``plugins``); with ``factory`` the component has no record, and the suite's ``capabilities``
+    knob (``knob``, default none) says what it would declare."""
+    if factory is not None:
+        return frozenset(knob or ())
+    return (plugins or installed_plugins()).get(kind, name).spec.capabilities
+
+
 def load_factory(target: str) -> Any:
     """``"package.module:attr"`` or ``"/path/to/file.py:attr"``: a builder that is not a registered plugin.
 

@@ -29,8 +29,10 @@ would catch:
   edges with ranks whose segments hold no document start; an empty and a one-token document) and compares
   every rank's outputs, input gradients, summed parameter gradients, auxiliary losses and metrics (the mean
   of the ranks' per-token means, ranks holding equal shares) with one rank. A
-  component whose ranks run different collectives in backward fails here (gloo errors or times out). With
-  ``cp_world_sizes = ()`` the test instead checks that the component raises a one-line error on ``ctx.cp``.
+  component whose ranks run different collectives in backward fails here (gloo errors or times out). This
+  runs when the record declares ``context_parallel`` (``megaseq.records.CAPABILITIES``; with ``factory``,
+  the ``capabilities`` knob); a component that does not declare it must instead raise a one-line error on
+  ``ctx.cp``, which is checked.
 
 Error bound everywhere: ``max |actual - expected| <= tolerance * max(1, max |expected|)`` (``tolerance``,
 1e-5 for the float32 comparisons; the float64 gradient check uses ``grad_tolerance``, 1e-6).
@@ -53,6 +55,7 @@ from megaseq.testing import (
     build_component,
     check_deterministic,
     check_gradients,
+    declared_capabilities,
     memory_estimator,
     watch_host_syncs,
 )
@@ -199,6 +202,10 @@ class AttentionConformance:
     memory_tolerance: ClassVar[float] = 0.25
     cp_world_sizes: ClassVar[tuple[int, ...]] = (2, 4)
     cp_seq_len: ClassVar[int] = 32
+    capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
+
+    def declared(self) -> frozenset[str]:
+        return declared_capabilities("attention", self.name, self.factory, self.capabilities)
 
     def build(self, seed: int = 0) -> nn.Module:
         return _build(self.name, self.config, self.d_model, seed, self.factory)
@@ -340,9 +347,10 @@ class AttentionConformance:
         )
 
     def test_context_parallel(self) -> None:
-        if not self.cp_world_sizes:
+        if "context_parallel" not in self.declared():
             self._assert_refuses_context_parallel()
             return
+        assert self.cp_world_sizes, f"{self.name} declares context_parallel: cp_world_sizes must name a world size"
         t = self.cp_seq_len
         for world in self.cp_world_sizes:
             layouts = cp_layouts(t, world)
@@ -356,8 +364,8 @@ class AttentionConformance:
             )
 
     def _assert_refuses_context_parallel(self) -> None:
-        """An opted-out component must raise a one-line error when handed a context-parallel shard (no process
-        group exists here, so the error must come before any communication)."""
+        """A component that does not declare context_parallel must raise a one-line error when handed a
+        context-parallel shard (no process group exists here, so the error must come before any communication)."""
         module = self.build()
         cp = ContextParallel(group=None, rank=0, world_size=2, seq_len=self.cp_seq_len)
         x = self.inputs(1, self.cp_seq_len // 2)
@@ -366,5 +374,5 @@ class AttentionConformance:
         message = str(raised.value)
         assert message and "\n" not in message, f"the error on ctx.cp must be one line, got {message!r}"
         assert "process group" not in message, (
-            f"{self.name} declares cp_world_sizes = () but tried to communicate on ctx.cp: {message}"
+            f"{self.name} does not declare context_parallel but tried to communicate on ctx.cp: {message}"
         )

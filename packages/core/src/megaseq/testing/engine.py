@@ -246,13 +246,13 @@ class EngineConformance:
 
     def test_routing_replay_reproduces_logprobs(self) -> None:
         model = self.reference()
-        if not any(getattr(block.ffn, "n_experts", None) for block in model.blocks):
+        if not any(block.names[1] == "moe" for block in model.blocks):
             pytest.skip("the suite's recipe has no MoE layer; set `recipe` to one with [model] moe to check routing")
         engine = self.build(model.state_dict())
         prompts = self.prompts()
         out = engine.generate(prompts, SamplingParams(self.new_tokens, seed=2))
         tokens = torch.cat([prompts, out.tokens.cpu()], 1)
-        n_moe = sum(1 for block in model.blocks if getattr(block.ffn, "n_experts", None))
+        n_moe = sum(1 for block in model.blocks if block.names[1] == "moe")
         assert len(out.routing) == n_moe, f"routing for {len(out.routing)} layers, the model has {n_moe} MoE layers"
         for key, idx in out.routing.items():
             expected = (self.batch, tokens.shape[1] - 1)

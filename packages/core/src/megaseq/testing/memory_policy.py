@@ -26,12 +26,14 @@ without, and checks:
   (``$MEGASEQ_SCRATCH`` points at an empty directory for the test), and no more tensor memory reachable
   than before the step;
 - under context parallelism (``cp_world_sizes``, 2 gloo ranks by default) the same equality against
-  the same ranks without the policy; a policy that cannot run under context parallelism declares
-  ``cp_world_sizes = ()`` and must then raise a one-line error there, which is checked.
+  the same ranks without the policy, when the record declares ``context_parallel``
+  (``megaseq.records.CAPABILITIES``) and this config does not tile sequences
+  (``megaseq.capabilities.policy_runs_under``, the rule the launch applies); otherwise the policy must
+  raise a one-line error there, which is checked.
 
 The policy comes from the installed plugins; ``factory = "module:attr"`` (or ``"/path/to/file.py:attr"``) of
 a ``build(config_dict)`` tests one that is not an installed plugin (a policy before it is packaged, core's
-own wrong policies). It is named by import path because the context-parallel test rebuilds the suite in
+own wrong policies), with ``capabilities`` the ones it would declare. It is named by import path because the context-parallel test rebuilds the suite in
 fresh processes.
 """
 
@@ -49,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megaseq.capabilities import policy_effect, policy_runs_under
 from megaseq.config import validate_recipe
 from megaseq.contracts import ContextParallel, ForwardContext, MemoryPolicy
 from megaseq.hookspecs import hookimpl
@@ -188,6 +191,7 @@ class MemoryPolicyConformance:
     cp_world_sizes: ClassVar[tuple[int, ...]] = (2,)
     cp_seq_len: ClassVar[int] = 68
     probe_noise: ClassVar[bool] = True
+    capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the policy would declare
 
     # -- building -----------------------------------------------------------------------------------------
     def suite_plugins(self) -> Plugins:
@@ -416,12 +420,20 @@ class MemoryPolicyConformance:
             assert message is not None and "planned failure" in message, f"{self.name}: the planned failure did not propagate: {message!r}"
             self._check_released(scratch, fds, tensor_bytes, "after a step that raised half-way")
 
+    def runs_under_context_parallel(self) -> bool:
+        """What the launch reads: the declaration, and whether this config tiles sequences."""
+        if self.factory is not None:
+            return "context_parallel" in (self.capabilities or ())
+        provided = self.suite_plugins().get("memory_policy", self.name)
+        config = provided.spec.config(**self.config)
+        return policy_runs_under(provided.spec, policy_effect(provided.spec, config), cp=2)
+
     def test_context_parallel(self) -> None:
         from megaseq.testing.distributed import run_gloo
 
-        if not self.cp_world_sizes:
+        if not self.runs_under_context_parallel():
             _, raised = run_gloo(2, _cp_worker, self.settings(), True)[0]
-            assert raised is not None, f"{self.name} declares no context-parallel support but did not raise under ctx.cp"
+            assert raised is not None, f"{self.name} does not run under context parallelism (its declaration) but did not raise under ctx.cp"
             assert "\n" not in raised.strip(), f"{self.name}: the error under context parallelism is not one line: {raised!r}"
             return
         for world in self.cp_world_sizes:

@@ -8,10 +8,11 @@ the auxiliary losses within ``tolerance`` (``megaseq.testing.assert_close``; fp3
 tile-length-weighted means; for tile lengths that do not divide the sequence (one token, a prime, the
 whole sequence), rows of a batch, and packed documents that cross tile boundaries, one of which starts
 exactly at a boundary; and the component must refuse context parallelism in a tile with one line. Its
-record must declare what it carries (``MemoryEstimate.tiling``): the memory planner reads the capability
-from there. ``factory`` and ``memory`` build and estimate a component that is not an installed plugin
-(``"module:attr"`` or ``"/path/file.py:attr"`` of ``build(config_dict, dims, layer_idx)`` and of
-``estimate(config_dict, dims, seq_len)``). What the tiles carry (the distinct storages of every carry,
+record must declare ``sequence_tiling`` (``megaseq.records.CAPABILITIES``: what memory policies and the
+planner read) and what it carries (``MemoryEstimate.tiling``). ``factory``, ``memory`` and
+``capabilities`` build, estimate and declare a component that is not an installed plugin (``"module:attr"``
+or ``"/path/file.py:attr"`` of ``build(config_dict, dims, layer_idx)`` and of ``estimate(config_dict,
+dims, seq_len)``; the capabilities it would declare). What the tiles carry (the distinct storages of every carry,
 a view of a larger tensor counting as all of it) must be within ``memory_tolerance`` (25%) of the declared
 ``per_token x tokens + per_tile x tiles``, at each of ``memory_lengths`` in four tiles.
 """
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, SequenceTiling, Tile
 from megaseq.records import MemoryEstimate, ModelDims
-from megaseq.testing import assert_close, build_component, memory_estimator
+from megaseq.testing import assert_close, build_component, declared_capabilities, memory_estimator
 from megaseq.testing.checks import check_saved_estimate
 
 
@@ -69,6 +70,7 @@ class SequenceTilingConformance:
     packed_tile_sizes: ClassVar[tuple[int, ...]] = (5, 16)
     memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
     memory_tolerance: ClassVar[float] = 0.25
+    capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
 
     def build(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
@@ -124,6 +126,8 @@ class SequenceTilingConformance:
         assert isinstance(self.build(), SequenceTiling), f"{self.name} has no forward_tile"
 
     def test_record_declares_tiling(self) -> None:
+        declared = declared_capabilities("attention", self.name, self.factory, self.capabilities)
+        assert "sequence_tiling" in declared, f"{self.name} tiles but its record does not declare sequence_tiling"
         estimate = self.memory_estimate()
         assert estimate is not None, f"{self.name}: the record has no memory target, so the planner cannot tile it"
         assert estimate.tiling is not None, f"{self.name}: MemoryEstimate.tiling is None but the component tiles"

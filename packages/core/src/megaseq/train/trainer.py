@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from megaseq.capabilities import check_components
 from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext
 from megaseq.data.errors import DataError
@@ -161,6 +162,7 @@ class Trainer:
         if self.parallel.layout != Layout.of(recipe):
             raise ValueError(f"the process groups are laid out as {self.parallel.layout}, the recipe as {Layout.of(recipe)}")
         check_layout(recipe, self.parallel.layout)  # e.g. a batch that does not split evenly would lose windows
+        check_components(recipe, plugins, self.parallel.layout)
         self.progress = progress and self.parallel.is_main
         self.out_dir = recipe.out_dir
         self.device = pick_device(recipe.run.device)
