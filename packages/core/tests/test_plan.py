@@ -189,8 +189,8 @@ def test_run_header_names_the_memory_policy():
 def test_tiles_are_never_planned_under_context_parallelism():
     """Tiling refuses context parallelism (``SequenceTiling``): ``auto`` must not propose a tiled set that
     every worker would then fail on, and a recipe that names one is refused in one line before any launch."""
-    from megaseq.errors import UserError
     from megaseq.capabilities import check_components
+    from megaseq.errors import UserError
 
     plugins = fresh_plugins()
     plugins.register(ShrinkPlugin(), name="shrink-plugin")

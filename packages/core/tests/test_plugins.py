@@ -123,6 +123,52 @@ def test_broken_registration_hook_is_isolated_and_warned():
         plugins.get("attention", "anything")
 
 
+def test_a_broken_plugins_lifecycle_hooks_never_run():
+    calls = []
+
+    class BrokenWithState:
+        @hookimpl
+        def megaseq_attention(self):
+            raise RuntimeError("boom")
+
+        @hookimpl
+        def megaseq_step_end(self, step, model, metrics):
+            calls.append("step_end")
+
+        @hookimpl
+        def megaseq_checkpoint_save(self, model):
+            calls.append("checkpoint_save")
+            return {"broken": 1}
+
+    plugins = fresh_plugins()
+    plugins.register(BrokenWithState(), name="broken")
+    with pytest.warns(UserWarning, match="is broken"):
+        plugins.names("attention")
+    plugins.hooks.step_end(step=None, model=None, metrics={})
+    assert plugins.hooks.checkpoint_save(model=None) == {}
+    assert calls == [] and plugins.infos["broken"].status == "broken"
+    plugins.unregister("broken")  # a blocked plugin can still be removed, and its name reused
+    plugins.register(ProvidesIdentity(), name="broken")
+
+
+def test_colliding_checkpoint_keys_name_both_plugins():
+    def saver(key, value):
+        class Saver:
+            @hookimpl
+            def megaseq_checkpoint_save(self, model):
+                return {key: value}
+
+        return Saver()
+
+    plugins = fresh_plugins()
+    plugins.register(saver("moe", 1), name="first")
+    plugins.register(saver("own", 2), name="second")
+    assert plugins.hooks.checkpoint_save(model=None) == {"moe": 1, "own": 2}
+    plugins.register(saver("moe", 3), name="third")
+    with pytest.raises(PluginError, match=r"plugins 'first' and 'third' both return the key 'moe'"):
+        plugins.hooks.checkpoint_save(model=None)
+
+
 def test_wrong_record_type_is_broken():
     class Wrong:
         @hookimpl

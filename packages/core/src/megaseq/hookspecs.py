@@ -11,8 +11,9 @@ Two families:
   plugin's implementation separately, once per plugin manager, when the registry is first needed (listing
   plugins, validating a recipe, building a model), so that a failure is pinned on the plugin that caused it:
   an exception, a record of the wrong type or a record whose target does not exist makes that plugin
-  ``broken`` (all of its components become unavailable, with the reason in ``megaseq plugins``) and leaves
-  the other plugins alone. They must be cheap and import nothing heavy: they run whenever plugins are listed.
+  ``broken`` (all of its components become unavailable, with the reason in ``megaseq plugins``, and the
+  plugin is blocked: none of its hooks, lifecycle hooks included, runs again) and leaves the other
+  plugins alone. They must be cheap and import nothing heavy: they run whenever plugins are listed.
 - **Lifecycle hooks** (``megaseq_step_start``, ``megaseq_step_end``, ``megaseq_checkpoint_save``,
   ``megaseq_checkpoint_load``) let a plugin keep its own state (an MoE bias, a host-memory pool) without the
   trainer knowing about it. Every registered plugin's implementation is called, in pluggy's order (the plugin
@@ -113,8 +114,8 @@ def megaseq_command() -> list[CommandSpec]:
     :class:`megaseq.records.CommandSpec`; ``megaseq NAME ARGS...`` imports the record's ``target``,
     ``main(argv: list[str]) -> int``, and calls it with ``ARGS``; its return value is the exit status.
     A :class:`megaseq.errors.UserError` it raises is printed as one line with exit status 2, like core's
-    own commands. A name that is one of core's commands (``train``, ``eval``, ``plugins``, ``data``) is
-    never dispatched to the plugin: core warns and keeps its own. Two plugins with one name are an error
+    own commands. A name that is one of core's commands (``megaseq.cli.CORE_COMMANDS``) is never dispatched
+    to the plugin: core warns and keeps its own. Two plugins with one name are an error
     naming both. An exception in this hook marks the plugin broken.
     """
 
@@ -148,7 +149,8 @@ def megaseq_checkpoint_save(model: torch.nn.Module) -> dict[str, Any] | None:
 
     Called once per checkpoint, after the step's ``megaseq_step_end``. Return ``{plugin_name: state}``
     (tensors, numbers, strings, lists, dicts: what ``torch.save`` stores) or ``None``. The results of all
-    plugins are merged into one dict, so use a key no other plugin uses. An exception stops training.
+    plugins are merged into one dict; a key that two plugins return is an error naming both. An exception
+    stops training.
     """
 
 

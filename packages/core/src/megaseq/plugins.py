@@ -10,6 +10,8 @@ distribution instead of breaking start-up:
 - ``incompatible``: its declared ``megaseq-core`` requirement excludes the installed core;
 - ``broken``: importing it or one of its registration hooks raised, a hook returned something other than
   its record type, or one of its records points at a target (``target``, ``memory``) that does not exist.
+  A broken plugin is blocked in the pluggy manager (``set_blocked``): none of its hooks runs again, its
+  lifecycle hooks included.
 
 Targets are checked without importing them (discovery must stay cheap and never touch CUDA): the target's
 module must be found (``importlib.util.find_spec``, which imports only its parent packages) and its source
@@ -32,7 +34,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pluggy
 from packaging.requirements import InvalidRequirement, Requirement
@@ -42,7 +44,12 @@ from megaseq import hookspecs
 from megaseq.__about__ import __version__ as CORE_VERSION
 from megaseq.catalog import provider
 from megaseq.errors import PluginError
-from megaseq.records import SPEC_TYPES, Component, load_target
+from megaseq.records import SPEC_TYPES, Record, load_target
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from megaseq.train.state import StepInfo
 
 ENTRY_POINT_GROUP = "megaseq"
 CORE_DIST = "megaseq-core"
@@ -70,7 +77,7 @@ class PluginInfo:
 class Provided:
     """A component together with the plugin that provided it."""
 
-    spec: Component
+    spec: Any  # the kind's record type (megaseq.records.SPEC_TYPES), a Record
     plugin: PluginInfo
 
     def load(self) -> Any:
@@ -193,7 +200,10 @@ class Plugins:
         self._registry = None
 
     def unregister(self, name: str) -> None:
-        self.pm.unregister(name=name)
+        if self.pm.is_blocked(name):  # broken: already out of the manager
+            self.pm.unblock(name)
+        else:
+            self.pm.unregister(name=name)
         del self.infos[name]
         self._registry = None
 
@@ -245,12 +255,12 @@ class Plugins:
                         if not isinstance(spec, spec_type):
                             raise TypeError(f"megaseq_{kind} returned {type(spec).__name__}, expected {spec_type.__name__}")
                 except Exception as exc:  # a plugin's registration hook failing must not stop the others
-                    info.status, info.reason = "broken", f"megaseq_{kind}: {type(exc).__name__}: {exc}"
+                    self._block(info, f"megaseq_{kind}: {type(exc).__name__}: {exc}")
                     continue
                 for spec in specs:
                     problem = self._record_problem(spec)
                     if problem:
-                        info.status, info.reason = "broken", problem
+                        self._block(info, problem)
                         break
                     provided.setdefault((kind, spec.name), []).append(Provided(spec, info))
                     info.components.setdefault(kind, []).append(spec.name)
@@ -273,11 +283,17 @@ class Plugins:
                 warnings.warn(f"megaseq plugin {info.name!r} ({info.label}) is broken: {info.reason}", stacklevel=3)
         return registry
 
+    def _block(self, info: PluginInfo, reason: str) -> None:
+        """Mark a plugin broken and take it out of the hook calls, so none of its hooks runs again."""
+        info.status, info.reason = "broken", reason
+        if not self.pm.is_blocked(info.name):
+            self.pm.set_blocked(info.name)
+
     @staticmethod
-    def _record_problem(spec: Component) -> str | None:
+    def _record_problem(spec: Record) -> str | None:
         """Why a record's targets cannot resolve (see :func:`target_problem`), or None."""
-        for field_name, target in (("target", spec.target), ("memory", spec.memory)):
-            problem = target and target_problem(target)
+        for field_name, target in spec.targets().items():
+            problem = target_problem(target)
             if problem:
                 return f"{spec.kind} {spec.name!r}: {field_name} {target!r}: {problem}"
         return None
@@ -339,9 +355,7 @@ class Plugins:
         failures = []
         for kind, components in self.registry.items():
             for name, found in sorted(components.items()):
-                for field_name, target in (("target", found.spec.target), ("memory", found.spec.memory)):
-                    if target is None:
-                        continue
+                for field_name, target in found.spec.targets().items():
                     try:
                         obj = load_target(target)
                     except Exception as exc:  # third-party import code can raise anything
@@ -363,25 +377,33 @@ class Plugins:
 
 
 class Hooks:
-    """Typed calls of the lifecycle hooks."""
+    """Typed calls of the lifecycle hooks (``megaseq.hookspecs``) of every plugin that is not blocked."""
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self._hook = pm.hook
 
-    def step_start(self, step: Any, model: Any) -> None:
+    def step_start(self, step: StepInfo, model: nn.Module) -> None:
         self._hook.megaseq_step_start(step=step, model=model)
 
-    def step_end(self, step: Any, model: Any, metrics: dict[str, float]) -> None:
+    def step_end(self, step: StepInfo, model: nn.Module, metrics: dict[str, float]) -> None:
         self._hook.megaseq_step_end(step=step, model=model, metrics=metrics)
 
-    def checkpoint_save(self, model: Any) -> dict[str, Any]:
+    def checkpoint_save(self, model: nn.Module) -> dict[str, Any]:
+        """Every plugin's state, merged; two plugins returning one key is an error naming both."""
         state: dict[str, Any] = {}
-        for part in self._hook.megaseq_checkpoint_save(model=model):
-            if part:
-                state.update(part)
+        owner: dict[str, str] = {}
+        for impl in reversed(self._hook.megaseq_checkpoint_save.get_hookimpls()):  # pluggy's call order
+            part = impl.function(**{arg: {"model": model}[arg] for arg in impl.argnames})
+            for key in part or {}:
+                if key in owner:
+                    first, second = sorted((owner[key], impl.plugin_name))
+                    raise PluginError(f"megaseq_checkpoint_save: plugins {first!r} and {second!r} both return the key "
+                                      f"{key!r}; each plugin must save under its own key")
+                owner[key] = impl.plugin_name
+            state.update(part or {})
         return state
 
-    def checkpoint_load(self, model: Any, state: dict[str, Any]) -> None:
+    def checkpoint_load(self, model: nn.Module, state: dict[str, Any]) -> None:
         self._hook.megaseq_checkpoint_load(model=model, state=state)
 
 

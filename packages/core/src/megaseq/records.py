@@ -137,7 +137,31 @@ CAPABILITIES: dict[str, frozenset[str]] = {
 
 
 @dataclass(frozen=True)
-class Component:
+class Record:
+    """What every registration hook returns: a name and a lazy ``"module:attr"`` target, imported only
+    when used (listing plugins never imports it), and a one-line ``summary`` for listings."""
+
+    kind: ClassVar[str] = ""
+    name: str
+    target: str
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "_").replace(".", "_").isidentifier():
+            raise ValueError(f"{self.kind} name {self.name!r} must be a non-empty identifier (letters, digits, -, _)")
+        if ":" not in self.target:
+            raise ValueError(f"{self.kind} {self.name!r}: target {self.target!r} is not 'module:attr'")
+
+    def targets(self) -> dict[str, str]:
+        """``{field: "module:attr"}`` of every target the record names (checked at discovery)."""
+        return {"target": self.target}
+
+    def load(self) -> Any:
+        return load_target(self.target)
+
+
+@dataclass(frozen=True)
+class Component(Record):
     """A named, configurable building block provided by a plugin.
 
     ``target`` resolves to ``build(config, dims, layer_idx) -> torch.nn.Module`` for model components, or to
@@ -147,19 +171,12 @@ class Component:
     has, from :data:`CAPABILITIES` for its kind; its conformance suite verifies each one it declares.
     """
 
-    kind: ClassVar[str] = ""
-    name: str
-    target: str
     config: type[ComponentConfig] = NoConfig
-    summary: str = ""
     memory: str | None = None
     capabilities: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("-", "_").replace(".", "_").isidentifier():
-            raise ValueError(f"{self.kind} name {self.name!r} must be a non-empty identifier (letters, digits, -, _)")
-        if ":" not in self.target:
-            raise ValueError(f"{self.kind} {self.name!r}: target {self.target!r} is not 'module:attr'")
+        super().__post_init__()
         if not (isinstance(self.config, type) and issubclass(self.config, ComponentConfig)):
             raise ValueError(f"{self.kind} {self.name!r}: config must be a megaseq.records.ComponentConfig subclass")
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
@@ -171,8 +188,8 @@ class Component:
         if "pool_sizing" in self.capabilities and "pool_bytes" not in self.config.model_fields:
             raise ValueError(f"{self.kind} {self.name!r} declares pool_sizing but its config has no pool_bytes field")
 
-    def load(self) -> Any:
-        return load_target(self.target)
+    def targets(self) -> dict[str, str]:
+        return {"target": self.target, **({"memory": self.memory} if self.memory else {})}
 
     def load_memory(self) -> Any | None:
         return load_target(self.memory) if self.memory else None
@@ -230,15 +247,15 @@ class InferenceEngineSpec(Component):
 
 
 @dataclass(frozen=True)
-class CommandSpec(Component):
+class CommandSpec(Record):
     """A subcommand of the ``megaseq`` command line. ``target`` resolves to ``main(argv: list[str]) -> int``,
     called with the arguments after the command's name; ``summary`` is its line in ``megaseq --help``.
-    Its module is imported only when the command runs. ``config`` is unused."""
+    Its module is imported only when the command runs."""
 
     kind: ClassVar[str] = "command"
 
 
-SPEC_TYPES: dict[str, type[Component]] = {
+SPEC_TYPES: dict[str, type[Record]] = {
     cls.kind: cls
     for cls in (AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec, InferenceEngineSpec, CommandSpec)
 }

@@ -38,13 +38,6 @@ def load_gate_row(ptr, row, cols, col_ok, i_h, H: tl.constexpr, D: tl.constexpr)
 
 
 @triton.jit
-def load_row(ptr, row, cols, col_ok, i_h, H: tl.constexpr, D: tl.constexpr):
-    """One token's feature vector, e.g. the cumulative gate at a sub-chunk's first row."""
-    offs = (row.to(tl.int64) * H + i_h) * D + cols
-    return tl.load(ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def load_vec(ptr, rows, row_ok, i_h, H: tl.constexpr):
     """A per-token scalar (beta) for a vector of rows, from a ``[T_total, H]`` tensor."""
     return tl.load(ptr + rows.to(tl.int64) * H + i_h, mask=row_ok, other=0.0).to(tl.float32)
