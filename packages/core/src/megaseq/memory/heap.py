@@ -19,7 +19,8 @@ Two remedies, both process-wide:
 
 ``benchmarks/train_throughput.py`` measures both trades (``docs/results.md``, "The C library's heap").
 
-Neither exists outside glibc (:func:`available`); the trainer says so in its run header.
+Neither exists outside glibc (:func:`available`). :func:`apply_run_setting` applies ``run.trim_heap`` to a
+built model and says what it did, for the run header.
 """
 
 from __future__ import annotations
@@ -89,4 +90,19 @@ def _trim_in_backward(_grad: Tensor) -> None:
     return_freed_memory()
 
 
-__all__ = ["available", "map_large_allocations", "return_freed_memory", "trim_at_block_boundaries"]
+def apply_run_setting(trim_heap: bool | str, device: torch.device, tokens_per_device: int, blocks: nn.ModuleList) -> str:
+    """Apply ``run.trim_heap`` to a model's blocks (:func:`trim_at_block_boundaries` where it acts) and
+    return what the run header says about the heap."""
+    if device.type != "cpu":
+        return f"not trimmed (run.trim_heap acts on CPU runs; this one is on {device.type})"
+    if not trim_heap:
+        return "not trimmed (run.trim_heap = false)"
+    if trim_heap == "auto" and tokens_per_device < TRIM_FROM_TOKENS:
+        return f"not trimmed (run.trim_heap = 'auto' trims from {TRIM_FROM_TOKENS:,} tokens per device, this run has {tokens_per_device:,})"
+    if not available():
+        return "not trimmed (the C library is not glibc, which run.trim_heap needs)"
+    trim_at_block_boundaries(blocks)
+    return "trimmed at block boundaries"
+
+
+__all__ = ["apply_run_setting", "available", "map_large_allocations", "return_freed_memory", "trim_at_block_boundaries"]

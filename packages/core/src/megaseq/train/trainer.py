@@ -103,19 +103,6 @@ def data_windows(recipe: Recipe, which: str) -> GenomeWindows:
     return windows
 
 
-def heap_mode(trim_heap: bool | str, device: torch.device, tokens_per_device: int) -> tuple[bool, str]:
-    """Whether the run trims the C library's heap (``megaseq.memory.heap``), and what the run header says."""
-    if device.type != "cpu":
-        return False, f"not trimmed (run.trim_heap acts on CPU runs; this one is on {device.type})"
-    if not trim_heap:
-        return False, "not trimmed (run.trim_heap = false)"
-    if trim_heap == "auto" and tokens_per_device < heap.TRIM_FROM_TOKENS:
-        return False, f"not trimmed (run.trim_heap = 'auto' trims from {heap.TRIM_FROM_TOKENS:,} tokens per device, this run has {tokens_per_device:,})"
-    if not heap.available():
-        return False, "not trimmed (the C library is not glibc, which run.trim_heap needs)"
-    return True, "trimmed at block boundaries"
-
-
 def lm_loss(
     model: LanguageModel, batch: Batch, ctx: ForwardContext, chunk: int, total_weight: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +170,8 @@ class Trainer:
             recipe = self.recipe
         configs = [(name, recipe.component("memory_policy", name)) for name in recipe.train.memory_policy]
         policies = apply_memory_policies(self.model, plugins, configs)
-        trim, self.heap = heap_mode(recipe.run.trim_heap, self.device, recipe.data.seq_len // self.parallel.layout.cp)
-        if trim:
-            heap.trim_at_block_boundaries(self.model.blocks)
+        tokens_per_device = recipe.data.seq_len // self.parallel.layout.cp
+        self.heap = heap.apply_run_setting(recipe.run.trim_heap, self.device, tokens_per_device, self.model.blocks)
         if recipe.train.trainable is not None:
             freeze_except(self.model, recipe.train.trainable, recipe.source)
         self.optimizer = make_optimizer(self.model, recipe.train, self.parallel)
