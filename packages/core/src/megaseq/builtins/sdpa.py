@@ -131,7 +131,7 @@ class SDPAttention(nn.Module):
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Tokens ``[tile.start, tile.stop)`` given the earlier tiles' rotated keys and values (``SequenceTiling``)."""
         if ctx.cp is not None or ctx.tp is not None:
-            raise ValueError("sdpa: sequence tiles run without context or tensor parallelism")
+            raise ValueError("sdpa: sequence tiles run without context parallelism or tensor parallelism")
         b, t, _ = x.shape
         q, k, v = self._qkv(x)
         positions = torch.arange(tile.start, tile.stop, device=x.device)
