@@ -823,7 +823,7 @@ def dist_recipes(seq_len: int, device: str) -> dict[str, tuple[dict, dict[str, i
     train = {"steps": DIST_STEPS, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64}
     run = {"name": "dist", "device": device}
     dense = {"run": run, "data": data, "train": train,
-             "model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["sdpa"], "vocab_size": 6, "tie_embeddings": False},
+             "model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["sdpa"], "tie_embeddings": False},
              "attention": {"sdpa": {"n_heads": 4}}, "ffn": {"swiglu": {"hidden": 64}}}
     hybrid = {"run": run, "data": data, "train": train,
               "model": {"d_model": 32, "n_layers": 4, "layer_pattern": ["kda", "kda", "kda", "dsa"], "moe": "chunked",
@@ -846,7 +846,8 @@ def _train_run(raw: dict, layout: dict[str, int], out_dir: str, parallel=None) -
     trainer = Trainer(recipe, megaseq_plugins(), parallel=parallel, progress=False, tensorboard=False)
     steps = [trainer.train_step() for _ in range(DIST_STEPS)]
     p = trainer.parallel
-    whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), trainer.expert_dims), trainer.tp_dims)
+    whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), trainer.expert_dims), trainer.tp_dims,
+                                     trainer.tp_lengths)
     return {"steps": [(m["loss"], m["grad_norm"]) for m in steps], "tokens": trainer.tokens,
             "weights": {n: t.detach().cpu() for n, t in whole.items()}}
 

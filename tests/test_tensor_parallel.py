@@ -1,6 +1,6 @@
 """Tensor parallelism (with sequence parallelism) on gloo ranks equals the single process.
 
-A dense recipe (core's sdpa attention and SwiGLU FFN, the vocabulary split over ranks) trains two optimizer
+A dense recipe (core's sdpa attention and SwiGLU FFN, the 5-id vocabulary split over ranks in padded blocks) trains two optimizer
 steps under tp=2 and under tp=2 x cp=2 and must log the same loss, tokens, gradient norm and metrics and
 reach the same weights as one process (fp32, 1e-5 relative). Each tp=2 rank holds half of every split
 tensor's bytes. The tp=2 checkpoint, written per tensor-parallel block, resumes in one process. Layouts the
@@ -26,7 +26,7 @@ RTOL = 1e-5
 DENSE: dict[str, Any] = {
     "run": {"name": "dense", "device": "cpu"},
     "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 96},
-    "model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["sdpa"], "vocab_size": 6, "tie_embeddings": False},
+    "model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["sdpa"], "tie_embeddings": False},
     "attention": {"sdpa": {"n_heads": 4}},
     "ffn": {"swiglu": {"hidden": 64}},
     "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64},
@@ -53,12 +53,14 @@ def test_tp2_equals_one_process_holds_half_the_split_bytes_and_its_checkpoint_re
     ranks = run_gloo(2, train_under_layouts, DENSE, [Layout(tp=2)], str(tmp_path), 2, True)
     assert_same_run(ranks[0][0], first_two, RTOL, "tp=2")
 
-    # every weight but the norms is split: a rank holds half of them, plus the replicated norms
+    # every weight but the norms is split: a rank holds half of them, plus the replicated norms; the vocabulary
+    # (5 ids) is padded to 2 blocks of 3 rows in the embedding and in the head
     weights = first_two["weights"]
     norms = sum(t.numel() * 4 for n, t in weights.items() if "norm" in n)
     split = sum(t.numel() * 4 for t in weights.values()) - norms
+    padding = 2 * (3 * 2 - 5) * DENSE["model"]["d_model"] * 4
     for rank in ranks:
-        assert rank[0]["parameter_bytes"] == split // 2 + norms
+        assert rank[0]["parameter_bytes"] == (split + padding) // 2 + norms
 
     saved = Path(ranks[0][0]["checkpoint"])
     assert sorted(p.name for p in (saved / "tensor").iterdir()) == ["tp0.pt", "tp0.safetensors", "tp1.pt", "tp1.safetensors"]
@@ -77,7 +79,6 @@ def test_tp2_cp2_equals_one_process(tmp_path, single):
     [
         (["--parallel", "tp=2", "--set", "attention.sdpa.n_heads=3"], "parallel ep=1,tp=2: attention.sdpa: n_heads 3 is not a multiple of tp 2"),
         (["--parallel", "tp=2", "--set", "ffn.swiglu.hidden=63"], "ffn.swiglu: hidden width 63 is not a multiple of tp 2"),
-        (["--parallel", "tp=4", "--workers", "4"], "model.vocab_size 6 is not a multiple of tp 4"),
         (["--parallel", "tp=2", "--set", "train.optimizer_shard=true"], "train.optimizer_shard shards over data- and context-parallel ranks only"),
     ],
 )
@@ -92,7 +93,7 @@ def test_impossible_tensor_parallel_layouts_are_one_line_exit_2(tmp_path, recipe
 
 def test_a_component_without_tensor_parallelism_refuses_tp(tmp_path, hybrid, recipe_toml, capsys):
     recipe = tmp_path / "hybrid.toml"
-    raw = {**hybrid, "model": {**hybrid["model"], "vocab_size": 6}, "run": {**hybrid["run"], "out_dir": str(tmp_path / "run")}}
+    raw = {**hybrid, "run": {**hybrid["run"], "out_dir": str(tmp_path / "run")}}
     recipe.write_text(recipe_toml(raw))
     assert main(["train", str(recipe), "--parallel", "tp=2"]) == 2
     err = capsys.readouterr().err

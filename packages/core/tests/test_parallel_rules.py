@@ -60,7 +60,7 @@ batch_size = 4
         (["--parallel", "dp=2", "--workers", "4"], "dp x cp x tp = 2 x 1 x 1 = 2 ranks, but --workers is 4"),
         (["--parallel", "xp=2"], "NAME one of dp, cp, ep, tp, etp"),
         (["--parallel", "etp=2"], "etp is for planning (megaseq plan)"),
-        (["--parallel", "tp=2"], "model.vocab_size 5 is not a multiple of tp 2"),
+        (["--parallel", "tp=4"], "attention.sdpa: n_heads 2 is not a multiple of tp 4"),
         (["--parallel", "tp=3"], "data.seq_len 64 / cp 1 is not a multiple of tp 3"),
         (["--parallel", "dp=0"], "dp must be a positive integer"),
         (["--workers", "2", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: cannot reach a Ray cluster there"),

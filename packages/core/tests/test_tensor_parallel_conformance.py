@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -67,3 +68,34 @@ def build_unsplit(config: dict[str, Any], dims: ModelDims, layer_idx: int) -> Sw
 def test_wrong_tensor_parallel_components_are_caught(factory, message):
     with pytest.raises(AssertionError, match=message):
         check_tensor_parallel("ffn", "swiglu", {"hidden": 64}, factory=factory)
+
+
+def _cross_entropy_rank(rank: int, world: int, logits: Tensor, targets: Tensor, vocab: int) -> dict[str, Tensor]:
+    import torch.distributed as dist
+
+    from megaseq.contracts import TensorParallel
+    from megaseq.distributed.experts import block
+    from megaseq.parallel import vocab_parallel_cross_entropy
+
+    tp = TensorParallel(group=dist.group.WORLD, rank=rank, world_size=world)
+    mine = block(logits, 1, rank, world).requires_grad_(True)  # padded past the vocabulary on the last ranks
+    losses = vocab_parallel_cross_entropy(mine, targets, tp, vocab)
+    (losses * torch.arange(1.0, len(targets) + 1)).sum().backward()
+    return {"losses": losses.detach(), "grad": mine.grad}
+
+
+def test_vocab_parallel_cross_entropy_with_padded_blocks_equals_the_whole_vocabulary():
+    """5 ids over 4 ranks: blocks of 2, the third rank holds one real id, the fourth none (all padding)."""
+    from megaseq.distributed.experts import block
+    from megaseq.testing import assert_close
+    from megaseq.testing.distributed import run_gloo
+
+    gen = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(7, 5, generator=gen)
+    targets = torch.tensor([0, 4, 2, 3, 1, 4, 0])
+    whole = logits.clone().requires_grad_(True)
+    expected = torch.nn.functional.cross_entropy(whole, targets, reduction="none")
+    (expected * torch.arange(1.0, 8)).sum().backward()
+    for rank, got in enumerate(run_gloo(4, _cross_entropy_rank, logits, targets, 5)):
+        assert_close(got["losses"], expected.detach(), 1e-6, f"rank {rank} losses")
+        assert_close(got["grad"], block(whole.grad, 1, rank, 4), 1e-6, f"rank {rank} logit gradient")

@@ -11,7 +11,8 @@ what recomputation keeps and offloading moves per token is half as large. A forw
 inference engine's own dtype) is unchanged.
 
 Under tensor parallelism (``ModelDims.tp_size > 1``, ``ForwardContext.tp``) the embedding and the head hold
-this rank's block of the vocabulary; the embedding looks up the whole window's tokens in its block and
+this rank's block of ``ceil(vocab_size / tp)`` ids of the vocabulary (the last blocks padded with rows that
+no token looks up and the loss leaves out of its softmax); the embedding looks up the whole window's tokens in its block and
 reduce-scatters the sum, so the blocks see this rank's sequence chunk (``megaseq.contracts.TensorParallel``),
 and the final hidden states are that chunk. The loss gathers them back and uses the vocabulary-parallel
 cross-entropy.
@@ -118,7 +119,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.dims = dims
         self.residual_bf16 = residual_bf16
-        vocab = dims.vocab_size // dims.tp_size  # this rank's block of the vocabulary
+        vocab = -(-dims.vocab_size // dims.tp_size)  # this rank's block of the vocabulary (the last ones padded)
         self.embed = nn.Embedding(vocab, dims.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(blocks)
@@ -163,26 +164,30 @@ def _chunk_loss(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits, targets, reduction="none")
 
 
-def _chunk_loss_vocab_parallel(hidden: Tensor, weight: Tensor, targets: Tensor, tp: TensorParallel) -> Tensor:
+def _chunk_loss_vocab_parallel(
+    hidden: Tensor, weight: Tensor, targets: Tensor, tp: TensorParallel, vocab_size: int | None
+) -> Tensor:
     logits = (hidden @ weight.to(hidden.dtype).t()).float()
-    return vocab_parallel_cross_entropy(logits, targets, tp)
+    return vocab_parallel_cross_entropy(logits, targets, tp, vocab_size)
 
 
 def chunked_token_losses(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, tp: TensorParallel | None = None
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, tp: TensorParallel | None = None,
+    vocab_size: int | None = None,
 ) -> Tensor:
     """Per-token cross-entropy (nats, fp32) of ``hidden [B, T, D]`` against ``targets [B, T]``.
 
     Logits exist for ``chunk`` tokens at a time, in forward and (by recomputation) in backward. With ``tp``:
-    ``hidden`` is this rank's sequence chunk, ``weight`` its vocabulary block and ``targets`` the whole
-    window's; the result is this rank's chunk of the losses (their sum over ranks is the whole loss).
+    ``hidden`` is this rank's sequence chunk, ``weight`` its vocabulary block (``vocab_size``: the whole
+    vocabulary's size, past which the last blocks are padding) and ``targets`` the whole window's; the result
+    is this rank's chunk of the losses (their sum over ranks is the whole loss).
     """
     if tp is not None:
         hidden = tp_gather(hidden, tp)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1)
     loss_of = _chunk_loss if tp is None else _chunk_loss_vocab_parallel
-    extra = () if tp is None else (tp,)
+    extra = () if tp is None else (tp, vocab_size)
     parts = []
     for start in range(0, flat_t.numel(), chunk):
         h, t = flat_h[start : start + chunk], flat_t[start : start + chunk]
@@ -198,8 +203,6 @@ def build_model(recipe: Recipe, plugins: Plugins, dims: ModelDims | None = None)
     """Build the model a recipe describes, each block's components through the plugin registry."""
     m = recipe.model
     dims = dims or ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
-    if m.vocab_size % dims.tp_size:
-        raise ValueError(f"model.vocab_size {m.vocab_size} is not a multiple of tp {dims.tp_size}")
     blocks = []
     for layer in range(m.n_layers):
         attn_name = m.attention_of(layer)

@@ -56,7 +56,11 @@ def split_dims(full: Mapping[str, Tensor], local: Mapping[str, Tensor], n: int, 
         if whole.shape == tensor.shape:
             continue
         differing = [d for d, (a, b) in enumerate(zip(whole.shape, tensor.shape, strict=True)) if a != b]
-        if len(differing) != 1 or whole.shape[differing[0]] != tensor.shape[differing[0]] * n:
+        if len(differing) == 1:
+            part, length = tensor.shape[differing[0]], whole.shape[differing[0]]
+            # tensor parallelism may pad a length that tp does not divide (the vocabulary): blocks of ceil(length / n)
+            is_block = part == -(-length // n) if what == "tp" else part * n == length
+        if len(differing) != 1 or not is_block:
             rule = ("an expert-parallel component must stack its local experts along one dimension" if what == "ep"
                     else "a tensor-parallel component must split each tensor along one dimension")
             raise ValueError(
@@ -98,19 +102,46 @@ def layout_tp_dims(recipe: Recipe, plugins: Plugins, tp_size: int) -> dict[str, 
     return dims
 
 
-def shard(full: Mapping[str, Tensor], dims: Mapping[str, int], ep_rank: int, ep_size: int) -> dict[str, Tensor]:
-    """EP rank ``ep_rank``'s view of a full state: expert tensors cut to their block, the rest as they are."""
-    return {
-        name: t.chunk(ep_size, dim=dims[name])[ep_rank].clone() if name in dims else t for name, t in full.items()
-    }
+def block(t: Tensor, dim: int, rank: int, size: int) -> Tensor:
+    """Block ``rank`` of ``size`` of ``t`` along ``dim`` (a copy); a length that ``size`` does not divide is
+    first padded with zeros at its end (the vocabulary under tensor parallelism)."""
+    length = t.shape[dim]
+    per = -(-length // size)
+    if per * size != length:
+        t = torch.cat([t, t.new_zeros(*t.shape[:dim], per * size - length, *t.shape[dim + 1 :])], dim)
+    return t.narrow(dim, rank * per, per).clone()
 
 
-def unshard(blocks: list[Mapping[str, Tensor]], dims: Mapping[str, int]) -> dict[str, Tensor]:
-    """The full state from every EP rank's block (in EP rank order): expert tensors joined, the rest from rank 0."""
+def join(blocks: list[Tensor], dim: int, length: int | None = None) -> Tensor:
+    """The blocks (in rank order) joined along ``dim``, cut back to ``length`` (padding dropped)."""
+    whole = torch.cat(blocks, dim=dim)
+    return whole if length is None else whole.narrow(dim, 0, length)
+
+
+def shard(full: Mapping[str, Tensor], dims: Mapping[str, int], rank: int, size: int) -> dict[str, Tensor]:
+    """Rank ``rank``'s view of a full state: the split tensors cut to their block, the rest as they are."""
+    return {name: block(t, dims[name], rank, size) if name in dims else t for name, t in full.items()}
+
+
+def unshard(
+    blocks: list[Mapping[str, Tensor]], dims: Mapping[str, int], lengths: Mapping[str, int] | None = None
+) -> dict[str, Tensor]:
+    """The full state from every rank's blocks (in rank order): split tensors joined (and cut to ``lengths``
+    where padded), the rest from rank 0."""
+    lengths = lengths or {}
     return {
-        name: torch.cat([b[name] for b in blocks], dim=dims[name]) if name in dims else t
+        name: join([b[name] for b in blocks], dims[name], lengths.get(name)) if name in dims else t
         for name, t in blocks[0].items()
     }
+
+
+def split_lengths(recipe: Recipe, plugins: Plugins, dims: Mapping[str, int]) -> dict[str, int]:
+    """``{name: length}`` of the whole model's split tensors along their split dimension (what joining blocks
+    cuts padding back to)."""
+    if not dims:
+        return {}
+    full = build_on_meta(recipe, plugins, 1).state_dict()
+    return {name: full[name].shape[dim] for name, dim in dims.items()}
 
 
 def build_layout_model(

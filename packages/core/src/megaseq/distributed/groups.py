@@ -168,15 +168,22 @@ class Parallel:
         """The whole model's state from this rank's: expert blocks gathered over the expert-parallel group."""
         return _gather_blocks(state, dims, self.ep_group) if self.layout.ep > 1 else dict(state)
 
-    def gather_tensor_parallel(self, state: Mapping[str, Tensor], dims: Mapping[str, int]) -> dict[str, Tensor]:
-        """The whole model's state from this rank's: tensor-split blocks gathered over the tensor-parallel group."""
-        return _gather_blocks(state, dims, self.tp_group) if self.layout.tp > 1 else dict(state)
+    def gather_tensor_parallel(
+        self, state: Mapping[str, Tensor], dims: Mapping[str, int], lengths: Mapping[str, int] | None = None
+    ) -> dict[str, Tensor]:
+        """The whole model's state from this rank's: tensor-split blocks gathered over the tensor-parallel group
+        (and cut to ``lengths``: padding dropped)."""
+        return _gather_blocks(state, dims, self.tp_group, lengths) if self.layout.tp > 1 else dict(state)
 
 
-def _gather_blocks(state: Mapping[str, Tensor], dims: Mapping[str, int], group: Any) -> dict[str, Tensor]:
+def _gather_blocks(
+    state: Mapping[str, Tensor], dims: Mapping[str, int], group: Any, lengths: Mapping[str, int] | None = None
+) -> dict[str, Tensor]:
+    from megaseq.distributed.experts import join
+
     full = dict(state)
     for name, dim in dims.items():
-        full[name] = torch.cat(collectives.all_gather_tensor(state[name], group), dim=dim)
+        full[name] = join(collectives.all_gather_tensor(state[name], group), dim, (lengths or {}).get(name))
     return full
 
 

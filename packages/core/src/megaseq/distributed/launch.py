@@ -57,6 +57,7 @@ def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:
     meta = checkpoint.read_meta(path)
     layout = meta.get("layout", {})
     joined = {"ep": meta.get("expert_dims", {}), "tp": meta.get("tp_dims", {})}
+    lengths = meta.get("tp_lengths", {})  # padded blocks: the whole length
     shapes: dict[str, list[int]] = {}
     files = [("", path / "model.safetensors")] + [
         (kind, path / block_files(kind, r)[0]) for kind in joined for r in range(int(layout.get(kind, 1)) if joined[kind] else 0)
@@ -72,6 +73,9 @@ def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:
                     shapes[name][joined[kind][name]] += shape[joined[kind][name]]
                 else:
                     shapes[name] = shape
+    for name, length in lengths.items():
+        if name in shapes:
+            shapes[name][joined["tp"][name]] = min(shapes[name][joined["tp"][name]], length)
     expected = {n: list(t.shape) for n, t in build_on_meta(recipe, plugins, 1).state_dict().items()}
     for name in sorted(set(expected) | set(shapes)):
         if shapes.get(name) != expected.get(name):

@@ -115,11 +115,6 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             f"{where}: data.seq_len {recipe.data.seq_len} / cp {layout.cp} is not a multiple of tp {layout.tp} "
             f"(sequence parallelism gives each tensor-parallel rank an equal share of a rank's tokens)"
         )
-    if recipe.model.vocab_size % layout.tp:
-        raise LayoutError(
-            f"{where}: model.vocab_size {recipe.model.vocab_size} is not a multiple of tp {layout.tp} "
-            f"(the embedding and the output head are split by vocabulary)"
-        )
     if layout.tp > 1 and layout.ep > 1:
         raise LayoutError(f"{where}: tp {layout.tp} with ep {layout.ep}: tensor parallelism runs without expert parallelism; "
                         f"use tp=1 or ep=1")

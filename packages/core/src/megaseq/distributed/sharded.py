@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file, save_model
 from torch import Tensor, nn
 
-from megaseq.distributed.experts import shard, unshard
+from megaseq.distributed.experts import block, join, shard, unshard
 
 FOLDERS = {"ep": "experts", "tp": "tensor"}
 
@@ -47,6 +47,7 @@ class Split:
     rank: int = 0
     size: int = 1
     writes: bool = True
+    lengths: Mapping[str, int] = field(default_factory=dict)  # whole lengths of padded split tensors
 
 
 def block_files(kind: str, rank: int) -> tuple[str, str]:
@@ -59,12 +60,12 @@ def optimizer_shard_file(rank: int) -> str:
     return f"optimizer/rank{rank}.pt"
 
 
-def _saved_splits(meta: Mapping[str, Any]) -> list[tuple[str, int, dict[str, int]]]:
-    """``(kind, size, dims)`` of every split the checkpoint was written with (size > 1)."""
+def _saved_splits(meta: Mapping[str, Any]) -> list[tuple[str, int, dict[str, int], dict[str, int]]]:
+    """``(kind, size, dims, lengths)`` of every split the checkpoint was written with (size > 1)."""
     layout = meta.get("layout", {})
-    found = [("ep", int(layout.get("ep", 1)), dict(meta.get("expert_dims", {}))),
-             ("tp", int(layout.get("tp", 1)), dict(meta.get("tp_dims", {})))]
-    return [(kind, size, dims) for kind, size, dims in found if size > 1 and dims]
+    found = [("ep", int(layout.get("ep", 1)), dict(meta.get("expert_dims", {})), {}),
+             ("tp", int(layout.get("tp", 1)), dict(meta.get("tp_dims", {})), dict(meta.get("tp_lengths", {})))]
+    return [split for split in found if split[1] > 1 and split[2]]
 
 
 def _blocked(value: Any) -> bool:
@@ -130,8 +131,8 @@ def write_shard(
 def read_full_weights(path: Path, meta: Mapping[str, Any]) -> dict[str, Tensor]:
     """The whole model's weights, every split's blocks joined."""
     weights = load_file(str(path / "model.safetensors"))
-    for kind, size, dims in _saved_splits(meta):
-        weights.update(unshard([load_file(str(path / block_files(kind, r)[0])) for r in range(size)], dims))
+    for kind, size, dims, lengths in _saved_splits(meta):
+        weights.update(unshard([load_file(str(path / block_files(kind, r)[0])) for r in range(size)], dims, lengths))
     return weights
 
 
@@ -160,13 +161,13 @@ def local_optimizer_state(
     saved["state"] = dict(saved["state"])
     index_of = {name: i for group, group_names in zip(saved["param_groups"], names, strict=True)
                 for i, name in zip(group["params"], group_names, strict=True)}
-    for kind, size, saved_dims in _saved_splits(meta):
+    for kind, size, saved_dims, lengths in _saved_splits(meta):
         blocks = [torch.load(path / block_files(kind, r)[1], weights_only=False) for r in range(size)]
         for name, dim in saved_dims.items():
             per_rank = [b[name] for b in blocks if name in b]
             if per_rank and name in index_of:
                 saved["state"][index_of[name]] = {
-                    key: torch.cat([s[key] for s in per_rank], dim=dim) if _blocked(value) else value
+                    key: join([s[key] for s in per_rank], dim, lengths.get(name)) if _blocked(value) else value
                     for key, value in per_rank[0].items()
                 }
     for split in splits:
@@ -175,7 +176,7 @@ def local_optimizer_state(
         for name, dim in split.dims.items():
             if index_of.get(name) in saved["state"]:
                 saved["state"][index_of[name]] = {
-                    key: value.chunk(split.size, dim=dim)[split.rank].clone() if _blocked(value) else value
+                    key: block(value, dim, split.rank, split.size) if _blocked(value) else value
                     for key, value in saved["state"][index_of[name]].items()
                 }
     return saved, names

@@ -63,32 +63,42 @@ def tp_split(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, targets: Tensor, tp: TensorParallel) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: Tensor, targets: Tensor, tp: TensorParallel, vocab_size: int | None
+    ) -> Tensor:
         vocab = logits.shape[-1]
         first = tp.rank * vocab
+        if vocab_size is not None and first + vocab > vocab_size:  # padding past the vocabulary: never a token
+            logits = logits.clone()
+            logits[:, max(vocab_size - first, 0) :] = float("-inf")
         here = (targets >= first) & (targets < first + vocab)
         local = (targets - first).clamp(0, vocab - 1)
         peak = collectives.all_reduce(logits.max(-1).values, tp.group, op="max")
         shifted = logits - peak[:, None]
-        target_logit = collectives.all_reduce(shifted.gather(1, local[:, None])[:, 0] * here, tp.group)
+        picked = torch.where(here, shifted.gather(1, local[:, None])[:, 0], 0.0)  # where: 0 x -inf is NaN
+        target_logit = collectives.all_reduce(picked, tp.group)
         exp = shifted.exp()
         total = collectives.all_reduce(exp.sum(-1), tp.group)
         ctx.save_for_backward(exp.div_(total[:, None]), here, local)
         return total.log() - target_logit
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
         softmax, here, local = ctx.saved_tensors
         grad_logits = softmax.clone()
         grad_logits[torch.arange(len(local), device=local.device), local] -= here.to(softmax.dtype)
-        return grad_logits.mul_(grad[:, None]), None, None
+        return grad_logits.mul_(grad[:, None]), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: TensorParallel) -> Tensor:
-    """Per-token cross-entropy of ``logits [N, V / tp]`` (this rank's block ``rank`` of the vocabulary) against
-    ``targets [N]`` (whole-vocabulary ids), the same on every rank; no rank holds whole-vocabulary logits.
-    The incoming gradient must be the same on every rank (each computes only its block's logit gradient)."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, tp)
+def vocab_parallel_cross_entropy(
+    logits: Tensor, targets: Tensor, tp: TensorParallel, vocab_size: int | None = None
+) -> Tensor:
+    """Per-token cross-entropy of ``logits [N, B]`` (this rank's block ``rank`` of ``B = ceil(V / tp)`` ids of
+    the vocabulary) against ``targets [N]`` (whole-vocabulary ids), the same on every rank; no rank holds
+    whole-vocabulary logits. ``vocab_size``: ``V``, when the last blocks hold padding past it (left out of
+    the softmax). The incoming gradient must be the same on every rank (each computes only its block's
+    logit gradient)."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp, vocab_size)
 
 
 __all__ = ["tp_chunk", "tp_gather", "tp_reduce_scatter", "tp_split", "vocab_parallel_cross_entropy"]

@@ -42,7 +42,7 @@ from megaseq.data.errors import DataError
 from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
 from megaseq.devices import pick_device
-from megaseq.distributed.experts import build_layout_model, layout_expert_dims, layout_tp_dims
+from megaseq.distributed.experts import build_layout_model, layout_expert_dims, layout_tp_dims, split_lengths
 from megaseq.distributed.groups import Parallel
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.distributed.sharded import Split, local_optimizer_state, read_local_weights, write_shard
@@ -110,7 +110,7 @@ def lm_loss(
     ``total_weight`` (default: this batch's weight, i.e. the mean); a rank holding part of a larger batch
     passes that batch's weight and gets its share of the mean."""
     hidden = model(batch.inputs, ctx)
-    token_losses = chunked_token_losses(hidden, model.head_weight, batch.targets, chunk, ctx.tp)
+    token_losses = chunked_token_losses(hidden, model.head_weight, batch.targets, chunk, ctx.tp, model.dims.vocab_size)
     weight = batch.weights.sum() if total_weight is None else total_weight
     weights = batch.weights if ctx.tp is None else tp_chunk(batch.weights, ctx.tp)  # the losses of this rank's chunk
     return (token_losses * weights).sum() / weight, token_losses
@@ -160,6 +160,7 @@ class Trainer:
         self.model = build_layout_model(recipe, plugins, p.ep_rank, p.layout.ep, p.tp_rank, p.layout.tp).to(self.device)
         self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
         self.tp_dims = layout_tp_dims(recipe, plugins, p.layout.tp)
+        self.tp_lengths = split_lengths(recipe, plugins, self.tp_dims)  # the vocabulary's blocks may be padded
         self.expert_params = {param for name, param in self.model.named_parameters() if name in self.expert_dims}
         self.tp_params = {param for name, param in self.model.named_parameters() if name in self.tp_dims}
         self.plan = None
@@ -198,7 +199,8 @@ class Trainer:
         p = self.parallel
         return [
             Split("ep", self.expert_dims, p.ep_rank, p.layout.ep, writes=p.expert_dp_rank == 0),
-            Split("tp", self.tp_dims, p.tp_rank, p.layout.tp, writes=p.dp_rank == 0 and p.cp_rank == 0),
+            Split("tp", self.tp_dims, p.tp_rank, p.layout.tp, writes=p.dp_rank == 0 and p.cp_rank == 0,
+                  lengths=self.tp_lengths),
         ]
 
     def save(self) -> Path:
@@ -237,6 +239,7 @@ class Trainer:
                 "layout": vars(p.layout),
                 "expert_dims": self.expert_dims,
                 "tp_dims": self.tp_dims,
+                "tp_lengths": self.tp_lengths,
                 **self.checkpoint_meta,
             }
             path = checkpoint.commit(self.checkpoint_root, self.step, meta, {k: v for d in described for k, v in d.items()})
@@ -423,7 +426,8 @@ class Trainer:
     def _whole_model(self) -> LanguageModel | None:
         """On rank 0, a one-rank copy of the model holding every expert and tensor-parallel block (gathered)."""
         p = self.parallel
-        full = p.gather_tensor_parallel(p.gather_experts(self.model.state_dict(), self.expert_dims), self.tp_dims)
+        full = p.gather_tensor_parallel(p.gather_experts(self.model.state_dict(), self.expert_dims), self.tp_dims,
+                                        self.tp_lengths)
         if not self.parallel.is_main:
             return None
         whole = build_model(self.recipe, self.plugins).to(self.device)
