@@ -28,7 +28,9 @@ $(VENV)/.installed-$(TORCH): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAG
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q "pip>=25.1"
 	$(VENV)/bin/python tools/install_torch.py $(TORCH) $(TORCH_VERSION)
-	$(VENV)/bin/python -m pip install -q --group dev -e "packages/core[distributed]" $(addprefix -e ,$(PLUGINS) $(EXAMPLES))
+	$(VENV)/bin/python -m pip install -q --group dev -e "packages/core[distributed,hf]" $(addprefix -e ,$(PLUGINS) $(EXAMPLES))
+	# the Hugging Face equality tests' dependencies (fla's KDA model, transformers): attn-kda's extra
+	$(VENV)/bin/python -m pip install -q -e "packages/attn-kda[hf]"
 	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $@
 

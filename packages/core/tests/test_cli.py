@@ -189,7 +189,7 @@ def test_help_says_where_output_goes_and_what_data_may_be(capsys):
     assert "RUN/eval/step_N" in text and "never into the checkpoint directory" in text
 
 
-@pytest.mark.parametrize(("args", "choices"), [([], "train, plan, eval, experiment, plugins, data"), (["data"], "fetch, list")])
+@pytest.mark.parametrize(("args", "choices"), [([], "train, plan, eval, import, export, experiment, plugins, data"), (["data"], "fetch, list")])
 def test_a_missing_subcommand_is_one_line_naming_the_choices(args, choices, capsys):
     assert main(args) == 2
     (line,) = capsys.readouterr().err.splitlines()

@@ -9,7 +9,7 @@ Per token x, per head h (K = V = head_dim):
     g    = -exp(A_log[h]) * softplus(f)                   (gate = "softplus")
          = lower_bound * sigmoid(exp(A_log[h]) * f)       (gate = "bounded", GLM-5.3-Flash)
     o    = KDA(q, k, v, g, beta)                                                (``megaseq_kda.ops``)
-    out  = W_o(sigmoid(W_gup W_gdown x) * RMSNorm_head(o))
+    out  = W_o(sigmoid(W_gup W_gdown x [+ b_g]) * RMSNorm_head(o))     (b_g with out_gate_bias; norm eps norm_eps)
 
 ShortConv is a causal depthwise convolution over time; it restarts at document boundaries and reads its
 history from the cache (decoding) or from the preceding segment on another rank (context parallelism,
@@ -44,7 +44,6 @@ from megaseq_kda.ops.chunk import CHUNK, GROUP_HEAD_TOKENS
 from megaseq_kda.parallel import context_parallel_kda, conv_histories
 
 L2_EPS = 1e-6
-NORM_EPS = 1e-5
 # The front and the tail are run and recomputed this many tokens at a time.
 BLOCK_TOKENS = 4096
 
@@ -83,6 +82,7 @@ class KimiDeltaAttention(nn.Module):
         self.backend = config.backend
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         self.gate, self.gate_lower_bound = config.gate, config.gate_lower_bound
+        self.norm_eps = config.norm_eps
         width = self.n_heads * self.head_dim
         rank = config.gate_rank or self.head_dim
         self.qkv_proj = nn.Linear(d_model, 3 * width, bias=False)
@@ -94,7 +94,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(width))
         self.norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.out_gate_down = nn.Linear(d_model, rank, bias=False)
-        self.out_gate_up = nn.Linear(rank, width, bias=False)
+        self.out_gate_up = nn.Linear(rank, width, bias=config.out_gate_bias)
         self.out_proj = nn.Linear(width, d_model, bias=False)
         self._init_parameters(n_layers)
 
@@ -108,6 +108,8 @@ class KimiDeltaAttention(nn.Module):
             self.out_gate_up,
         ):
             nn.init.normal_(linear.weight, std=0.02)
+        if self.out_gate_up.bias is not None:
+            nn.init.zeros_(self.out_gate_up.bias)
         nn.init.normal_(self.out_proj.weight, std=0.02 / (2 * n_layers) ** 0.5)
         # PyTorch's default for a depthwise Conv1d (fan-in = kernel size)
         bound = self.conv_weight.shape[1] ** -0.5
@@ -297,7 +299,7 @@ class KimiDeltaAttention(nn.Module):
         ``compute_dtype``)."""
         dtype = compute_dtype(x.dtype)
         o = o.to(dtype)
-        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + NORM_EPS) * self.norm_weight.to(dtype)
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(dtype)
         out_gate = torch.sigmoid(self.out_gate_up(self.out_gate_down(x)).to(dtype))
         o = out_gate * o.flatten(-2)
         return self.out_proj(o.to(x.dtype))
@@ -323,7 +325,7 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     parameters = (
         d * 3 * width + 3 * width * config.conv_size + d * config.n_heads + 2 * (d * rank + rank * width)
     )
-    parameters += config.n_heads + width + config.head_dim + width * d
+    parameters += config.n_heads + width + config.head_dim + width * d + (width if config.out_gate_bias else 0)
     per_token = d + 5 * width + config.n_heads + config.n_heads * config.head_dim**2 / CHUNK
     group = 40 * min(GROUP_HEAD_TOKENS, seq_len * config.n_heads) * config.head_dim
     temporary = 5 * width * seq_len + max(group, 24 * min(BLOCK_TOKENS, seq_len) * width)

@@ -18,5 +18,6 @@ def megaseq_attention() -> list[AttentionSpec]:
             "decoding and exact context parallelism",
             memory="megaseq_kda.layer:memory_estimate",
             capabilities=frozenset({"context_parallel", "sequence_tiling"}),
+            mapping="megaseq_kda.hf:MAPPING",
         )
     ]

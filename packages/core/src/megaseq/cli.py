@@ -30,7 +30,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megaseq.plugins import get_plugins
 
     plugins = get_plugins()
-    recipe = load_recipe(args.recipe, plugins, [*args.set, *memory_policy_override(args.memory_policy)])
+    init_from = [f"train.init_from={json.dumps(args.init_from)}"] if args.init_from else []
+    recipe = load_recipe(args.recipe, plugins, [*args.set, *memory_policy_override(args.memory_policy), *init_from])
     layout = resolve_layout(recipe, Layout.parse(args.parallel, base=Layout.of(recipe)), args.workers)
     recipe = recipe.model_copy(update={"parallel": ParallelConfig(dp=layout.dp, cp=layout.cp, ep=layout.ep)})
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
@@ -147,18 +148,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from megaseq.plugins import get_plugins
     from megaseq.train import checkpoint, rundir
 
-    path = Path(args.checkpoint)
-    if (path / "checkpoints").is_dir():  # a run directory: take its newest verified checkpoint
-        found = checkpoint.newest_verified(path / "checkpoints")
-        if found.path is None:
-            raise checkpoint.CheckpointError(f"no usable checkpoint in {path / 'checkpoints'}" + (f": {found.report()}" if found.skipped else ""))
-        if found.report():
-            print(f"megaseq: warning: {found.report()}", file=sys.stderr)
-        path = found.path
-    elif not (path / "meta.json").exists():
-        raise checkpoint.CheckpointError(f"{path}: not a megaseq checkpoint or run directory (no meta.json, no checkpoints/)")
-    else:
-        checkpoint.verify(path)
+    path = checkpoint.resolve(Path(args.checkpoint))
     meta = checkpoint.read_meta(path)
     out = Path(args.out) if args.out else default_eval_dir(path)
     # writing into the checkpoint's run directory: under its lock, so never beside a trainer writing it
@@ -186,6 +176,25 @@ def default_eval_dir(checkpoint_dir: Path) -> Path:
     if checkpoint_dir.parent.name == "checkpoints":
         return checkpoint_dir.parent.parent / "eval" / checkpoint_dir.name
     return checkpoint_dir.with_name(checkpoint_dir.name + "-eval")
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from megaseq.interop.convert import import_model
+    from megaseq.plugins import get_plugins
+
+    path = import_model(Path(args.model), Path(args.out), get_plugins())
+    print(f"wrote {args.out}/recipe.toml and the checkpoint {path}")
+    print(f"fine-tune: megaseq train {args.out}/recipe.toml --init-from {args.out}; evaluate: megaseq eval {args.out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from megaseq.interop.convert import export_checkpoint
+    from megaseq.plugins import get_plugins
+
+    files = export_checkpoint(Path(args.checkpoint), Path(args.out), args.layout, get_plugins(), int(args.max_shard_gib * 2**30))
+    print(f"wrote {args.out}: {', '.join(files)}")
+    return 0
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -246,7 +255,7 @@ Writes heldout.json and heldout_by_position.png to --out, by default RUN/eval/st
 RUN/checkpoints (never into the checkpoint directory itself)."""
 
 
-CORE_COMMANDS = ("train", "eval", "experiment", "plugins", "data", "plan")
+CORE_COMMANDS = ("train", "eval", "experiment", "plugins", "data", "plan", "import", "export")
 # Commands of this repository's plugin packages, by name only (core imports no plugin): without the package
 # installed, asking for one says what to install instead of argparse's "invalid choice".
 PACKAGED_COMMANDS = {"rl": "megaseq-rl", "logprob-gap": "megaseq-rl"}
@@ -295,6 +304,9 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
                    help="restarts of the worker group from the newest checkpoint after a worker dies (default 2)")
     t.add_argument("--memory-policy", metavar="auto|none|NAMES",
                    help="memory policies (train.memory_policy): auto = what `megaseq plan` proposes, none, or names")
+    t.add_argument("--init-from", metavar="DIR",
+                   help="start from these weights (train.init_from): a run directory, e.g. one `megaseq import` wrote, "
+                   "or a checkpoint; the recipe's data and schedule apply")
     t.set_defaults(func=cmd_train)
 
     mp = sub.add_parser("plan", help="plan memory (policies, peak per device)",
@@ -319,6 +331,25 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     e.add_argument("--no-baseline", action="store_true", help="skip the Markov baseline")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
+
+    im = sub.add_parser("import", help="import a Hugging Face model (fla KDA, Kimi-Linear)",
+                        description="Convert a Hugging Face model directory (config.json, safetensors, tokenizer.json) "
+                        "of fla's KDA family or Kimi-Linear's layout into OUT/recipe.toml and a checkpoint in "
+                        "OUT/checkpoints. Anything it cannot map exactly is one line, exit status 2, nothing written.")
+    im.add_argument("model", help="the model directory")
+    im.add_argument("--out", required=True, metavar="DIR", help="a new directory for the recipe and the checkpoint")
+    im.set_defaults(func=cmd_import)
+
+    ex = sub.add_parser("export", help="export a checkpoint in Hugging Face format",
+                        description="Write a checkpoint (or a run directory's newest good one) as a Hugging Face model "
+                        "directory: config.json and safetensors weights (sharded with an index above --max-shard-gib).")
+    ex.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest good checkpoint)")
+    ex.add_argument("--out", required=True, metavar="DIR", help="a new directory for the model")
+    ex.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face (the only format)")
+    ex.add_argument("--layout", choices=["kda", "kimi_linear"], default="kda",
+                    help="kda: fla's KDAForCausalLM (default); kimi_linear: Kimi-Linear's tensor names")
+    ex.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GiB", help="largest safetensors shard (default 5)")
+    ex.set_defaults(func=cmd_export)
 
     x = sub.add_parser("experiment", help="run an experiment", description="Experiments that train and compare several models.")
     xsub = x.add_subparsers(title="experiments", metavar="EXPERIMENT")

@@ -49,6 +49,19 @@ class DataConfig(Section):
     seq_len: int = Field(1024, ge=2, le=MAX_SEQ_LEN, description="bases per training window")
     max_n_fraction: float = Field(0.5, ge=0, le=1, description="skip windows with more N than this")
     softmask_weight: float = Field(1.0, ge=0, le=1, description="loss weight of soft-masked (lower-case) bases")
+    token_ids: list[int] | None = Field(
+        None,
+        min_length=5,
+        max_length=5,
+        description="the model's token ids of A, C, G, T, N (an imported model's tokenizer; megaseq import writes "
+        "them); None: megaseq's own vocabulary, 0..4",
+    )
+
+    @model_validator(mode="after")
+    def _distinct_ids(self) -> DataConfig:
+        if self.token_ids is not None and (len(set(self.token_ids)) != 5 or min(self.token_ids) < 0):
+            raise ValueError(f"token_ids must be 5 distinct ids >= 0, got {self.token_ids}")
+        return self
 
 
 class ModelConfig(Section):
@@ -127,6 +140,11 @@ class TrainConfig(Section):
         "stop",
         description="when the loss, an auxiliary loss or the gradient norm is not finite: stop before the update, "
         "or skip the update (weights and optimizer state untouched) and go on",
+    )
+    init_from: str | None = Field(
+        None,
+        description="start step 0 from the weights of this run directory (its newest good checkpoint, e.g. one "
+        "megaseq import wrote) or checkpoint; the model must have the same shapes",
     )
     trainable: list[str] | None = Field(
         None, description="glob patterns of parameter names to train, the rest frozen (e.g. DSA warm-up: ['*.indexer.*']); None = all"
@@ -251,6 +269,9 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
                           "autocast); allowed without it: 'fp32'")
 
     model = recipe.model
+    ids = recipe.data.token_ids
+    if ids is not None and max(ids) >= model.vocab_size:
+        raise ConfigError(f"{source}: data.token_ids: id {max(ids)} is beyond model.vocab_size {model.vocab_size}")
     used: dict[str, set[str]] = {kind: set() for kind in COMPONENT_SECTIONS.values()}
     where: dict[tuple[str, str], str] = {}
     for i, name in enumerate(model.layer_pattern):

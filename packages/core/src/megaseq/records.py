@@ -136,6 +136,10 @@ CAPABILITIES: dict[str, frozenset[str]] = {
 }
 
 
+# What a component's ``mapping`` target must provide (``megaseq.interop.ComponentMapping``).
+MAPPING_METHODS = ("config_from_hf", "config_to_hf", "tensors_from_hf", "tensors_to_hf")
+
+
 @dataclass(frozen=True)
 class Record:
     """What every registration hook returns: a name and a lazy ``"module:attr"`` target, imported only
@@ -169,11 +173,15 @@ class Component(Record):
     to ``estimate(config, dims, seq_len) -> MemoryEstimate`` (model components) or to
     ``effect(config) -> MemoryEffect`` (memory policies). ``capabilities``: the optional capabilities it
     has, from :data:`CAPABILITIES` for its kind; its conformance suite verifies each one it declares.
+    ``mapping`` optionally resolves to the component's Hugging Face name and layout mapping (an object with
+    :data:`MAPPING_METHODS`, ``megaseq.interop.ComponentMapping``), which ``megaseq import`` and ``megaseq
+    export`` use; a component without one is refused there in one line. ``megaseq.testing.hf`` checks it.
     """
 
     config: type[ComponentConfig] = NoConfig
     memory: str | None = None
     capabilities: frozenset[str] = frozenset()
+    mapping: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -189,10 +197,14 @@ class Component(Record):
             raise ValueError(f"{self.kind} {self.name!r} declares pool_sizing but its config has no pool_bytes field")
 
     def targets(self) -> dict[str, str]:
-        return {"target": self.target, **({"memory": self.memory} if self.memory else {})}
+        optional = {"memory": self.memory, "mapping": self.mapping}
+        return {"target": self.target, **{k: v for k, v in optional.items() if v}}
 
     def load_memory(self) -> Any | None:
         return load_target(self.memory) if self.memory else None
+
+    def load_mapping(self) -> Any | None:
+        return load_target(self.mapping) if self.mapping else None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ def megaseq_attention() -> list[AttentionSpec]:
             summary="causal softmax attention (torch SDPA; flash-attn varlen on CUDA when installed), RoPE optional",
             memory="megaseq.builtins.sdpa:memory_estimate",
             capabilities=frozenset({"context_parallel", "sequence_tiling"}),
+            mapping="megaseq.builtins.hf:SDPA",
         )
     ]
 
@@ -32,6 +33,7 @@ def megaseq_ffn() -> list[FFNSpec]:
             config=SwiGLUConfig,
             summary="dense SwiGLU feed-forward",
             memory="megaseq.builtins.swiglu:memory_estimate",
+            mapping="megaseq.builtins.hf:SWIGLU",
         )
     ]
 

@@ -27,6 +27,13 @@ class Batch:
     targets: torch.Tensor
     weights: torch.Tensor
 
+    def to_vocab(self, token_ids: Sequence[int] | None) -> "Batch":
+        """The batch in a model's own vocabulary: ``token_ids[i]`` for base i (``data.token_ids``; None: as is)."""
+        if token_ids is None:
+            return self
+        table = torch.tensor(token_ids, dtype=torch.int64, device=self.inputs.device)
+        return Batch(table[self.inputs], table[self.targets], self.weights)
+
 
 def _prefix_counts(
     tokens: np.ndarray, positions: np.ndarray, indicator: Callable[[np.ndarray], np.ndarray]

@@ -54,7 +54,7 @@ def score_model(
     acc = PositionLoss(recipe.data.seq_len, recipe.eval.first_bucket)
     bs = recipe.eval.batch_size
     for start in _batches(indices, bs, progress, "eval model"):
-        batch = batch_to(windows.batch(indices[start : start + bs]), device)
+        batch = batch_to(windows.batch(indices[start : start + bs]).to_vocab(recipe.data.token_ids), device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.train.bf16):
             hidden = model(batch.inputs, ForwardContext())
             losses = chunked_token_losses(hidden, model.head_weight, batch.targets, recipe.train.loss_chunk)

@@ -43,6 +43,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,6 +249,22 @@ def newest_verified(root: Path) -> Found:
 
 
 # -- loading -----------------------------------------------------------------------------------------
+def resolve(path: Path) -> Path:
+    """The verified checkpoint ``path`` names: a run directory (its newest verified checkpoint, a skipped one
+    reported as a warning) or a checkpoint directory; anything else is a one-line CheckpointError."""
+    if (path / "checkpoints").is_dir():
+        found = newest_verified(path / "checkpoints")
+        if found.path is None:
+            raise CheckpointError(f"no usable checkpoint in {path / 'checkpoints'}" + (f": {found.report()}" if found.skipped else ""))
+        if found.report():
+            warnings.warn(found.report(), stacklevel=2)
+        return found.path
+    if not (path / "meta.json").exists():
+        raise CheckpointError(f"{path}: not a megaseq checkpoint or run directory (no meta.json, no checkpoints/)")
+    verify(path)
+    return path
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """``meta.json`` of a checkpoint (unverified: call :func:`verify` first when the files matter)."""
     try:

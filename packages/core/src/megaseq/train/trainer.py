@@ -275,6 +275,9 @@ class Trainer:
         if resumed.warning and p.is_main:
             print(f"megaseq: warning: {resumed.warning}", file=sys.stderr)
         state = resumed.state
+        if not state:  # weights only (megaseq import writes no run state): step 0 with these weights
+            self.notes.append(f"weights from {resumed.path}, which holds no run state: starting at step 0")
+            return True
         names = checkpoint.optimizer_param_names(self.optimizer, self.model)
         saved, saved_names = local_optimizer_state(resumed.path, resumed.meta, state, self.splits())
         local = local_optimizer(self.optimizer)  # a shard of the state takes its tensors by name
@@ -301,11 +304,19 @@ class Trainer:
                               f"seed {sampler['seed']}")
         return True
 
+    def initialise(self, path: Path) -> None:
+        """Load the weights of ``path`` (run directory or checkpoint; train.init_from) before step 0."""
+        p = self.parallel
+        found = checkpoint.resolve(path)
+        meta = checkpoint.read_meta(found)
+        checkpoint.load_weights(found, self.model, read_local_weights(found, meta, self.expert_dims, p.ep_rank, p.layout.ep))
+        self.notes.append(f"weights from {found}")
+
     # -- the loop -----------------------------------------------------------------------------------
     def _micro_batch(self, totals: StepTotals) -> None:
         """Forward and backward of this rank's part of one global micro-batch; what it saw goes to ``totals``."""
         t, p = self.recipe.train, self.parallel
-        whole = self.train_windows.batch(self.sampler.next_indices())
+        whole = self.train_windows.batch(self.sampler.next_indices()).to_vocab(self.recipe.data.token_ids)
         batch = batch_to(p.local_batch(whole), self.device)
         ctx = p.forward_context(self.recipe.data.seq_len)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16)
@@ -376,6 +387,8 @@ class Trainer:
             if p.is_main:
                 if note := rundir.truncate_metrics(self.out_dir, self.step):
                     self.notes.append(note)
+        if t.init_from is not None and self.step == 0:
+            self.initialise(Path(t.init_from))
         if p.is_main:
             print(self.header(), file=sys.stderr)
             logger = MetricsLogger(self.out_dir, self.tensorboard, purge_step=self.step + 1 if mode == "resume" else None)

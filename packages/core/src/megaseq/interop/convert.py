@@ -1,0 +1,222 @@
+"""``megaseq import`` and ``megaseq export``: walk a Hugging Face config and its layers, let each component's
+mapping convert its own part, check the result against the model the recipe builds.
+
+Import writes ``OUT/recipe.toml`` and a verified checkpoint ``OUT/checkpoints/step_0000000`` (what
+``megaseq train --init-from OUT``, ``megaseq eval OUT`` and the inference engines read). Export writes
+``config.json`` and safetensors weights. Both check everything before writing anything, write into a staging
+directory beside ``OUT`` and rename it into place, and refuse an ``OUT`` that exists: a mistake leaves
+nothing behind and overwrites nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megaseq.config import Recipe, validate_recipe
+from megaseq.interop import InteropError, Tensors
+from megaseq.interop.files import read_config, read_tensors, write_model
+from megaseq.interop.layouts import LAYOUTS, Layer, Layout, layout_of
+from megaseq.interop.recipe_toml import dumps
+from megaseq.interop.tokens import token_ids_for
+from megaseq.model import LanguageModel, build_model
+from megaseq.plugins import Plugins
+from megaseq.records import ModelDims
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+def _mapping(plugins: Plugins, kind: str, name: str) -> Any:
+    mapping = plugins.get(kind, name).spec.load_mapping()
+    if mapping is None:
+        raise InteropError(f"{kind} {name!r} has no Hugging Face mapping (its record declares no mapping)")
+    return mapping
+
+
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A fresh directory beside ``out`` that becomes ``out`` when the block completes (else is removed)."""
+    if out.exists():
+        raise InteropError(f"{out}: already exists; choose a new output directory (nothing is overwritten)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _model_section(layout: Layout, hf: dict[str, Any], layers: list[Layer], source: str) -> dict[str, Any]:
+    model = layout.model_fields(hf, source)
+    pattern = [layer.attention for layer in layers]
+    model["layer_pattern"] = pattern[:1] if len(set(pattern)) == 1 else pattern
+    dense = [layer.ffn for layer in layers if layer.ffn_kind == "ffn"]
+    moe = [layer.ffn for layer in layers if layer.ffn_kind == "moe"]
+    if dense:
+        model["ffn"] = dense[0]
+    if moe:
+        model["moe"], model["dense_layers"] = moe[0], len(dense)
+    return model
+
+
+def _layer_names(layout: Layout, i: int, layer: Layer) -> dict[str, tuple[str, str]]:
+    """``megaseq prefix -> (Hugging Face prefix, what)`` of layer i's sub-modules."""
+    base = layout.layer_prefix.format(i)
+    return {
+        f"blocks.{i}.attention.": (base + layer.attention_prefix, "attention"),
+        f"blocks.{i}.ffn.": (base + layer.ffn_prefix, layer.ffn_kind),
+    }
+
+
+def _check_fits(state: dict[str, Tensor], model: LanguageModel, source: str) -> None:
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if name not in expected:
+            raise InteropError(f"{source}: the mapping produced {name}, which the model has no place for")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise InteropError(
+                f"{source}: {name} has shape {list(tensor.shape)}, the config says {list(expected[name].shape)}"
+            )
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise InteropError(f"{source}: no tensor for {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+
+
+def recipe_from_hf(hf: dict[str, Any], plugins: Plugins, source: str, extra: dict[str, Any] | None = None) -> tuple[Recipe, Layout, list[Layer]]:
+    """The recipe describing the model of ``config.json`` ``hf`` (``extra``: more recipe sections)."""
+    layout = layout_of(hf, source)
+    layers = layout.layers(hf, source)
+    raw: dict[str, Any] = {"model": _model_section(layout, hf, layers, source), **(extra or {})}
+    for layer in layers:
+        for kind, name in (("attention", layer.attention), (layer.ffn_kind, layer.ffn)):
+            if name not in raw.setdefault(kind, {}):
+                table = _mapping(plugins, kind, name).config_from_hf(hf, layout.name)
+                raw[kind][name] = {k: v for k, v in table.items() if v is not None}
+    return validate_recipe(raw, plugins, source=source), layout, layers
+
+
+def import_model(src: Path, out: Path, plugins: Plugins) -> Path:
+    """Convert the Hugging Face model directory ``src`` into ``out`` (recipe + checkpoint); returns the checkpoint."""
+    from megaseq.train import checkpoint
+
+    src = Path(src)
+    hf = read_config(src)
+    extra: dict[str, Any] = {"run": {"name": src.resolve().name}}
+    token_ids = token_ids_for(src, hf.get("vocab_size", 0))
+    if token_ids is not None:
+        extra["data"] = {"token_ids": token_ids}
+    recipe, layout, layers = recipe_from_hf(hf, plugins, str(src / "config.json"), extra)
+    model = model_from_hf(read_tensors(src), recipe, layout, layers, plugins, str(src))
+    with _staged(Path(out)) as staging:
+        (staging / "recipe.toml").write_text(dumps(recipe.to_dict()))
+        root = staging / "checkpoints"
+        meta = {"tokens": 0, "recipe": recipe.to_dict(), "plugins": plugins.active(), "imported_from": str(src.resolve())}
+        path = checkpoint.save_checkpoint(root, 0, model, {}, meta)
+        final = Path(out) / "checkpoints" / path.name
+    return final
+
+
+def model_from_hf(
+    tensors: dict[str, Tensor], recipe: Recipe, layout: Layout, layers: list[Layer], plugins: Plugins, source: str
+) -> LanguageModel:
+    """The recipe's model holding the Hugging Face ``tensors`` (every one mapped, every shape checked)."""
+    state = _state_from_hf(tensors, recipe, layout, layers, plugins, source)
+    with torch.device("meta"):
+        shapes = build_model(recipe, plugins)
+    _check_fits(state, shapes, source)
+    model = build_model(recipe, plugins)
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
+    return model
+
+
+def _state_from_hf(
+    pool: dict[str, Tensor], recipe: Recipe, layout: Layout, layers: list[Layer], plugins: Plugins, source: str
+) -> dict[str, Tensor]:
+    m = recipe.model
+    dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
+    whole = Tensors(pool, "", source)
+    state = {"embed.weight": whole.take(layout.embed), "final_norm.weight": whole.take(layout.final_norm)}
+    if recipe.model.tie_embeddings:
+        if whole.has(layout.head) and not torch.equal(whole.take(layout.head), state["embed.weight"]):
+            raise InteropError(f"{source}: tie_word_embeddings is true but {layout.head} differs from {layout.embed}")
+    else:
+        state["head.weight"] = whole.take(layout.head)
+    for i, layer in enumerate(layers):
+        base = layout.layer_prefix.format(i)
+        state[f"blocks.{i}.attn_norm.weight"] = whole.take(base + layout.attn_norm)
+        state[f"blocks.{i}.ffn_norm.weight"] = whole.take(base + layout.ffn_norm)
+        for ours, (theirs, kind) in _layer_names(layout, i, layer).items():
+            name = layer.attention if kind == "attention" else layer.ffn
+            sub = {n[len(theirs):]: whole.take(n) for n in list(whole) if n.startswith(theirs)}
+            tensors = Tensors(sub, theirs, source)
+            mapped = _mapping(plugins, kind, name).tensors_from_hf(tensors, recipe.component(kind, name), dims, layout.name)
+            if tensors.left():
+                raise InteropError(f"{source}: unknown tensor {tensors.left()[0]} ({kind} {name!r} does not map it)")
+            state.update({ours + k: v for k, v in mapped.items()})
+    if whole.left():
+        raise InteropError(f"{source}: unknown tensor {whole.left()[0]}")
+    return state
+
+
+def model_to_hf(model: LanguageModel, recipe: Recipe, layout_name: str, plugins: Plugins) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(config.json, tensors)`` of a megaseq model in the published layout ``layout_name``."""
+    if layout_name not in LAYOUTS:
+        raise InteropError(f"--layout {layout_name!r}: unknown; layouts: {', '.join(LAYOUTS)}")
+    layout = LAYOUTS[layout_name]
+    m = recipe.model
+    dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
+    hf = layout.model_to_hf(m)
+    used = [(kind, name) for kind, name in {("attention", m.attention_of(i)): 0 for i in range(m.n_layers)}]
+    used += list({m.ffn_of(i): 0 for i in range(m.n_layers)})
+    for kind, name in used:
+        for key, value in _mapping(plugins, kind, name).config_to_hf(recipe.component(kind, name), dims, layout.name).items():
+            if key in hf and hf[key] != value:
+                raise InteropError(f"{kind} {name!r}: config.json field {key} = {value!r} conflicts with {hf[key]!r}")
+            hf[key] = value
+    layout.place(hf, [m.attention_of(i) for i in range(m.n_layers)], [m.ffn_of(i) for i in range(m.n_layers)])
+    layers = layout.layers(hf, f"--layout {layout_name}")
+    for i, layer in enumerate(layers):
+        if (layer.attention, (layer.ffn_kind, layer.ffn)) != (m.attention_of(i), m.ffn_of(i)):
+            raise InteropError(
+                f"--layout {layout_name}: cannot hold layer {i} (attention {m.attention_of(i)!r}, "
+                f"{m.ffn_of(i)[0]} {m.ffn_of(i)[1]!r}); it holds {layer.attention!r} with {layer.ffn_kind} {layer.ffn!r}"
+            )
+    state = model.state_dict()
+    tensors = {layout.embed: state["embed.weight"], layout.final_norm: state["final_norm.weight"]}
+    if model.head is not None:
+        tensors[layout.head] = state["head.weight"]
+    for i, layer in enumerate(layers):
+        base = layout.layer_prefix.format(i)
+        tensors[base + layout.attn_norm] = state[f"blocks.{i}.attn_norm.weight"]
+        tensors[base + layout.ffn_norm] = state[f"blocks.{i}.ffn_norm.weight"]
+        for ours, (theirs, kind) in _layer_names(layout, i, layer).items():
+            name = layer.attention if kind == "attention" else layer.ffn
+            sub = {n[len(ours):]: t for n, t in state.items() if n.startswith(ours)}
+            mapped = _mapping(plugins, kind, name).tensors_to_hf(sub, recipe.component(kind, name), dims, layout.name)
+            tensors.update({theirs + k: v for k, v in mapped.items()})
+    return hf, tensors
+
+
+def export_checkpoint(path: Path, out: Path, layout_name: str, plugins: Plugins, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Write the megaseq checkpoint (or run directory) ``path`` as a Hugging Face model directory ``out``."""
+    from megaseq.distributed.sharded import read_full_weights
+    from megaseq.train import checkpoint
+
+    path = checkpoint.resolve(Path(path))
+    meta = checkpoint.read_meta(path)
+    recipe = validate_recipe(meta["recipe"], plugins, source=f"{path}/meta.json")
+    model = build_model(recipe, plugins)
+    checkpoint.load_weights(path, model, read_full_weights(path, meta))
+    hf, tensors = model_to_hf(model, recipe, layout_name, plugins)
+    with _staged(Path(out)) as staging:
+        return write_model(staging, hf, tensors, max_shard_bytes)

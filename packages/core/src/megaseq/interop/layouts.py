@@ -1,0 +1,152 @@
+"""The published model layouts megaseq converts: where each model-level tensor lives, which component each
+layer's sub-modules are, and the model-level ``config.json`` fields. Components map their own sub-modules
+(``megaseq.interop.ComponentMapping``); this module never names a component's tensors.
+
+``kda``: flash-linear-attention's KDA model family (``fla.models.KDAConfig``, ``KDAForCausalLM``): KDA layers
+with a SwiGLU MLP, and optional softmax attention layers (``config.attn.layers``), which map to ``sdpa``.
+
+``kimi_linear``: Kimi-Linear's published checkpoints (``KimiLinearForCausalLM``): KDA layers
+(``linear_attn_config.kda_layers``, numbered from 1), MLA layers (the others), a dense SwiGLU MLP in the first
+``first_k_dense_replace`` layers and a mixture of experts with a shared expert after them. Its modeling code
+lives on the Hugging Face Hub: these names and shapes follow its published config and tensor names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megaseq.interop import InteropError, require
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer's components and the Hugging Face sub-module prefixes they read (relative to the layer)."""
+
+    attention: str
+    attention_prefix: str
+    ffn_kind: str
+    ffn: str
+    ffn_prefix: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    model_type: str
+    architecture: str
+    embed: str
+    final_norm: str
+    head: str
+    layer_prefix: str  # formatted with the layer index
+    attn_norm: str
+    ffn_norm: str
+    eps_key: str
+    layers: Callable[[dict[str, Any], str], list[Layer]]
+    place: Callable[[dict[str, Any], list[str], list[tuple[str, str]]], None]
+
+    def model_fields(self, hf: dict[str, Any], source: str) -> dict[str, Any]:
+        """``[model]`` fields (without the layer pattern) from ``config.json``."""
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if not isinstance(hf.get(k), int)]
+        if missing:
+            raise InteropError(f"{source}: {missing[0]} is missing or not an integer")
+        require(hf, "hidden_act", ("swish", "silu"), "the MLP activation", source)
+        return {
+            "d_model": hf["hidden_size"],
+            "n_layers": hf["num_hidden_layers"],
+            "vocab_size": hf["vocab_size"],
+            "norm": "rmsnorm",
+            "norm_eps": float(hf.get(self.eps_key, 1e-6)),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        }
+
+    def model_to_hf(self, model: Any) -> dict[str, Any]:
+        return {
+            "model_type": self.model_type,
+            "architectures": [self.architecture],
+            "hidden_size": model.d_model,
+            "num_hidden_layers": model.n_layers,
+            "vocab_size": model.vocab_size,
+            self.eps_key: model.norm_eps,
+            "tie_word_embeddings": model.tie_embeddings,
+            "hidden_act": "swish" if self.name == "kda" else "silu",
+        }
+
+
+def _fla_layers(hf: dict[str, Any], source: str) -> list[Layer]:
+    for key, allowed, what in (
+        ("attnres_block_size", (None,), "attention residuals"),
+        ("use_l2warp", (False,), "the L2-warp loss"),
+    ):
+        require(hf, key, allowed, what, source)
+    specs = hf.get("attn") or []
+    softmax = {i for spec in ([specs] if isinstance(specs, dict) else specs) for i in spec.get("layers", [])}
+    out_of_range = sorted(i for i in softmax if not 0 <= i < hf["num_hidden_layers"])
+    if out_of_range:
+        raise InteropError(f"{source}: attn.layers names layer {out_of_range[0]}, the model has {hf['num_hidden_layers']}")
+    return [
+        Layer("sdpa" if i in softmax else "kda", "attn.", "ffn", "swiglu", "mlp.") for i in range(hf["num_hidden_layers"])
+    ]
+
+
+def _kimi_layers(hf: dict[str, Any], source: str) -> list[Layer]:
+    linear = hf.get("linear_attn_config") or {}
+    kda_layers = set(linear.get("kda_layers", []))  # numbered from 1 in Kimi-Linear's config
+    require(hf, "moe_layer_freq", (1,), "MoE in every layer after the dense ones", source)
+    dense = int(hf.get("first_k_dense_replace", 0))
+    experts = hf.get("num_experts")
+    layers = []
+    for i in range(hf["num_hidden_layers"]):
+        if i + 1 not in kda_layers:
+            raise InteropError(
+                f"{source}: layer {i} is an MLA layer (not in linear_attn_config.kda_layers): megaseq's dsa cannot "
+                "express Kimi-Linear's MLA exactly (its query is not compressed, q_lora_rank = null, and its key "
+                "has a separate rotary part) and megaseq has no MLA attention; only all-KDA models import"
+            )
+        moe = bool(experts) and i >= dense
+        layers.append(Layer("kda", "self_attn.", "moe" if moe else "ffn", "chunked" if moe else "swiglu",
+                            "block_sparse_moe." if moe else "mlp."))
+    return layers
+
+
+def _fla_place(hf: dict[str, Any], attention: list[str], ffn: list[tuple[str, str]]) -> None:
+    """Which layers are softmax attention (``attn.layers``); everything else ``layers`` checks."""
+    softmax = [i for i, name in enumerate(attention) if name == "sdpa"]
+    if softmax:
+        hf["attn"] = {**hf.get("attn", {}), "layers": softmax}
+
+
+def _kimi_place(hf: dict[str, Any], attention: list[str], ffn: list[tuple[str, str]]) -> None:
+    linear = hf.setdefault("linear_attn_config", {})
+    linear["kda_layers"] = [i + 1 for i, name in enumerate(attention) if name == "kda"]
+    linear["full_attn_layers"] = [i + 1 for i, name in enumerate(attention) if name != "kda"]
+    moe = [i for i, (kind, _) in enumerate(ffn) if kind == "moe"]
+    hf["first_k_dense_replace"] = moe[0] if moe else len(ffn)
+    hf["moe_layer_freq"] = 1
+
+
+LAYOUTS: dict[str, Layout] = {
+    "kda": Layout(
+        name="kda", model_type="kda", architecture="KDAForCausalLM", embed="model.embeddings.weight",
+        final_norm="model.norm.weight", head="lm_head.weight", layer_prefix="model.layers.{}.",
+        attn_norm="attn_norm.weight", ffn_norm="mlp_norm.weight", eps_key="norm_eps", layers=_fla_layers,
+        place=_fla_place,
+    ),
+    "kimi_linear": Layout(
+        name="kimi_linear", model_type="kimi_linear", architecture="KimiLinearForCausalLM",
+        embed="model.embed_tokens.weight", final_norm="model.norm.weight", head="lm_head.weight",
+        layer_prefix="model.layers.{}.", attn_norm="input_layernorm.weight", ffn_norm="post_attention_layernorm.weight",
+        eps_key="rms_norm_eps", layers=_kimi_layers, place=_kimi_place,
+    ),
+}
+
+
+def layout_of(hf: dict[str, Any], source: str) -> Layout:
+    """The layout of a ``config.json`` by its ``model_type``; any other architecture is refused."""
+    model_type = hf.get("model_type")
+    for layout in LAYOUTS.values():
+        if layout.model_type == model_type:
+            return layout
+    known = ", ".join(f"{v.model_type!r} ({v.architecture})" for v in LAYOUTS.values())
+    raise InteropError(f"{source}: model_type {model_type!r} is not supported; megaseq imports {known}")
