@@ -289,8 +289,9 @@ def test_round_trip_catches_wrong_mappings(monkeypatch):
 
     class ForgetsThePairOrder(core_hf.SDPAMapping):  # export without undoing import's row permutation
         def tensors_to_hf(self, state, config, dims, layout):
-            q, k, v = state["qkv.weight"].chunk(3)
-            return {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v, "o_proj.weight": state["out.weight"]}
+            q, k, v = state["qkv.weight"].view(4, 3, 8, 32).unbind(1)
+            return {"q_proj.weight": q.reshape(32, 32), "k_proj.weight": k.reshape(32, 32), "v_proj.weight": v.reshape(32, 32),
+                    "o_proj.weight": state["out.weight"]}
 
     monkeypatch.setattr(core_hf, "SDPA", ForgetsThePairOrder())
     hybrid = validate_recipe({"model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["kda", "sdpa"]},

@@ -28,6 +28,7 @@ def megaseq_moe() -> list[MoESpec]:
             summary="dropless sigmoid-routed SwiGLU experts, processed in token chunks, expert-parallel",
             memory="megaseq_moe.layer:memory_estimate",
             capabilities=frozenset({"expert_parallel"}),
+            mapping="megaseq_moe.hf:MAPPING",
         )
     ]
 

@@ -4,7 +4,8 @@
 ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, head width ``hidden_size / num_heads``, rotary embedding on
 the whole head). fla rotates channel i with channel i + D/2 (the two halves of a head); megaseq's ``rotary``
 rotates neighbours (2i, 2i + 1): import permutes the query and key rows of each head so that megaseq's pairs
-are fla's, export permutes them back (the scores are unchanged: q and k move alike). Refused: grouped
+are fla's, export permutes them back (the scores are unchanged: q and k move alike). megaseq's ``qkv`` holds
+each head's q, k and v rows together (``[head, 3, head_dim]``), fla's three projections hold all heads each. Refused: grouped
 key/value heads, a bias on q/k/v, a sliding window, several attention specs that differ.
 
 ``swiglu``: the gated MLP of fla's models and of Kimi-Linear's dense layers, ``down(silu(gate x) * up x)``
@@ -110,17 +111,18 @@ class SDPAMapping:
         d, h = dims.d_model, config.n_heads
         head_dim = config.head_dim or d // h
         order = _halves_to_pairs(head_dim)
-        q, k, v = (tensors.take(f"{p}_proj.weight", (h * head_dim, d)) for p in "qkv")
-        q, k = (w.view(h, head_dim, d)[:, order].reshape(h * head_dim, d) for w in (q, k))
-        return {"qkv.weight": torch.cat([q, k, v]), "out.weight": tensors.take("o_proj.weight", (d, h * head_dim))}
+        q, k, v = (tensors.take(f"{p}_proj.weight", (h * head_dim, d)).view(h, head_dim, d) for p in "qkv")
+        qkv = torch.stack([q[:, order], k[:, order], v], 1)  # megaseq keeps each head's q, k, v rows together
+        return {"qkv.weight": qkv.reshape(3 * h * head_dim, d), "out.weight": tensors.take("o_proj.weight", (d, h * head_dim))}
 
     def tensors_to_hf(self, state: dict[str, Tensor], config: SDPAConfig, dims: ModelDims, layout: str) -> dict[str, Tensor]:
         d, h = dims.d_model, config.n_heads
         head_dim = config.head_dim or d // h
         back = torch.argsort(_halves_to_pairs(head_dim))
-        q, k, v = state["qkv.weight"].chunk(3)
-        q, k = (w.view(h, head_dim, d)[:, back].reshape(h * head_dim, d) for w in (q, k))
-        return {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v, "o_proj.weight": state["out.weight"]}
+        q, k, v = state["qkv.weight"].view(h, 3, head_dim, d).unbind(1)
+        q, k = q[:, back], k[:, back]
+        flat = (w.reshape(h * head_dim, d) for w in (q, k, v))
+        return {**dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"), flat, strict=True)), "o_proj.weight": state["out.weight"]}
 
 
 SDPA = SDPAMapping()

@@ -28,7 +28,7 @@ from megaseq.interop.recipe_toml import dumps
 from megaseq.interop.tokens import token_ids_for
 from megaseq.model import LanguageModel, build_model
 from megaseq.plugins import Plugins
-from megaseq.records import ModelDims
+from megaseq.records import MAPPING_METHODS, ModelDims
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -37,6 +37,9 @@ def _mapping(plugins: Plugins, kind: str, name: str) -> Any:
     mapping = plugins.get(kind, name).spec.load_mapping()
     if mapping is None:
         raise InteropError(f"{kind} {name!r} has no Hugging Face mapping (its record declares no mapping)")
+    lacking = [m for m in MAPPING_METHODS if not callable(getattr(mapping, m, None))]
+    if lacking:
+        raise InteropError(f"{kind} {name!r}: its mapping lacks {', '.join(lacking)} (megaseq.interop.ComponentMapping)")
     return mapping
 
 

@@ -1,6 +1,7 @@
 """Conformance of a component's Hugging Face mapping: import(export(m)) == m.
 
-:func:`assert_round_trip` exports a model built from a recipe, with every parameter drawn at random (so a
+:func:`assert_round_trip` exports a model built from a recipe, with every parameter and persistent buffer
+drawn at random (so a
 mapping that swaps two tensors of one shape, or leaves a norm weight at its initial ones, cannot pass), into
 a published layout, imports the result, and requires the same tensors bitwise and the same logits: a
 mapping that loses a config field (an epsilon, a bias, a gate) changes the logits. The recipe must describe
@@ -22,9 +23,10 @@ from megaseq.plugins import Plugins
 def assert_round_trip(recipe: Recipe, plugins: Plugins, layout: str, seq_len: int = 19, seed: int = 0) -> None:
     torch.manual_seed(seed)
     model = build_model(recipe, plugins)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    with torch.no_grad():  # every parameter and persistent buffer (a router's bias), vectors around 1
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(torch.randn_like(t) * 0.3 + (1.0 if t.dim() == 1 else 0.0))
     hf, tensors = model_to_hf(model, recipe, layout, plugins)
     back_recipe, back_layout, layers = recipe_from_hf(hf, plugins, f"export to {layout}")
     back = model_from_hf(tensors, back_recipe, back_layout, layers, plugins, f"export to {layout}")

@@ -306,10 +306,9 @@ class Trainer:
 
     def initialise(self, path: Path) -> None:
         """Load the weights of ``path`` (run directory or checkpoint; train.init_from) before step 0."""
-        p = self.parallel
         found = checkpoint.resolve(path)
         meta = checkpoint.read_meta(found)
-        checkpoint.load_weights(found, self.model, read_local_weights(found, meta, self.expert_dims, p.ep_rank, p.layout.ep))
+        checkpoint.load_weights(found, self.model, read_local_weights(found, meta, self.splits()))
         self.notes.append(f"weights from {found}")
 
     # -- the loop -----------------------------------------------------------------------------------
