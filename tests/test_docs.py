@@ -10,7 +10,10 @@ Every fenced block of the guide runs:
   installed: torch alone would take minutes), anything else runs as written (``megaseq plugins --check``,
   the plugin's conformance suite through pytest);
 - plain ``python`` blocks run in that environment in order (one that comes before the install, such as the
-  snippet of the shared utilities, runs right after it).
+  snippet of the shared utilities, runs right after it);
+- the "use it" section's runs leave what it says they do: the plugin's step-end metric, the MoE load that core
+  logs (``moe/load/KEY``), the memory policy in the run's header, the planner's proposal, the RL algorithm's
+  ``policy/...`` metrics.
 
 The commands see only the installed wheels of megaseq: nothing of this checkout is on their path.
 """
@@ -89,7 +92,7 @@ def test_guide_runs_end_to_end(tmp_path):
         shell = isinstance(command, str)
         proc = subprocess.run(command, cwd=cwd, env=env, shell=shell, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{command!r} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        return proc.stdout
+        return proc.stdout + proc.stderr  # megaseq's commands print their headers to stderr
 
     outputs, waiting, installed = [], [], False
 
@@ -127,8 +130,18 @@ def test_guide_runs_end_to_end(tmp_path):
     assert "megaseq-mything 0.1.0, mything: active" in listing, listing
     assert "components' targets import" in listing
     assert re.search(r"\d+ passed", listing), listing  # the plugin's conformance suite ran
-    metrics = [json.loads(line) for line in (scratch / "runs" / "mything-demo" / "metrics.jsonl").read_text().splitlines()]
-    assert any(row.get("mything/layers") == 1.0 for row in metrics), metrics  # the plugin's step_end hook ran
+    def metrics(run: str) -> list[dict]:
+        return [json.loads(line) for line in (scratch / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+
+    demo = metrics("mything-demo")
+    assert any(row.get("mything/layers") == 1.0 for row in demo), demo  # the plugin's step_end hook ran
+    # the "use it" sections: an MoE run whose load core logs, the same with a memory policy, RL from its checkpoint
+    moe = metrics("mything-moe")
+    assert all(f"moe/load/{key}" in moe[0] for key in ("tokens_per_expert_max", "routing_entropy")), moe[0]
+    assert "memory: recompute(part=block)" in listing and metrics("mything-recompute"), listing  # the run's header
+    rl = [row for row in metrics("mything-rl") if "policy/clip_frac_high" in row]  # the first row: step 0's eval
+    assert rl and "moe/load/routing_entropy" in rl[0], metrics("mything-rl")
+    assert "proposed:" in listing, listing  # megaseq plan ran
 
 
 def test_every_hook_is_documented_in_the_guide():
@@ -143,20 +156,59 @@ def test_every_hook_is_documented_in_the_guide():
         assert "alled" in doc and "eturn" in doc, f"hookspec {name}: say when it is called and what it returns"
 
 
-@pytest.mark.parametrize(
-    "suite",
-    ["megaseq.testing.attention:AttentionConformance", "megaseq.testing.ffn:FeedForwardConformance",
-     "megaseq.testing.moe:MoEConformance", "megaseq.testing.rl:RLAlgorithmConformance",
-     "megaseq.testing.engine:EngineConformance", "megaseq.testing.memory_policy:MemoryPolicyConformance",
-     "megaseq.testing.tiling:SequenceTilingConformance"],
-)
-def test_every_suite_knob_is_documented_in_the_guide(suite):
+SUITES = {
+    "attention": "megaseq.testing.attention:AttentionConformance",
+    "ffn": "megaseq.testing.ffn:FeedForwardConformance",
+    "moe": "megaseq.testing.moe:MoEConformance",
+    "tiling": "megaseq.testing.tiling:SequenceTilingConformance",
+    "memory policy": "megaseq.testing.memory_policy:MemoryPolicyConformance",
+    "rl": "megaseq.testing.rl:RLAlgorithmConformance",
+    "engine": "megaseq.testing.engine:EngineConformance",
+}
+KNOB_HEADER = "| knob | suites | default | meaning |"
+
+
+def knob_table(text: str) -> list[str]:
+    """The lines of the one knob table in ``text`` (from its header to the first line that is not a row)."""
+    lines = text.splitlines()
+    assert lines.count(KNOB_HEADER) == 1, f"expected one knob table headed {KNOB_HEADER!r}"
+    start = lines.index(KNOB_HEADER)
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def test_one_knob_table_in_the_guide_and_the_testing_docstring():
+    import megaseq.testing
+
+    assert knob_table(GUIDE.read_text()) == knob_table(megaseq.testing.__doc__), (
+        "the knob tables of docs/writing-a-plugin.md and megaseq.testing's docstring differ"
+    )
+
+
+def test_the_knob_table_lists_every_suite_knob_and_only_those():
     from megaseq.records import load_target
 
-    cls = load_target(suite)
-    knobs = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
-    assert knobs, suite
-    rows = [line for line in GUIDE.read_text().splitlines() if line.startswith("| `")]
-    documented = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
-    missing = sorted(knobs - documented)
-    assert not missing, f"{suite}: knobs {missing} are not in a knob table of docs/writing-a-plugin.md"
+    listed: dict[str, set[str]] = {}
+    for row in knob_table(GUIDE.read_text())[2:]:
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        suites = set(SUITES) if cells[1] == "all" else {name.strip() for name in cells[1].split(",")}
+        assert suites <= set(SUITES), f"unknown suites in {row!r}"
+        for knob in re.findall(r"`(\w+)`", cells[0]):
+            listed[knob] = suites
+    for suite, target in SUITES.items():
+        cls = load_target(target)
+        knobs = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {}) if not name.startswith("_")}
+        table = {knob for knob, suites in listed.items() if suite in suites}
+        assert knobs == table, f"{suite}: knobs {sorted(knobs - table)} not in the table, {sorted(table - knobs)} listed but absent"
+
+
+def test_the_knob_table_check_catches_a_missing_knob():
+    """The check above fails on a suite with a knob the table does not list."""
+    from megaseq.testing.rl import RLAlgorithmConformance
+
+    RLAlgorithmConformance.__annotations__["undocumented_knob"] = "ClassVar[int]"
+    try:
+        with pytest.raises(AssertionError, match="undocumented_knob"):
+            test_the_knob_table_lists_every_suite_knob_and_only_those()
+    finally:
+        del RLAlgorithmConformance.__annotations__["undocumented_knob"]

@@ -106,3 +106,42 @@ def test_nonfinite_stops_or_skips_before_the_update(bad):
             assert not step.optimizer.state and all(p.grad is None for p in model.parameters())
         for p, b in zip(model.parameters(), before, strict=True):
             assert torch.equal(p.detach(), b)
+
+
+def test_moe_load_reaches_the_step_metrics() -> None:
+    """``end`` adds ``moe/load/KEY``: each key of every MoE layer's ``load_stats()`` averaged over the layers,
+    before ``step_end`` (which sees it); a model without MoE layers adds nothing."""
+    from pathlib import Path
+
+    from megaseq.contracts import LOAD_STAT_KEYS, ForwardContext
+    from megaseq.records import ModelDims
+    from megaseq.testing import load_factory
+
+    build = load_factory(f"{Path(__file__).with_name('moe_variants.py')}:LoopMoE")
+    torch.manual_seed(0)
+    model = nn.Sequential(*(build({}, ModelDims(d_model=8, n_layers=2, vocab_size=8), i) for i in range(2)))
+    h = torch.randn(1, 12, 8)
+    for layer in model:
+        h = layer(h, ForwardContext())
+    seen = {}
+
+    class Seer:
+        @hookimpl
+        def megaseq_step_end(self, step, model, metrics) -> None:
+            seen.update(metrics)
+
+    plugins = Plugins()
+    plugins.register(Seer(), name="seer")
+    config = TrainConfig(steps=1, warmup_steps=0)
+    step = OptimizerStep(make_optimizer(model, config), config, model, plugins)
+    info = step.start(1, 0)
+    metrics: dict[str, float] = {}
+    step.end(info, 12, metrics)
+    for key in LOAD_STAT_KEYS:
+        expected = sum(layer.load_stats()[key] for layer in model) / 2
+        assert metrics[f"moe/load/{key}"] == pytest.approx(expected), key
+    assert seen == metrics
+    _, dense_step = setup()[:2]
+    plain: dict[str, float] = {}
+    dense_step.end(dense_step.start(1, 0), 0, plain)
+    assert plain == {}

@@ -252,6 +252,16 @@ class FeedForward(Protocol):
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor: ...
 
 
+# What every MoE's load_stats() reports; the trainer logs each as moe/load/KEY (megaseq.train.step)
+LOAD_STAT_KEYS = (
+    "tokens_per_expert_max",
+    "tokens_per_expert_mean",
+    "tokens_per_rank_max",
+    "tokens_per_rank_mean",
+    "routing_entropy",
+)
+
+
 @runtime_checkable
 class MoE(FeedForward, Protocol):
     """A mixture-of-experts feed-forward block, dropless.
@@ -260,7 +270,7 @@ class MoE(FeedForward, Protocol):
     ``(e, w) = route(x)`` (or the replayed ``e`` when ``ctx.routing`` replays), however skewed the routing,
     whatever ``chunk_tokens`` is (an attribute that may be changed at run time; ``None`` = unchunked).
     ``load_stats`` describes the last training forward and returns at least
-    ``megaseq.testing.moe.LOAD_STAT_KEYS``: counts of (token, expert) assignments per expert and per
+    :data:`LOAD_STAT_KEYS`: counts of (token, expert) assignments per expert and per
     expert-parallel rank (max, mean) and the routing entropy in nats (``log n_experts`` when even).
     """
 
@@ -413,6 +423,7 @@ def iter_modules(model: torch.nn.Module, cls: type) -> Iterator[tuple[str, Any]]
 
 
 __all__ = [
+    "LOAD_STAT_KEYS",
     "Attention",
     "ContextParallel",
     "FeedForward",

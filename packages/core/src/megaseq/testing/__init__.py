@@ -1,4 +1,4 @@
-"""Test kit for plugin authors: fresh plugin managers, temporary registration, conformance suites.
+r"""Test kit for plugin authors: fresh plugin managers, temporary registration, conformance suites.
 
 Typical plugin test::
 
@@ -8,9 +8,54 @@ Typical plugin test::
         name = "my-attention"
         config = {"n_heads": 2}
 
-The suites (``megaseq.testing.attention``, ``.ffn``, ``.moe``) are the executable definition of "a working
-plugin"; they build components by name through the installed entry points, so they also check that
-registration works. Their building blocks are in ``megaseq.testing.checks``.
+The suites are the executable definition of "a working plugin", one per kind:
+
+- ``megaseq.testing.attention.AttentionConformance`` (kind ``attention``),
+- ``megaseq.testing.ffn.FeedForwardConformance`` (``ffn``),
+- ``megaseq.testing.moe.MoEConformance`` (``moe``),
+- ``megaseq.testing.tiling.SequenceTilingConformance`` (attention components that tile),
+- ``megaseq.testing.memory_policy.MemoryPolicyConformance`` (``memory_policy``),
+- ``megaseq.testing.rl.RLAlgorithmConformance`` (``rl_algorithm``),
+- ``megaseq.testing.engine.EngineConformance`` (``inference_engine``).
+
+They build components by name through the installed entry points, so they also check that registration
+works. Their building blocks are in ``megaseq.testing.checks``. Every suite takes its settings as class
+attributes, the same names for the same things (docs/writing-a-plugin.md holds this table too):
+
+| knob | suites | default | meaning |
+|---|---|---|---|
+| `name` | all | (required) | the component's registered name |
+| `config` | all | `{}` | its config, as its recipe section would give it |
+| `factory` | all | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; core's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy or an RL algorithm `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)` |
+| `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
+| `kind` | ffn, moe | `"ffn"` / `"moe"` | the kind to build (set by the suite class) |
+| `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
+| `d_model` | attention, ffn, moe, tiling | 32 | model width |
+| `tolerance` | all | 1e-5; memory policy 1e-6; rl 1e-10; engine 1e-4 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
+| `grad_tolerance` | attention, ffn, moe | 1e-6 | error bound of the float64 finite-difference gradient check, relative to `max(1, \|derivative\|)` |
+| `invariance_tolerance` | rl | 1e-4 | shift and scale invariance of advantages, relative to the largest advantage |
+| `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement |
+| `memory_lengths` | attention, ffn, moe, tiling | `(64, 256)` | sequence lengths at which the estimate is checked (tiling: in four tiles) |
+| `seq_len` | attention, ffn, moe, tiling, memory policy | 48; ffn, moe 13; tiling 45; memory policy 67 | tokens per row (memory policy: per micro-batch) |
+| `grad_seq_len` | attention, ffn, moe | 10; ffn, moe 5 | tokens per row of the gradient check (each parameter costs two forwards) |
+| `batch` | ffn, moe, engine | 2; engine 3 | rows (engine: prompts) |
+| `doc_lengths` | attention, tiling, memory policy | `(5, 17, 0, 1, 25)`; tiling `(12, 4, 13, 0, 16)`; memory policy `(20, 1, 29, 17)` | documents of the packed tests (an empty one included; tiling: one starts on a tile edge) |
+| `prefill` | attention | 19 | tokens decoded as one prefill before the decoding steps |
+| `decode_steps` | attention | `(3, 1, 5, 2)` | token counts of the decoding steps after the prefill, cycled, beside single-token steps |
+| `capabilities` | attention, tiling, memory policy | `None` | with `factory`: the capabilities the component or policy would declare on its record (`megaseq.records.CAPABILITIES`); the suites verify what is declared and check the one-line refusal of what is not |
+| `cp_world_sizes` | attention, memory policy | `(2, 4)`; memory policy `(2,)` | context-parallel sizes to check when `context_parallel` is declared (memory policy: and the config does not tile sequences) |
+| `cp_seq_len` | attention, memory policy | 32; memory policy 68 | tokens of the context-parallel sequence (a multiple of `2 x` every size) |
+| `chunk_sizes` | moe | `(7, 1)` | `chunk_tokens` values compared with unchunked |
+| `tile_sizes` | tiling | `(1, 7, 16, 45)` | tile lengths compared with the untiled forward |
+| `packed_tile_sizes` | tiling | `(5, 16)` | tile lengths of the packed test |
+| `exact` | memory policy | `True` | results must be bitwise those without the policy (it keeps the order of operations); `False` for a lossy policy, held to `tolerance` |
+| `micro_batches`, `steps` | memory policy | 2, 2 | gradient accumulation and optimizer steps |
+| `probe_noise` | memory policy | `True` | the probe draws from the global RNG once per call (`False` for tiling, which calls it per tile) |
+| `shift_invariant` | rl | `True` | adding a constant to a group's rewards leaves its advantages unchanged |
+| `scale_invariant` | rl | `False` | so does multiplying them by a positive constant |
+| `clip_range` | rl | `(0.2, 0.2)` | `(eps_low, eps_high)` of a PPO-style trust region: just outside `[1 - eps_low, 1 + eps_high]` on the side the advantage pushes a token gets no gradient, just inside it does; `None`: no trust region |
+| `groups`, `group_size`, `tokens` | rl | 5, 4, 7 | prompts, completions per prompt, tokens per completion |
+| `prompt_len`, `new_tokens` | engine | 11, 9 | prompt length and tokens generated |
 """
 
 from __future__ import annotations

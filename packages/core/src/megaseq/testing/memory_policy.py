@@ -1,7 +1,7 @@
 """Conformance suite for memory policies (see ``megaseq.contracts.MemoryPolicy``).
 
 Subclass :class:`MemoryPolicyConformance` in a pytest module and set ``name`` (an installed policy) and
-``config`` (its ``[memory_policy.NAME]`` table). The suite trains a small model (``model``: core's ``sdpa``
+``config`` (its ``[memory_policy.NAME]`` table). The suite trains a small model (``recipe``: core's ``sdpa``
 attention, which tiles and runs under context parallelism, and the suite's own ``memory-probe``
 feed-forward, which adds an auxiliary loss, logs a metric, draws noise from the global RNG and counts its
 forwards) for two optimizer steps of two micro-batches of packed documents, once with the policy and once
@@ -40,6 +40,7 @@ fresh processes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import tempfile
@@ -179,8 +180,10 @@ class MemoryPolicyConformance:
 
     name: ClassVar[str]
     config: ClassVar[dict[str, Any]] = {}
-    model: ClassVar[dict[str, Any]] = {"d_model": 16, "n_layers": 3, "layer_pattern": ["sdpa"], "ffn": "memory-probe"}
-    components: ClassVar[dict[str, dict[str, Any]]] = {"attention": {"sdpa": {"n_heads": 2}}}
+    recipe: ClassVar[dict[str, Any]] = {
+        "model": {"d_model": 16, "n_layers": 3, "layer_pattern": ["sdpa"], "ffn": "memory-probe"},
+        "attention": {"sdpa": {"n_heads": 2}},
+    }
     factory: ClassVar[str | None] = None
     exact: ClassVar[bool] = True
     tolerance: ClassVar[float] = 1e-6
@@ -205,9 +208,9 @@ class MemoryPolicyConformance:
         knobs = {name for klass in type(self).__mro__ for name in getattr(klass, "__annotations__", {})}
         return {key: getattr(self, key) for key in knobs if not key.startswith("_")}
 
-    def recipe(self, probe: dict[str, Any] | None = None) -> Any:
-        raw = {"run": {"device": "cpu"}, "model": dict(self.model), **{kind: dict(t) for kind, t in self.components.items()}}
-        if self.model.get("ffn") == "memory-probe":
+    def model_recipe(self, probe: dict[str, Any] | None = None) -> Any:
+        raw = {"run": {"device": "cpu"}, **copy.deepcopy(self.recipe)}
+        if raw["model"].get("ffn") == "memory-probe":
             raw.setdefault("ffn", {})["memory-probe"] = {"noise": self.probe_noise, **(probe or {})}
         return validate_recipe(raw, self.suite_plugins(), source=f"<{self.name} conformance>")
 
@@ -219,7 +222,7 @@ class MemoryPolicyConformance:
 
     def build(self, with_policy: bool, probe: dict[str, Any] | None = None) -> tuple[LanguageModel, MemoryPolicy | None]:
         torch.manual_seed(0)
-        model = build_model(self.recipe(probe), self.suite_plugins())
+        model = build_model(self.model_recipe(probe), self.suite_plugins())
         policy = None
         if with_policy:
             policy = self.build_policy()

@@ -19,7 +19,8 @@ and the forward (a detached expert weight) is caught by the finite-difference ch
 independently of ``route`` (e.g. the router's softmax gathered at the given experts and renormalised), and,
 independently of any formula, against the module's own choice permuted: the weight follows its expert.
 
-``load_stats()`` must report at least :data:`LOAD_STAT_KEYS` for the last training forward, counting
+``load_stats()`` must report at least ``megaseq.contracts.LOAD_STAT_KEYS`` (the trainer logs them as
+``moe/load/KEY``) for the last training forward, counting
 (token, expert) assignments, the same chunked (``chunk_tokens``) as unchunked; ``routing_entropy`` is in nats
 of the share of assignments per expert.
 """
@@ -34,17 +35,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from megaseq.contracts import ForwardContext, MoE, RoutingReplay
+from megaseq.contracts import LOAD_STAT_KEYS, ForwardContext, MoE, RoutingReplay
 from megaseq.testing import assert_close
 from megaseq.testing.ffn import FeedForwardConformance
-
-LOAD_STAT_KEYS = (
-    "tokens_per_expert_max",
-    "tokens_per_expert_mean",
-    "tokens_per_rank_max",
-    "tokens_per_rank_mean",
-    "routing_entropy",
-)
 
 
 def dense_reference(module: Any, x: Tensor, indices: Tensor | None = None) -> Tensor:
@@ -259,3 +252,6 @@ class MoEConformance(FeedForwardConformance):
         assert torch.isfinite(x.grad).all(), "non-finite input gradient at 50x inputs"
         for pname, p in module.named_parameters():
             assert p.grad is None or torch.isfinite(p.grad).all(), f"non-finite gradient of {pname}"
+
+
+__all__ = ["LOAD_STAT_KEYS", "MoEConformance", "dense_reference"]

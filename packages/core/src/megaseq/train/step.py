@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from megaseq.config import TrainConfig
-from megaseq.contracts import MemoryPolicy
+from megaseq.contracts import LOAD_STAT_KEYS, MemoryPolicy, MoE, iter_modules
 from megaseq.distributed.groups import Parallel
 from megaseq.errors import TrainingDiverged
 from megaseq.plugins import Plugins
@@ -68,6 +68,21 @@ def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) ->
         + ", stopped before the update (the checkpoints on disk are intact); lower train.lr or raise "
         "train.warmup_steps and --resume, or skip such steps with train.on_nonfinite = 'skip'"
     )
+
+
+def moe_load_metrics(model: nn.Module, parallel: Parallel) -> dict[str, float]:
+    """``moe/load/KEY`` for each of ``LOAD_STAT_KEYS``: the MoE layers' ``load_stats()`` (each describes its
+    layer's last training forward, the step's last micro-batch), averaged over the layers and over all ranks.
+    Empty for a model without MoE layers or before any training forward."""
+    rows = [stats for _, layer in iter_modules(model, MoE) if (stats := layer.load_stats())]
+    if not rows:  # the same on every rank: every rank holds the same layers and ran the same forwards
+        return {}
+    missing = sorted({key for stats in rows for key in LOAD_STAT_KEYS if key not in stats})
+    if missing:
+        raise ValueError(f"an MoE layer's load_stats() lacks {missing} (megaseq.contracts.MoE)")
+    totals = torch.tensor([[stats[key] for key in LOAD_STAT_KEYS] for stats in rows], dtype=torch.float64).mean(0)
+    totals = parallel.sum(totals) / parallel.layout.world_size
+    return {f"moe/load/{key}": float(value) for key, value in zip(LOAD_STAT_KEYS, totals, strict=True)}
 
 
 @dataclass(frozen=True)
@@ -150,5 +165,7 @@ class OptimizerStep:
         return Update(grad_norm, applied, float(agreed[1]))
 
     def end(self, info: StepInfo, tokens: int, metrics: dict[str, Any]) -> None:
-        """Finish the loop step begun as ``info``; ``tokens``: the total after it. Runs ``step_end``."""
+        """Finish the loop step begun as ``info``; ``tokens``: the total after it. Adds the MoE layers' load
+        (:func:`moe_load_metrics`) to ``metrics``, then runs ``step_end``."""
+        metrics.update(moe_load_metrics(self.model, self.parallel))
         self.plugins.hooks.step_end(StepInfo(info.step, info.total_steps, tokens, info.lr), self.model, metrics)
