@@ -6,6 +6,7 @@
 - Every package declares the distributions it imports (dependencies or extras).
 - Core's catalog of the project's components (``megaseq.catalog``) matches what the packages register.
 - Nothing in the repository cites documents that are not in it.
+- Every dependency's floor is the major.minor that ``make setup`` installs and the tests run against.
 - Code, docs and help texts describe today: no issue numbers, commit hashes, dates of work or narration.
 """
 
@@ -391,3 +392,69 @@ def test_collective_check_accepts_queries_and_core_calls():
     source = "import torch.distributed as dist\nfrom megaseq.parallel import collectives\n" \
              "dist.get_world_size(g)\ncollectives.all_reduce(t, g)\ndist.init_process_group('gloo')\n"
     assert direct_collectives("m.py", source) == []
+
+
+# -- dependency floors are what the tests run against ---------------------------------------------------------
+# Optional dependencies that need CUDA: not installed by `make setup` on a CPU machine, so no test here runs
+# against them; their floors are the versions their packages' CUDA paths were written for.
+UNTESTED_HERE = {"flash-attn", "fla-core", "vllm"}
+
+
+def declared_requirements() -> list[tuple[str, Requirement]]:
+    """``(pyproject, requirement)`` of every dependency, extra, build requirement and the root's dev group."""
+    out = []
+    for pyproject in [REPO / "pyproject.toml", *(p / "pyproject.toml" for p in PACKAGES + EXAMPLES)]:
+        data = tomllib.loads(pyproject.read_text())
+        project = data.get("project", {})
+        raw = [*project.get("dependencies", []), *(r for extra in project.get("optional-dependencies", {}).values() for r in extra),
+               *data.get("build-system", {}).get("requires", []), *data.get("dependency-groups", {}).get("dev", [])]
+        out += [(str(pyproject.relative_to(REPO)), Requirement(r)) for r in raw]
+    return out
+
+
+def major_minor(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+
+def floor_problems(requirements: list[tuple[str, Requirement]], installed: dict[str, str], torch_version: str) -> list[str]:
+    problems = []
+    for where, req in requirements:
+        name = req.name.lower().replace("_", "-")
+        if name.startswith("megaseq-"):
+            continue  # the workspace's own packages: ranged by version, not by what pip resolves
+        floors = [s.version for s in req.specifier if s.operator == ">="]
+        if not floors:
+            problems.append(f"{where}: {req} has no floor (>=)")
+        elif name in UNTESTED_HERE:
+            continue
+        elif name not in installed:
+            problems.append(f"{where}: {req} is not installed by make setup, so no test runs against it")
+        elif major_minor(floors[0]) != major_minor(installed[name]):
+            problems.append(f"{where}: {req}: floor {floors[0]}, but the tests run against {installed[name]}")
+        if name == "torch" and floors and major_minor(floors[0]) != major_minor(torch_version):
+            problems.append(f"{where}: {req}: floor {floors[0]}, but the Makefile installs torch {torch_version}")
+    return problems
+
+
+def test_dependency_floors_are_the_tested_versions():
+    import importlib.metadata as md
+
+    torch_version = re.search(r"^TORCH_VERSION := (\S+)", (REPO / "Makefile").read_text(), re.M).group(1)
+    installed = {d.metadata["Name"].lower().replace("_", "-"): d.version for d in md.distributions()}
+    problems = floor_problems(declared_requirements(), installed, torch_version)
+    assert not problems, "\n".join(problems)
+
+
+def test_floor_check_rejects_a_stale_floor():
+    installed = {"numpy": "2.4.6", "torch": "2.13.0"}
+    stale = [("p", Requirement("numpy>=1.26")), ("p", Requirement("torch>=2.4")), ("p", Requirement("scipy>=1.0")),
+             ("p", Requirement("numpy"))]
+    problems = floor_problems(stale, installed, "2.13.0")
+    assert [p.split(": ", 2)[-1] for p in problems] == [
+        "floor 1.26, but the tests run against 2.4.6",
+        "floor 2.4, but the tests run against 2.13.0",
+        "floor 2.4, but the Makefile installs torch 2.13.0",
+        "scipy>=1.0 is not installed by make setup, so no test runs against it",
+        "numpy has no floor (>=)",
+    ]
+    assert floor_problems([("p", Requirement("numpy>=2.4,<3"))], installed, "2.13.0") == []
