@@ -395,20 +395,18 @@ def test_collective_check_accepts_queries_and_core_calls():
 
 
 # -- dependency floors are what the tests run against ---------------------------------------------------------
-# Optional dependencies that need CUDA: not installed by `make setup` on a CPU machine, so no test here runs
-# against them; their floors are the versions their packages' CUDA paths were written for.
-UNTESTED_HERE = {"flash-attn", "fla-core", "vllm"}
-
-
-def declared_requirements() -> list[tuple[str, Requirement]]:
-    """``(pyproject, requirement)`` of every dependency, extra, build requirement and the root's dev group."""
+def declared_requirements() -> list[tuple[str, Requirement, bool]]:
+    """``(pyproject, requirement, optional)`` of every dependency, extra, build requirement and the root's dev
+    group (``optional``: an extra, which an environment may lack: CUDA-only ones on a CPU machine)."""
     out = []
     for pyproject in [REPO / "pyproject.toml", *(p / "pyproject.toml" for p in PACKAGES + EXAMPLES)]:
         data = tomllib.loads(pyproject.read_text())
         project = data.get("project", {})
-        raw = [*project.get("dependencies", []), *(r for extra in project.get("optional-dependencies", {}).values() for r in extra),
-               *data.get("build-system", {}).get("requires", []), *data.get("dependency-groups", {}).get("dev", [])]
-        out += [(str(pyproject.relative_to(REPO)), Requirement(r)) for r in raw]
+        where = str(pyproject.relative_to(REPO))
+        required = [*project.get("dependencies", []), *data.get("build-system", {}).get("requires", []),
+                    *data.get("dependency-groups", {}).get("dev", [])]
+        extras = [r for extra in project.get("optional-dependencies", {}).values() for r in extra]
+        out += [(where, Requirement(r), False) for r in required] + [(where, Requirement(r), True) for r in extras]
     return out
 
 
@@ -416,21 +414,22 @@ def major_minor(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
 
-def floor_problems(requirements: list[tuple[str, Requirement]], installed: dict[str, str], torch_version: str) -> list[str]:
+def floor_problems(requirements: list[tuple[str, Requirement, bool]], installed: dict[str, str], torch_version: str) -> list[str]:
+    """Every requirement has a floor; where the distribution is installed (``make setup`` installs every
+    requirement and the extras core[distributed,hf] and attn-kda[hf]), the floor is its major.minor."""
     problems = []
-    for where, req in requirements:
+    for where, req, optional in requirements:
         name = req.name.lower().replace("_", "-")
         if name.startswith("megaseq-"):
             continue  # the workspace's own packages: ranged by version, not by what pip resolves
         floors = [s.version for s in req.specifier if s.operator == ">="]
         if not floors:
             problems.append(f"{where}: {req} has no floor (>=)")
-        elif name in UNTESTED_HERE:
-            continue
-        elif name not in installed:
-            problems.append(f"{where}: {req} is not installed by make setup, so no test runs against it")
-        elif major_minor(floors[0]) != major_minor(installed[name]):
-            problems.append(f"{where}: {req}: floor {floors[0]}, but the tests run against {installed[name]}")
+        elif name in installed:
+            if major_minor(floors[0]) != major_minor(installed[name]):
+                problems.append(f"{where}: {req}: floor {floors[0]}, but the tests run against {installed[name]}")
+        elif not optional:
+            problems.append(f"{where}: {req} is not installed here, so no test runs against it (make setup installs it)")
         if name == "torch" and floors and major_minor(floors[0]) != major_minor(torch_version):
             problems.append(f"{where}: {req}: floor {floors[0]}, but the Makefile installs torch {torch_version}")
     return problems
@@ -447,14 +446,15 @@ def test_dependency_floors_are_the_tested_versions():
 
 def test_floor_check_rejects_a_stale_floor():
     installed = {"numpy": "2.4.6", "torch": "2.13.0"}
-    stale = [("p", Requirement("numpy>=1.26")), ("p", Requirement("torch>=2.4")), ("p", Requirement("scipy>=1.0")),
-             ("p", Requirement("numpy"))]
+    stale = [("p", Requirement("numpy>=1.26"), False), ("p", Requirement("torch>=2.4"), False),
+             ("p", Requirement("scipy>=1.0"), False), ("p", Requirement("numpy"), True)]
     problems = floor_problems(stale, installed, "2.13.0")
     assert [p.split(": ", 2)[-1] for p in problems] == [
         "floor 1.26, but the tests run against 2.4.6",
         "floor 2.4, but the tests run against 2.13.0",
         "floor 2.4, but the Makefile installs torch 2.13.0",
-        "scipy>=1.0 is not installed by make setup, so no test runs against it",
+        "scipy>=1.0 is not installed here, so no test runs against it (make setup installs it)",
         "numpy has no floor (>=)",
     ]
-    assert floor_problems([("p", Requirement("numpy>=2.4,<3"))], installed, "2.13.0") == []
+    fine = [("p", Requirement("numpy>=2.4,<3"), False), ("p", Requirement("vllm>=0.33"), True)]  # an extra not installed here
+    assert floor_problems(fine, installed, "2.13.0") == []
