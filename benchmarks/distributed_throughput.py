@@ -1,4 +1,4 @@
-"""Training throughput and peak memory per worker under process layouts: 1 worker vs 2 (DP, CP).
+"""Training throughput and peak memory per worker under process layouts: 1 worker vs 2 (DP, CP, TP).
 
 Every configuration trains the same global batch (``--batch`` windows per step) from the same recipe, in
 fresh processes joined by gloo (``megaseq.testing.distributed.run_gloo``; one process for one worker), so
@@ -10,6 +10,8 @@ per process spin-wait when the cores are taken). One warm-up step is excluded fr
     .venv/bin/python benchmarks/distributed_throughput.py --longest --budget-gib 10
     .venv/bin/python benchmarks/distributed_throughput.py --ray-overhead
     .venv/bin/python benchmarks/distributed_throughput.py --seq-len 2048 --steps 1 --threads 1   # a quick check
+    .venv/bin/python benchmarks/distributed_throughput.py --recipe recipes/genome-sdpa-cpu.toml \
+        --layouts "1 worker" "2 workers, tp=2"                      # tp needs a recipe whose components split
 
 ``--longest``: the longest sequence (doubling from ``--seq-len``) whose one training step keeps every
 worker's peak RSS under ``--budget-gib``, for CP=1 (one worker) and CP=2 (two workers), batch 1.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-LAYOUTS = {"1 worker": (1, 1), "2 workers, dp=2": (2, 1), "2 workers, cp=2": (1, 2)}
+LAYOUTS = {"1 worker": (1, 1, 1), "2 workers, dp=2": (2, 1, 1), "2 workers, cp=2": (1, 2, 1), "2 workers, tp=2": (1, 1, 2)}
 
 
 def peak_rss_gib() -> float:
@@ -38,7 +40,8 @@ def peak_rss_gib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _train(rank: int, world: int, recipe: str, overrides: list[str], dp: int, cp: int, steps: int, threads: int) -> dict:
+def _train(rank: int, world: int, recipe: str, overrides: list[str], dp: int, cp: int, tp: int, steps: int,
+           threads: int) -> dict:
     import torch
 
     from megaseq.config import ParallelConfig, load_recipe
@@ -51,8 +54,8 @@ def _train(rank: int, world: int, recipe: str, overrides: list[str], dp: int, cp
     plugins = get_plugins()
     with tempfile.TemporaryDirectory() as out:
         loaded = load_recipe(recipe, plugins, [*overrides, f"run.out_dir='{out}'", f"train.steps={steps + 1}"])
-        loaded = loaded.model_copy(update={"parallel": ParallelConfig(dp=dp, cp=cp)})
-        parallel = init_process_groups(Layout(dp=dp, cp=cp)) if world > 1 else Parallel()
+        loaded = loaded.model_copy(update={"parallel": ParallelConfig(dp=dp, cp=cp, tp=tp)})
+        parallel = init_process_groups(Layout(dp=dp, cp=cp, tp=tp)) if world > 1 else Parallel()
         try:
             trainer = Trainer(loaded, plugins, parallel=parallel, progress=False, tensorboard=False)
             trainer.train_step()  # warm-up: first-call allocations
@@ -63,13 +66,13 @@ def _train(rank: int, world: int, recipe: str, overrides: list[str], dp: int, cp
     return {"tokens_per_s": statistics.median(rates) if rates else 0.0, "peak_rss_gib": peak_rss_gib()}
 
 
-def run_layout(recipe: str, overrides: list[str], dp: int, cp: int, steps: int, threads: int) -> list[dict]:
+def run_layout(recipe: str, overrides: list[str], dp: int, cp: int, steps: int, threads: int, tp: int = 1) -> list[dict]:
     """One process per worker (one process for one worker too, so that its peak RSS is its own); the
     ``threads`` intra-op threads are shared out among the workers."""
     from megaseq.testing.distributed import run_gloo
 
-    world = dp * cp
-    return run_gloo(world, _train, recipe, overrides, dp, cp, steps, max(1, threads // world), timeout=3600)
+    world = dp * cp * tp
+    return run_gloo(world, _train, recipe, overrides, dp, cp, tp, steps, max(1, threads // world), timeout=3600)
 
 
 def throughput(args: argparse.Namespace) -> None:
@@ -78,8 +81,9 @@ def throughput(args: argparse.Namespace) -> None:
     print(f"{'seq_len':>8}  {'layout':<16} {'tokens/s':>9} {'peak RSS GiB per worker':>24}")
     for seq_len in args.seq_len:
         sets = [*args.set, f"data.seq_len={seq_len}", f"train.batch_size={args.batch}", "train.grad_accum=1"]
-        for name, (dp, cp) in LAYOUTS.items():
-            ranks = run_layout(args.recipe, sets, dp, cp, args.steps, args.threads)
+        for name in args.layouts:
+            dp, cp, tp = LAYOUTS[name]
+            ranks = run_layout(args.recipe, sets, dp, cp, args.steps, args.threads, tp)
             rss = " / ".join(f"{r['peak_rss_gib']:.2f}" for r in ranks)
             print(f"{seq_len:>8}  {name:<16} {ranks[0]['tokens_per_s']:>9.0f} {rss:>24}", flush=True)
 
@@ -157,6 +161,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="global batch (windows per step), the same for every layout")
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
     p.add_argument("--set", action="append", default=[], help="recipe override, as for megaseq train")
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS)[:3],
+                   help="which layouts to measure (default: 1 worker, dp=2, cp=2)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="intra-op threads of all workers together (default: every core; 1 on a busy machine)")
     p.add_argument("--longest", action="store_true", help="longest sequence within --budget-gib, CP=2 vs CP=1")

@@ -79,6 +79,8 @@ def test_tp2_cp2_equals_one_process(tmp_path, single):
     [
         (["--parallel", "tp=2", "--set", "attention.sdpa.n_heads=3"], "parallel ep=1,tp=2: attention.sdpa: n_heads 3 is not a multiple of tp 2"),
         (["--parallel", "tp=2", "--set", "ffn.swiglu.hidden=63"], "ffn.swiglu: hidden width 63 is not a multiple of tp 2"),
+        (["--parallel", "tp=2", "--memory-policy", "recompute", "--set", "memory_policy.recompute.tile_tokens=32"],
+         "memory_policy.recompute.tile_tokens cannot run under tensor parallelism (tp=2"),
         (["--parallel", "tp=2", "--set", "train.optimizer_shard=true"], "train.optimizer_shard shards over data- and context-parallel ranks only"),
     ],
 )
@@ -97,4 +99,5 @@ def test_a_component_without_tensor_parallelism_refuses_tp(tmp_path, hybrid, rec
     recipe.write_text(recipe_toml(raw))
     assert main(["train", str(recipe), "--parallel", "tp=2"]) == 2
     err = capsys.readouterr().err
-    assert "parallel tp=2: attention 'kda' (layer 0) does not implement tensor parallelism" in err and err.count("\n") == 1, err
+    assert "attention 'dsa' (megaseq-attn-dsa" in err and "does not declare tensor_parallel; use tp=1" in err, err
+    assert err.count("\n") == 1, err

@@ -6,6 +6,9 @@ declared capability holds.
 - ``cp > 1``: every attention and every memory policy must declare ``context_parallel``, and no memory
   policy may tile sequences (a tile is a share of the whole sequence, which no rank holds).
 - ``ep > 1``: the MoE must declare ``expert_parallel``.
+- ``tp > 1``: every attention, dense FFN and MoE must declare ``tensor_parallel``, and no memory policy may
+  tile sequences (a rank holds a chunk of the sequence between components). The planner models ``tp`` for
+  every component (``planning``): its terms are the split a tensor-parallel implementation makes.
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ def policy_runs_under(spec: Component, effect: MemoryEffect | None, cp: int) -> 
     return "context_parallel" in spec.capabilities and (effect is None or effect.tile_tokens is None)
 
 
-def check_components(recipe: Recipe, plugins: Plugins, layout: Layout, policies: list[str] | None = None) -> None:
+def check_components(
+    recipe: Recipe, plugins: Plugins, layout: Layout, policies: list[str] | None = None, planning: bool = False
+) -> None:
     """Every component the recipe uses (and ``policies``, see :func:`used_components`) has what ``layout``
-    needs; otherwise a one-line error naming the component, its plugin and the capability."""
+    needs; otherwise a one-line error naming the component, its plugin and the capability. ``planning``: for
+    the planner, which models ``tp`` without running it (module docstring)."""
     where = f"{recipe.source}: parallel ({layout})"
     for kind, name in used_components(recipe, policies):
         provided = plugins.get(kind, name)
@@ -55,6 +61,15 @@ def check_components(recipe: Recipe, plugins: Plugins, layout: Layout, policies:
             raise UserError(f"{where}: {label} does not declare context_parallel; use cp=1 or another {kind}")
         if layout.ep > 1 and kind == "moe" and "expert_parallel" not in declared:
             raise UserError(f"{where}: {label} does not declare expert_parallel; use ep=1 or another moe")
+        if layout.tp > 1 and not planning and kind in ("attention", "ffn", "moe") and "tensor_parallel" not in declared:
+            raise UserError(f"{where}: {label} does not declare tensor_parallel; use tp=1 or another {kind}")
+        if kind == "memory_policy" and layout.tp > 1 and not planning:
+            config = recipe.components.get(kind, {}).get(name) or provided.spec.config()
+            effect = policy_effect(provided.spec, config)
+            if effect is not None and effect.tile_tokens is not None:
+                raise UserError(f"{recipe.source}: memory_policy.{name}.tile_tokens cannot run under tensor "
+                                f"parallelism (tp={layout.tp}: each rank holds a chunk of the sequence); remove "
+                                f"tile_tokens or use tp=1")
         if kind == "memory_policy" and layout.cp > 1:
             config = recipe.components.get(kind, {}).get(name) or provided.spec.config()
             effect = policy_effect(provided.spec, config)

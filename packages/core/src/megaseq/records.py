@@ -128,10 +128,13 @@ def load_target(target: str) -> Any:
 #                     ``MemoryEstimate.tiling``
 #   expert_parallel   moe: builds only its ``ModelDims.ep_rank`` share of the experts, stacked along one
 #                     dimension of each expert tensor
+#   tensor_parallel   attention, ffn, moe: builds its ``ModelDims.tp_rank`` block of heads or hidden width and
+#                     runs on its sequence chunk (``ctx.tp``, ``megaseq.contracts.TensorParallel``)
 #   pool_sizing       memory policy: has a ``pool_bytes`` option that the planner sets to the bytes it moves
 CAPABILITIES: dict[str, frozenset[str]] = {
-    "attention": frozenset({"context_parallel", "sequence_tiling"}),
-    "moe": frozenset({"expert_parallel"}),
+    "attention": frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),
+    "ffn": frozenset({"tensor_parallel"}),
+    "moe": frozenset({"expert_parallel", "tensor_parallel"}),
     "memory_policy": frozenset({"context_parallel", "pool_sizing"}),
 }
 

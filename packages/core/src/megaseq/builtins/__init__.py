@@ -18,7 +18,7 @@ def megaseq_attention() -> list[AttentionSpec]:
             config=SDPAConfig,
             summary="causal softmax attention (torch SDPA; flash-attn varlen on CUDA when installed), RoPE optional",
             memory="megaseq.builtins.sdpa:memory_estimate",
-            capabilities=frozenset({"context_parallel", "sequence_tiling"}),
+            capabilities=frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),
             mapping="megaseq.builtins.hf:SDPA",
         )
     ]
@@ -33,6 +33,7 @@ def megaseq_ffn() -> list[FFNSpec]:
             config=SwiGLUConfig,
             summary="dense SwiGLU feed-forward",
             memory="megaseq.builtins.swiglu:memory_estimate",
+            capabilities=frozenset({"tensor_parallel"}),
             mapping="megaseq.builtins.hf:SWIGLU",
         )
     ]

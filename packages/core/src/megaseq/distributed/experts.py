@@ -88,18 +88,7 @@ def layout_tp_dims(recipe: Recipe, plugins: Plugins, tp_size: int) -> dict[str, 
     if tp_size == 1:
         return {}
     full = build_on_meta(recipe, plugins, 1).state_dict()
-    dims = split_dims(full, build_on_meta(recipe, plugins, 1, tp_size).state_dict(), tp_size, "tp")
-    m = recipe.model
-    for layer in range(m.n_layers):
-        # a component that splits none of its tensors ignored ModelDims.tp_size: its layer would compute on a
-        # sequence chunk as if it were the whole sequence
-        for part, (kind, name) in (("attention", ("attention", m.attention_of(layer))), ("ffn", m.ffn_of(layer))):
-            if not any(n.startswith(f"blocks.{layer}.{part}.") for n in dims):
-                raise UserError(
-                    f"{recipe.source}: parallel tp={tp_size}: {kind} {name!r} (layer {layer}) does not implement "
-                    f"tensor parallelism (it splits none of its weights); run it with tp=1"
-                )
-    return dims
+    return split_dims(full, build_on_meta(recipe, plugins, 1, tp_size).state_dict(), tp_size, "tp")
 
 
 def block(t: Tensor, dim: int, rank: int, size: int) -> Tensor:

@@ -368,7 +368,7 @@ def plan(
     if seq_len < 1:
         raise UserError(f"--seq-len {seq_len}: must be a positive number of tokens")
     check_zigzag_length(seq_len, layout.cp, "--seq-len")
-    check_components(recipe, plugins, layout, policies if isinstance(policies, list) else [])
+    check_components(recipe, plugins, layout, policies if isinstance(policies, list) else [], planning=True)
     if policies == "auto":
         # a set that cannot run under this layout is never a candidate
         sets = [s for s in candidate_sets(recipe, plugins)

@@ -33,6 +33,8 @@ would catch:
   runs when the record declares ``context_parallel`` (``megaseq.records.CAPABILITIES``; with ``factory``,
   the ``capabilities`` knob); a component that does not declare it must instead raise a one-line error on
   ``ctx.cp``, which is checked.
+- ``test_tensor_parallel``: with ``tensor_parallel`` declared, ``megaseq.testing.tensor_parallel.
+  check_tensor_parallel`` at tp=2 (outputs, input and every parameter gradient over packed documents).
 
 Error bound everywhere: ``max |actual - expected| <= tolerance * max(1, max |expected|)`` (``tolerance``,
 1e-5 for the float32 comparisons; the float64 gradient check uses ``grad_tolerance``, 1e-6).
@@ -60,6 +62,7 @@ from megaseq.testing import (
     watch_host_syncs,
 )
 from megaseq.testing.checks import check_saved_estimate, check_two_forwards, forward_backward, saved_bytes
+from megaseq.testing.tensor_parallel import check_tensor_parallel
 
 # A context-parallel case: (config, x [B, T, d_model], grad_out [B, T, d_model], cu_seqlens or None).
 CPCase = tuple[dict[str, Any], Tensor, Tensor, Tensor | None]
@@ -362,6 +365,13 @@ class AttentionConformance:
             check_context_parallel(
                 self.name, self.d_model, cases, world, self.tolerance, factory=self.factory, labels=labels
             )
+
+    def test_tensor_parallel(self) -> None:
+        """With ``tensor_parallel`` declared: ``megaseq.testing.tensor_parallel.check_tensor_parallel`` at tp=2
+        (a component without it is refused by the launch, ``megaseq.capabilities``, and never sees ``ctx.tp``)."""
+        if "tensor_parallel" in self.declared():
+            check_tensor_parallel("attention", self.name, self.config, self.d_model, tolerance=self.tolerance,
+                                  factory=self.factory)
 
     def _assert_refuses_context_parallel(self) -> None:
         """A component that does not declare context_parallel must raise a one-line error when handed a

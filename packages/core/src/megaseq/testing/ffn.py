@@ -17,6 +17,8 @@ these tests for the ``moe`` kind). What is checked, and what each check would ca
   most once between them (a component that needs the layout reads it through ``ctx.documents``).
 - ``test_two_forwards_one_backward``: two forwards, then one backward of both, give each forward's own
   gradients (a hand-written backward that reads state the module kept on itself in forward).
+- ``test_tensor_parallel``: with ``tensor_parallel`` declared (the record's, or the ``capabilities`` knob with
+  ``factory``), ``megaseq.testing.tensor_parallel.check_tensor_parallel`` at tp=2.
 - ``test_memory_estimate``: the record's ``MemoryEstimate.saved_per_token`` times the tokens is within
   ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
   parameters not), at each of ``memory_lengths`` (a 3x underestimate, a cost that grows faster than the tokens).
@@ -40,10 +42,12 @@ from megaseq.testing import (
     build_component,
     check_deterministic,
     check_gradients,
+    declared_capabilities,
     memory_estimator,
     watch_host_syncs,
 )
 from megaseq.testing.checks import check_saved_estimate, check_two_forwards, forward_backward, saved_bytes
+from megaseq.testing.tensor_parallel import check_tensor_parallel
 
 
 class FeedForwardConformance:
@@ -63,6 +67,10 @@ class FeedForwardConformance:
     grad_seq_len: ClassVar[int] = 5
     memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
     memory_tolerance: ClassVar[float] = 0.25
+    capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
+
+    def declared(self) -> frozenset[str]:
+        return declared_capabilities(self.kind, self.name, self.factory, self.capabilities)
 
     def build(self, seed: int = 0) -> nn.Module:
         """The module under test, in training mode."""
@@ -153,6 +161,13 @@ class FeedForwardConformance:
         module = self.build()
         inputs, grad_outs = (self.inputs(seed=11), self.inputs(seed=12)), (self.inputs(seed=13), self.inputs(seed=14))
         check_two_forwards(module, inputs, grad_outs, ForwardContext, self.tolerance, self.name)
+
+    def test_tensor_parallel(self) -> None:
+        """With ``tensor_parallel`` declared: ``megaseq.testing.tensor_parallel.check_tensor_parallel`` at tp=2
+        (a component without it is refused by the launch, ``megaseq.capabilities``, and never sees ``ctx.tp``)."""
+        if "tensor_parallel" in self.declared():
+            check_tensor_parallel(self.kind, self.name, self.config, self.d_model, tolerance=self.tolerance,
+                                  factory=self.factory)
 
     def test_memory_estimate(self) -> None:
         dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
