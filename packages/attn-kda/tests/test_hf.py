@@ -436,3 +436,35 @@ def test_walkthrough_runs(tmp_path, monkeypatch):
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "kda-tuned-hf").eval()
     tokens = torch.randint(0, 8, (1, 21))
     assert relative(megaseq_logits(model, tokens), fla_logits(loaded, tokens)) < 1e-5
+
+
+# -- what reads an import: --resume, --init-from, the cached inference engine ---------------------------------
+def test_resume_and_init_from_an_import_train_the_same_and_the_engine_scores_like_fla(tmp_path):
+    from megaseq.builtins.config import CachedEngineConfig
+    from megaseq.distributed.sharded import read_full_weights
+    from megaseq.inference.cached import build as build_engine
+
+    fla = fla_model(tmp_path / "fla")
+    imported = tmp_path / "imported"
+    assert main(["import", str(tmp_path / "fla"), "--out", str(imported)]) == 0
+    short = ["--no-progress", "--set", "data.train=excerpt-chr20", "--set", "data.heldout=excerpt-chrX", "--set", "data.seq_len=32",
+             "--set", "train.steps=1", "--set", "train.batch_size=2", "--set", "eval.windows=1", "--set", "eval.batch_size=1",
+             "--set", "eval.markov_order=1"]
+    copy = tmp_path / "copy"
+    shutil.copytree(imported, copy)
+    recipe = str(imported / "recipe.toml")
+    assert main(["train", recipe, "--init-from", str(imported), "--set", f"run.out_dir={tmp_path / 'tuned'}", *short]) == 0
+    assert main(["train", recipe, "--resume", "--set", f"run.out_dir={copy}", *short]) == 0  # the import as its run
+
+    def first_loss(run: Path) -> float:
+        return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+
+    assert first_loss(tmp_path / "tuned") == first_loss(copy)
+
+    path = checkpoint.resolve(imported)
+    recipe_obj = validate_recipe(checkpoint.read_meta(path)["recipe"], get_plugins())
+    engine = build_engine(CachedEngineConfig(device="cpu"), recipe_obj, get_plugins())
+    engine.update_weights(read_full_weights(path, checkpoint.read_meta(path)))
+    tokens = torch.randint(0, len(VOCAB), (2, 23))
+    expected = torch.log_softmax(fla_logits(fla, tokens), -1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+    assert relative(engine.score(tokens), expected) < 1e-5
