@@ -48,6 +48,7 @@ def single(tmp_path_factory):
     return train_single(trainer, 2), train_single(trainer, 1)
 
 
+@pytest.mark.slow
 def test_tp2_equals_one_process_holds_half_the_split_bytes_and_its_checkpoint_resumes_on_one(tmp_path, single):
     first_two, third = single
     ranks = run_gloo(2, train_under_layouts, DENSE, [Layout(tp=2)], str(tmp_path), 2, True)
@@ -69,6 +70,7 @@ def test_tp2_equals_one_process_holds_half_the_split_bytes_and_its_checkpoint_re
     assert_same_run(train_single(resumed, 1), third, RTOL, "tp=2 checkpoint resumed with tp=1")
 
 
+@pytest.mark.slow
 def test_tp2_cp2_equals_one_process(tmp_path, single):
     layouts = [Layout(cp=2, tp=2)]
     assert_same_run(run_gloo(4, train_under_layouts, DENSE, layouts, str(tmp_path), 2)[0][0], single[0], RTOL, "tp=2,cp=2")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from megaseq.parallel import collectives
 from megaseq.testing.distributed import run_gloo
+
+pytestmark = pytest.mark.slow  # starts gloo ranks
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:

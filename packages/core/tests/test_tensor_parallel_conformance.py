@@ -16,6 +16,8 @@ from megaseq.parallel import tp_gather, tp_split
 from megaseq.records import ModelDims
 from megaseq.testing.tensor_parallel import check_tensor_parallel
 
+pytestmark = pytest.mark.slow  # every test starts gloo ranks
+
 
 @pytest.mark.parametrize(
     ("kind", "name", "config"),
