@@ -90,7 +90,7 @@ def probe_residual(args: argparse.Namespace) -> None:
 def probe_markov_data(args: argparse.Namespace) -> None:
     from megaseq.data.sources import tokenized
     from megaseq.data.windows import GenomeWindows
-    from megaseq.eval.markov import MarkovBaseline
+    from megaseq_genome.markov import MarkovBaseline
 
     train = np.asarray(tokenized("grch37-chr20"))
     heldout = GenomeWindows(np.asarray(tokenized("grch37-chrX")[20_000_000:28_000_000]), 8192)
@@ -111,13 +111,13 @@ def probe_markov_data(args: argparse.Namespace) -> None:
 
 def probe_heldout(args: argparse.Namespace) -> None:
     from megaseq.data.sources import tokenized
-    from megaseq.eval.bootstrap import flat_within_intervals, mean_interval, resample_weights
-    from megaseq.eval.evaluate import fitted_markov
-    from megaseq.eval.heldout_set import score_windows, select_heldout
-    from megaseq.experiment.plan import load_plan
-    from megaseq.experiment.report import columns, per_window_bits
+    from megaseq_genome.bootstrap import flat_within_intervals, mean_interval, resample_weights
+    from megaseq_genome.experiment.plan import load_plan
+    from megaseq_genome.experiment.report import columns, per_window_bits
+    from megaseq_genome.heldout_set import score_windows, select_heldout
+    from megaseq_genome.markov import fitted_markov
 
-    plan = load_plan(args.scale, [f"eval_windows={args.windows}"])
+    plan = load_plan(args.scale, [f"plan.eval_windows={args.windows}"])
     tokens = tokenized(plan.heldout)
     heldout = select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows)
     print(f"{plan.heldout} {list(plan.heldout_region)}: {heldout.candidates} windows of {plan.long_len + 1} without N, "
@@ -134,10 +134,10 @@ def probe_heldout(args: argparse.Namespace) -> None:
 
 def probe_repeats(args: argparse.Namespace) -> None:
     from megaseq.data.sources import tokenized
-    from megaseq.eval.heldout_set import select_heldout
-    from megaseq.experiment.plan import load_plan
+    from megaseq_genome.experiment.plan import load_plan
+    from megaseq_genome.heldout_set import select_heldout
 
-    plan = load_plan(args.scale, [f"eval_windows={args.windows}"])
+    plan = load_plan(args.scale, [f"plan.eval_windows={args.windows}"])
     tokens = tokenized(plan.heldout)
     heldout = select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows)
     k, near = args.kmer, plan.short_len

@@ -19,7 +19,7 @@ HYBRID: dict[str, Any] = {
     },
     "moe": {"chunked": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "chunk_tokens": 40}},
     "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64},
-    "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+    "eval": {"windows": 2, "batch_size": 2},
 }
 
 

@@ -44,7 +44,7 @@ def hybrid(tmp_path, plugins, **train):
         },
         "moe": {"chunked": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "chunk_tokens": 100}},
         "train": {"steps": 4, "batch_size": 2, "warmup_steps": 1, "log_every": 1, **train},
-        "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+        "eval": {"windows": 2, "batch_size": 2},
     }
     return validate_recipe(raw, plugins)
 

@@ -1,4 +1,4 @@
-"""A miniature of `megaseq experiment context-extension`: the pipeline and the report format, not the science.
+"""A miniature of `megaseq context-extension` (megaseq-genome's command): the pipeline and the report format, not the science.
 
 The hybrid (kda, kda, kda, dsa; chunked MoE) at widths of a few dozen, on the DNA excerpts shipped with
 core: 128-token pretraining and short continuation, 512-token long continuation and held-out windows,
@@ -52,9 +52,9 @@ log_every = 1
 """
 
 MINI = [
-    "short_len=128", "long_len=512", "pretrain_tokens=1024", "pretrain_batch=2", "extension_tokens=1024",
-    "heldout=excerpt-chrX", "heldout_region=[0, 200000]", "eval_windows=4", "first_bucket=16",
-    "markov_orders=[2, 3]", "bootstrap_samples=200",
+    "plan.short_len=128", "plan.long_len=512", "plan.pretrain_tokens=1024", "plan.pretrain_batch=2",
+    "plan.extension_tokens=1024", "plan.heldout=excerpt-chrX", "plan.heldout_region=[0, 200000]", "plan.eval_windows=4",
+    "plan.first_bucket=16", "plan.markov_orders=[2, 3]", "plan.bootstrap_samples=200",
 ]
 
 
@@ -62,7 +62,7 @@ def experiment(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
     """Run the command on the miniature; ``sets`` are plan keys (``--set``) or flags (``--resume``)."""
     recipe = tmp_path / "hybrid.toml"
     recipe.write_text(RECIPE)
-    args = ["experiment", "context-extension", str(recipe), "--out", str(tmp_path / "out")]
+    args = ["context-extension", str(recipe), "--out", str(tmp_path / "out")]
     for item in sets:
         args += [item] if item.startswith("--") else ["--set", item]
     env = {**os.environ, "MEGASEQ_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -117,9 +117,9 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     refused = experiment(tmp_path, *MINI)  # neither --resume nor --overwrite: the run-directory rule
     assert refused.returncode == 2 and "already holds a context-extension experiment" in refused.stderr
     # --resume checks what it reuses: the held-out set of every evaluation, the recipe of every trained stage
-    changed = experiment(tmp_path, *MINI, "eval_windows=3", "--resume")
+    changed = experiment(tmp_path, *MINI, "plan.eval_windows=3", "--resume")
     assert changed.returncode == 2 and "heldout_set.npz: scored with a different heldout than this plan's" in changed.stderr
-    lower = experiment(tmp_path, *MINI, "extension_lr=0.0003", "--resume")
+    lower = experiment(tmp_path, *MINI, "plan.extension_lr=0.0003", "--resume")
     assert lower.returncode == 2 and f"{out / 'long'}: trained with a different recipe (train.lr 0.0001 -> 0.0003)" in lower.stderr
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")} == stamps
 
@@ -127,7 +127,7 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     first = json.loads((out / "report.json").read_text())["models"]
     for stage in ("long", "short"):
         shutil.rmtree(out / stage)
-    rerun = experiment(tmp_path, *MINI, "extension_lr=0.0003", "--resume")
+    rerun = experiment(tmp_path, *MINI, "plan.extension_lr=0.0003", "--resume")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     started = sorted(line.split()[-1] for line in rerun.stderr.splitlines() if line.startswith("[experiment] start"))
     assert started == ["eval-long", "eval-short", "long", "short"]
@@ -139,17 +139,17 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     assert second["long"]["bits_per_base"] != first["long"]["bits_per_base"]
 
     shutil.rmtree(out / "pretrain")  # the continuations' weights came from a pretrain that is gone
-    orphaned = experiment(tmp_path, *MINI, "extension_lr=0.0003", "--resume")
+    orphaned = experiment(tmp_path, *MINI, "plan.extension_lr=0.0003", "--resume")
     assert orphaned.returncode == 2 and f"{out / 'long'}: continues stage pretrain, which is not finished" in orphaned.stderr
 
 
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["pretrain_tokens=0"], "pretrain_tokens: Input should be greater than or equal to 1"),
-        (["extension_tokens=100"], "extension_tokens: a budget of 100 tokens is less than one step of 512 tokens"),
-        (["heldout_region=[0, 400]"], "held-out set: excerpt-chrX [0, 400) has no window of 513 tokens without N"),
-        (["long_len=1048576", "extension_tokens=1048576", "memory_gib=2"],
+        (["plan.pretrain_tokens=0"], "plan.pretrain_tokens: Input should be greater than or equal to 1"),
+        (["plan.extension_tokens=100"], "extension_tokens: a budget of 100 tokens is less than one step of 512 tokens"),
+        (["plan.heldout_region=[0, 400]"], "held-out set: excerpt-chrX [0, 400) has no window of 513 tokens without N"),
+        (["plan.long_len=1048576", "plan.extension_tokens=1048576", "plan.memory_gib=2"],
          "experiment: stage long (seq_len 1048576) does not fit with train.memory_policy = []"),
     ],
 )

@@ -164,6 +164,8 @@ SUITES = {
     "memory policy": "megaseq.testing.memory_policy:MemoryPolicyConformance",
     "rl": "megaseq.testing.rl:RLAlgorithmConformance",
     "engine": "megaseq.testing.engine:EngineConformance",
+    "data source": "megaseq.testing.data_source:DataSourceConformance",
+    "baseline": "megaseq.testing.baseline:BaselineConformance",
 }
 KNOB_HEADER = "| knob | suites | default | meaning |"
 

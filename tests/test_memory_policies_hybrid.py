@@ -45,7 +45,7 @@ def recipe(plugins, policies: list[str], configs: dict[str, dict[str, Any]], tmp
         "moe": {"chunked": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "chunk_tokens": 53, "aux_loss_coef": 0.01}},
         "train": {"memory_policy": policies, **train},
         "memory_policy": configs,
-        "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+        "eval": {"windows": 2, "batch_size": 2},
     }
     return validate_recipe(raw, plugins)
 

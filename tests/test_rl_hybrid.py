@@ -39,7 +39,7 @@ def hybrid_checkpoint(tmp_path, monkeypatch):
         "run": {"name": "h", "out_dir": str(tmp_path / "policy"), "device": "cpu"},
         "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 64},
         "train": {"steps": 1, "batch_size": 2, "warmup_steps": 1},
-        "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+        "eval": {"windows": 2, "batch_size": 2},
     }
     plugins = get_plugins()
     trainer = Trainer(validate_recipe(raw, plugins), plugins, progress=False, tensorboard=False)

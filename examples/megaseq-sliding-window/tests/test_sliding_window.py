@@ -182,7 +182,7 @@ def test_recipe_validates_and_trains(tmp_path, monkeypatch) -> None:
         "model": {"d_model": 16, "n_layers": 2, "layer_pattern": ["sliding-window", "sdpa"]},
         "attention": {"sliding-window": {"n_heads": 2, "window": 8}, "sdpa": {"n_heads": 2}},
         "train": {"steps": 2, "batch_size": 2, "warmup_steps": 1, "log_every": 1},
-        "eval": {"windows": 2, "markov_order": 2},
+        "eval": {"windows": 2},
     }
     recipe = validate_recipe(raw, plugins, source="sw-test")
     result = Trainer(recipe, plugins, progress=False, tensorboard=False).run()

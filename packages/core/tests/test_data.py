@@ -1,11 +1,8 @@
-"""Genome data pipeline: FASTA reading, tokenizer, datasets/fetch, token cache, windows and the sampler."""
+"""Data pipeline: FASTA reading, tokenizer, data sources, token cache, windows and the sampler."""
 
 import gzip
 import json
-import os
 import random
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +10,6 @@ import pytest
 import torch
 
 from megaseq.data import (
-    DATASETS,
     DataError,
     GenomeWindows,
     WindowSampler,
@@ -32,6 +28,9 @@ from megaseq.data import (
 )
 from megaseq.data.tokenizer import N_ID, SOFTMASK_FLAG
 from megaseq.errors import UserError
+from megaseq.hookspecs import hookimpl
+from megaseq.records import DataSourceSpec
+from megaseq.testing import fresh_plugins
 
 MULTI_RECORD = b">chr1 first record\nACGTac\r\ngtNN\n\n>empty\n>chr3\nRYkm\nACGT"
 MULTI_RECORD_PARSED = [("chr1", b"ACGTacgtNN"), ("empty", b""), ("chr3", b"RYkmACGT")]
@@ -39,9 +38,8 @@ MULTI_RECORD_PARSED = [("chr1", b"ACGTacgtNN"), ("empty", b""), ("chr3", b"RYkmA
 
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every test gets its own cache and no 'installed' Debian files, so nothing touches ~/.cache or /usr."""
+    """Every test gets its own cache, so nothing touches ~/.cache."""
     monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(sources, "SYSTEM_ROOT", tmp_path / "system-root")
     return tmp_path / "cache"
 
 
@@ -173,8 +171,13 @@ def test_bad_character_error_names_char_and_offset() -> None:
 
 
 def test_unknown_dataset_lists_known_names() -> None:
-    with pytest.raises(DataError, match="unknown dataset 'chr99'; known datasets: grch37-chr20, grch37-chrX"):
-        fetch("chr99")
+    with pytest.raises(DataError, match="unknown dataset 'chr99'; known datasets: excerpt-chr20, excerpt-chrX"):
+        fetch("chr99", plugins=fresh_plugins())
+
+
+def test_a_dataset_of_a_package_that_is_not_installed_names_the_package() -> None:
+    with pytest.raises(DataError, match="'grch37-chrX' is provided by the package megaseq-genome, which is not installed"):
+        tokenized("grch37-chrX", plugins=fresh_plugins())
 
 
 def test_resolve_fasta_rejects_unknown_spec(tmp_path: Path) -> None:
@@ -186,73 +189,6 @@ def test_excerpts_resolve_inside_the_package_without_fetching() -> None:
     for name in ("excerpt-chr20", "excerpt-chrX"):
         path = resolve_fasta(name)
         assert path.is_file() and path.is_relative_to(Path(sources.__file__).parent)
-
-
-def test_fetch_uses_installed_package_file(tmp_path: Path) -> None:
-    member = sources.SYSTEM_ROOT / DATASETS["grch37-chr20"].member
-    member.parent.mkdir(parents=True)
-    member.write_bytes(b">20\nACGT\n")
-    assert fetch("grch37-chr20", tmp_path / "cache") == member
-
-
-def test_fetch_prefers_cache(tmp_path: Path) -> None:
-    cached = tmp_path / "cache" / "grch37-chrX" / "hs37chrXtrunc.fa.gz"
-    cached.parent.mkdir(parents=True)
-    cached.write_bytes(b">X\nACGT\n")
-    assert fetch("grch37-chrX", tmp_path / "cache") == cached
-
-
-def test_fetch_without_apt_get_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    with pytest.raises(DataError) as info:
-        fetch("grch37-chr20", tmp_path / "cache")
-    message = str(info.value)
-    assert "apt-get and dpkg-deb not found" in message
-    assert "apt-get install vt-examples" in message and "/usr/share/doc/vt/examples/ref/20.fa.gz" in message
-
-
-def fake_apt_get(bin_dir: Path, script: str) -> None:
-    """Put an `apt-get` shell script first on PATH (the real dpkg-deb stays reachable)."""
-    bin_dir.mkdir(exist_ok=True)
-    tool = bin_dir / "apt-get"
-    tool.write_text("#!/bin/sh\n" + script)
-    tool.chmod(0o755)
-
-
-def test_fetch_reports_apt_get_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_apt_get(tmp_path / "bin", "echo 'E: Unable to locate package vt-examples' >&2\nexit 100\n")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    with pytest.raises(
-        DataError, match=r"failed \(E: Unable to locate package vt-examples\); install Debian"
-    ):
-        fetch("grch37-chr20", tmp_path / "cache")
-
-
-@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="building a test .deb needs dpkg-deb")
-def test_fetch_extracts_fasta_and_index_from_deb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    info = DATASETS["grch37-chrX"]
-    tree = tmp_path / "pkg"
-    member = tree / info.member
-    member.parent.mkdir(parents=True)
-    member.write_bytes(gzip.compress(b">X\nACGTN\n"))
-    member.with_name(member.name + ".fai").write_text("X\t5\t3\t5\t6\n")
-    (member.parent / "other.txt").write_text("not kept")
-    (tree / "DEBIAN").mkdir()
-    (tree / "DEBIAN" / "control").write_text(
-        "Package: smalt-examples\nVersion: 1.0\nArchitecture: all\n"
-        "Maintainer: t <t@example.org>\nDescription: t\n"
-    )
-    deb = tmp_path / "smalt-examples_1.0_all.deb"
-    subprocess.run(
-        ["dpkg-deb", "--build", "--root-owner-group", str(tree), str(deb)], check=True, capture_output=True
-    )
-    fake_apt_get(tmp_path / "bin", f'[ "$1 $2" = "download smalt-examples" ] || exit 3\ncp {deb} .\n')
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-
-    path = fetch("grch37-chrX", tmp_path / "cache")
-    assert path == tmp_path / "cache" / "grch37-chrX" / "hs37chrXtrunc.fa.gz"
-    assert list(read_fasta(path)) == [("X", b"ACGTN")]
-    assert sorted(p.name for p in path.parent.iterdir()) == ["hs37chrXtrunc.fa.gz", "hs37chrXtrunc.fa.gz.fai"]
 
 
 # ---------------------------------------------------------------- token cache
@@ -302,22 +238,29 @@ def test_tokenized_failure_leaves_no_cache_entry(tmp_path: Path, isolated_cache:
     assert list((isolated_cache / "tokens").iterdir()) == []  # neither result nor temporary files
 
 
-def test_tokenized_rejects_a_dataset_with_wrong_counts(
-    monkeypatch: pytest.MonkeyPatch, isolated_cache: Path
-) -> None:
-    info = DATASETS["excerpt-chrX"]
-    monkeypatch.setitem(DATASETS, "excerpt-chrX", type(info)(**{**info.__dict__, "bases": info.bases + 1}))
-    with pytest.raises(DataError, match="has 200,000 bases"):
-        tokenized("excerpt-chrX")
+class MiscountedExcerpt:
+    """The chrX excerpt declared one base longer than it is."""
+
+    @hookimpl
+    def megaseq_data_source(self):
+        return [DataSourceSpec(name="miscounted", target="megaseq.data.sources:excerpt_chrx", bases=200_001, n_bases=0)]
+
+
+def test_tokenized_rejects_a_dataset_with_wrong_counts(isolated_cache: Path) -> None:
+    plugins = fresh_plugins()
+    plugins.register(MiscountedExcerpt(), name="miscounted")
+    with pytest.raises(DataError, match="has 200,000 bases .0 N. but dataset miscounted has 200,001 .0 N."):
+        tokenized("miscounted", plugins=plugins)
     assert list((isolated_cache / "tokens").iterdir()) == []
 
 
 def test_tokenized_excerpts_match_dataset_counts() -> None:
+    registry = fresh_plugins().registry["data_source"]
     for name in ("excerpt-chr20", "excerpt-chrX"):
         meta = token_metadata(name)
         counts = meta["counts"]
-        assert meta["tokens"] == DATASETS[name].bases == sum(counts[b] for b in "ACGTN")
-        assert counts["N"] == DATASETS[name].n_bases and counts["softmasked"] == 0
+        assert meta["tokens"] == registry[name].spec.bases == sum(counts[b] for b in "ACGTN")
+        assert counts["N"] == registry[name].spec.n_bases and counts["softmasked"] == 0
 
 
 # ---------------------------------------------------------------- windows

@@ -20,7 +20,7 @@ from megaseq.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = str(REPO / "recipes" / "tiny.toml")
-ARGS = ["--no-progress", "--set", "train.log_every=1", "--set", "eval.windows=2", "--set", "eval.markov_order=2",
+ARGS = ["--no-progress", "--set", "train.log_every=1", "--set", "eval.windows=2",
         "--set", "data.seq_len=64", "--set", "model.d_model=16", "--set", "train.steps=6"]
 
 # `megaseq train` with one extra plugin whose step-3 start hook announces itself and then sleeps, so the

@@ -171,7 +171,7 @@ def probe_recipe(tmp_path, plugins, **train):
         "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 32},
         "model": {"d_model": 8, "n_layers": 2, "layer_pattern": ["probe"]},
         "train": {"steps": 3, "batch_size": 2, "warmup_steps": 0, "log_every": 1, **train},
-        "eval": {"windows": 2, "batch_size": 2, "markov_order": 1},
+        "eval": {"windows": 2, "batch_size": 2},
     }
     return validate_recipe(raw, plugins)
 

@@ -15,7 +15,7 @@ from megaseq.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = str(REPO / "recipes" / "tiny.toml")
-QUICK = ["--no-progress", "--set", "train.log_every=1", "--set", "eval.windows=2", "--set", "eval.markov_order=2",
+QUICK = ["--no-progress", "--set", "train.log_every=1", "--set", "eval.windows=2",
          "--set", "data.seq_len=64", "--set", "model.d_model=16"]
 
 

@@ -28,7 +28,7 @@ def tiny(tmp_path, plugins, **train):
         "model": {"d_model": 16, "n_layers": 2},
         "attention": {"sdpa": {"n_heads": 2}},
         "train": {"steps": 6, "batch_size": 3, "warmup_steps": 2, "log_every": 1, "loss_chunk": 50, **train},
-        "eval": {"windows": 4, "batch_size": 2, "markov_order": 2},
+        "eval": {"windows": 4, "batch_size": 2},
     }
     return validate_recipe(raw, plugins)
 

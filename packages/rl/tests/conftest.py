@@ -12,7 +12,7 @@ TINY_POLICY = {
     "model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["sdpa"]},
     "attention": {"sdpa": {"n_heads": 2}},
     "train": {"steps": 2, "batch_size": 4, "warmup_steps": 1, "log_every": 1},
-    "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+    "eval": {"windows": 2, "batch_size": 2},
 }
 
 

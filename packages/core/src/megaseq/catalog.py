@@ -24,6 +24,12 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("rl_algorithm", "dapo"): "megaseq-rl",
     ("command", "rl"): "megaseq-rl",
     ("command", "logprob-gap"): "megaseq-rl",
+    ("data_source", "excerpt-chr20"): "megaseq-core",
+    ("data_source", "excerpt-chrX"): "megaseq-core",
+    ("data_source", "grch37-chr20"): "megaseq-genome",
+    ("data_source", "grch37-chrX"): "megaseq-genome",
+    ("baseline", "markov"): "megaseq-genome",
+    ("command", "context-extension"): "megaseq-genome",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from megaseq import threads
 from megaseq.__about__ import __version__
+from megaseq.catalog import PROVIDERS
 from megaseq.errors import UserError
 
 
@@ -39,7 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from megaseq.train.trainer import Trainer
 
         result = Trainer(recipe, plugins, progress=not args.no_progress).run(mode)
-        print_eval(result.out_dir, result.step, recipe)
+        print_eval(result.out_dir, result.step)
         return 0
 
     from megaseq.distributed.launch import WorkerFailed, preflight, run_torchrun, run_with_ray
@@ -49,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if in_torchrun():
         result = run_torchrun(recipe, mode, progress=not args.no_progress)
         if result is not None:
-            print_eval(result.out_dir, result.step, recipe)
+            print_eval(result.out_dir, result.step)
         return 0
     with rundir.RunLock(recipe.out_dir, "training"):  # held here for the workers, over their restarts
         rundir.prepare(recipe.out_dir, mode)  # once, here: restarted workers must not refuse or wipe their own run
@@ -58,13 +59,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         except WorkerFailed as exc:
             print(f"megaseq: error: {exc}", file=sys.stderr)
             return 1
-    print_eval(out_dir, recipe.train.steps, recipe)
+    print_eval(out_dir, recipe.train.steps)
     return 0
 
 
-def print_eval(out_dir: Path, step: int, recipe: Any) -> None:
-    """The held-out table the run wrote for its final step (rank 0 of a distributed run writes it); after a
-    run on the experiment's data, how far it is from the context-extension experiment."""
+def print_eval(out_dir: Path, step: int) -> None:
+    """The held-out table the run wrote for its final step (rank 0 of a distributed run writes it)."""
     from megaseq.eval.positions import format_table
     from megaseq.train.rundir import eval_dir
 
@@ -74,11 +74,6 @@ def print_eval(out_dir: Path, step: int, recipe: Any) -> None:
           f"(bits/base by context position):")
     print(format_table(heldout["results"]))
     print(f"\nwrote {where}/heldout.json, heldout_by_position.png; checkpoints in {out_dir}/checkpoints")
-    if (recipe.data.train, recipe.data.heldout) == ("grch37-chr20", "grch37-chrX"):
-        from megaseq.experiment.summary import comparison
-
-        t = recipe.train
-        print(comparison(heldout, t.steps * t.batch_size * t.grad_accum * recipe.data.seq_len, recipe.eval.markov_order))
 
 
 def memory_policy_override(value: str | None) -> list[str]:
@@ -163,7 +158,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         checkpoint.load_weights(path, model, read_full_weights(path, meta))  # checkpoints of any layout hold every expert
         print(f"evaluating {path} (step {meta['step']}) on {recipe.data.heldout}; writing {out}", file=sys.stderr)
         with torch.no_grad():
-            result = evaluate_heldout(model, recipe, device, out_dir=out, baseline=not args.no_baseline, progress=not args.no_progress)
+            result = evaluate_heldout(model, recipe, device, plugins, out_dir=out, baseline=not args.no_baseline, progress=not args.no_progress)
     print(f"step {meta['step']}: held-out {recipe.data.heldout}, {result['windows']} windows of {recipe.data.seq_len} bases")
     print(result["table"])
     print(f"wrote {out}/heldout.json and heldout_by_position.png")
@@ -197,18 +192,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_experiment(args: argparse.Namespace) -> int:
-    from megaseq.experiment.context_extension import run_context_extension
-
-    out = Path(args.out)
-    mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
-    report = run_context_extension(args.recipe, args.scale, args.set, out, mode, dry_run=args.dry_run)
-    if report:
-        print((out / "report.md").read_text())
-        print(f"wrote {out}/report.json, report.md, bits_by_bucket.png")
-    return 0
-
-
 def cmd_plugins(args: argparse.Namespace) -> int:
     from megaseq import plugin_report
     from megaseq.plugins import get_plugins
@@ -218,19 +201,22 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def cmd_data_fetch(args: argparse.Namespace) -> int:
     from megaseq.data.sources import fetch, token_metadata
+    from megaseq.plugins import get_plugins
 
-    path = fetch(args.name, Path(args.cache_dir) if args.cache_dir else None)
-    meta = token_metadata(args.name, Path(args.cache_dir) if args.cache_dir else None)
+    plugins = get_plugins()
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    path = fetch(args.name, cache_dir, plugins)
+    meta = token_metadata(args.name, cache_dir, plugins)
     print(f"{args.name}: {path}")
     print(json.dumps({k: v for k, v in meta.items() if k != "records"}, indent=2))
     return 0
 
 
 def cmd_data_list(args: argparse.Namespace) -> int:
-    from megaseq.data.sources import DATASETS
+    from megaseq.data.sources import data_sources
 
-    for name, info in DATASETS.items():
-        print(f"{name}: {info.description}")
+    for name, provided in sorted(data_sources().items()):
+        print(f"{name}: {provided.spec.summary} [{provided.plugin.label}]")
     return 0
 
 
@@ -249,16 +235,17 @@ one stops at once.
 data.train and data.heldout are dataset names (megaseq data list) or paths to FASTA files (plain or
 gzip), e.g. --set data.train=/path/genome.fa.gz."""
 
-EVAL_HELP = """Held-out loss by context position of a checkpoint, beside a Markov baseline.
+EVAL_HELP = """Held-out loss by context position of a checkpoint, beside the baselines its recipe names
+(eval.baselines; --set 'eval.baselines=["markov"]' adds one).
 
 Writes heldout.json and heldout_by_position.png to --out, by default RUN/eval/step_N for a checkpoint in
 RUN/checkpoints (never into the checkpoint directory itself)."""
 
 
-CORE_COMMANDS = ("train", "eval", "experiment", "plugins", "data", "plan", "import", "export")
+CORE_COMMANDS = ("train", "eval", "plugins", "data", "plan", "import", "export")
 # Commands of this repository's plugin packages, by name only (core imports no plugin): without the package
 # installed, asking for one says what to install instead of argparse's "invalid choice".
-PACKAGED_COMMANDS = {"rl": "megaseq-rl", "logprob-gap": "megaseq-rl"}
+PACKAGED_COMMANDS = {name: dist for (kind, name), dist in PROVIDERS.items() if kind == "command"}
 
 
 def plugin_commands(name: str | None = None) -> dict[str, Any]:
@@ -328,7 +315,7 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest good checkpoint)")
     e.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="e.g. eval.windows=128")
     e.add_argument("--out", metavar="DIR", help="where to write heldout.json and the plot (default: RUN/eval/step_N)")
-    e.add_argument("--no-baseline", action="store_true", help="skip the Markov baseline")
+    e.add_argument("--no-baseline", action="store_true", help="skip the recipe's baselines (eval.baselines)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
@@ -351,27 +338,6 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     ex.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GiB", help="largest safetensors shard (default 5)")
     ex.set_defaults(func=cmd_export)
 
-    x = sub.add_parser("experiment", help="run an experiment", description="Experiments that train and compare several models.")
-    xsub = x.add_subparsers(title="experiments", metavar="EXPERIMENT")
-    x.set_defaults(func=missing_command("megaseq experiment", xsub))
-    ce = xsub.add_parser(
-        "context-extension",
-        help="does training at long context teach the model to use it?",
-        description="Pretrain RECIPE at a short context, continue it at a long and (same budget) a short context, train a "
-        "parameter-matched sdpa model, and score all with Markov baselines on one fixed held-out set by context position.",
-    )
-    ce.add_argument("recipe", help="the model recipe, e.g. recipes/genome-cpu.toml")
-    ce.add_argument("--scale", default="cpu",
-                    help="budget preset: cpu (sized for two hours on 2 idle CPU cores), cpu-quick (a third of its training) or gpu")
-    ce.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="plan key (e.g. pretrain_tokens=1e6), or recipe.KEY / STAGE.KEY recipe override")
-    ce.add_argument("--out", default="runs/context-extension", help="output directory (default runs/context-extension)")
-    start = ce.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true", help="continue the experiment in --out: skip what is done and still matches the plan")
-    start.add_argument("--overwrite", action="store_true", help="delete the experiment in --out and start over")
-    ce.add_argument("--dry-run", action="store_true", help="check the plan, print the stages and exit")
-    ce.set_defaults(func=cmd_experiment)
-
     pl = sub.add_parser(
         "plugins", help="list plugins and components",
         description="The components a recipe can name, the installed plugins providing them, their status.",
@@ -383,7 +349,7 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     )
     pl.set_defaults(func=cmd_plugins)
 
-    d = sub.add_parser("data", help="genome datasets", description="Obtain and inspect genome datasets.")
+    d = sub.add_parser("data", help="datasets", description="Obtain and inspect the named datasets (data sources of the installed plugins).")
     dsub = d.add_subparsers(title="commands", metavar="COMMAND")
     d.set_defaults(func=missing_command("megaseq data", dsub))
     f = dsub.add_parser("fetch", help="download and tokenise a dataset", description="Fetch a dataset into the cache.")

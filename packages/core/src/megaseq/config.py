@@ -1,8 +1,8 @@
 """Recipes: TOML files that compose a run from components, validated before anything is built.
 
 Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, ``[parallel]``, and one section per component used,
-``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory_policy.NAME]``, validated by that component's own
-schema. Every mistake is one line naming the file, the key path and what is allowed.
+``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory_policy.NAME]``, ``[baseline.NAME]``, validated by that
+component's own schema. Every mistake is one line naming the file, the key path and what is allowed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from megaseq.plugins import Plugins
 from megaseq.records import ComponentConfig
 
 MAX_SEQ_LEN = 2**30  # beyond any memory; a bound keeps a typo from reaching the planner's arithmetic
-COMPONENT_SECTIONS = {"attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy"}
+COMPONENT_SECTIONS = {
+    "attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy", "baseline": "baseline",
+}
+# keys a recipe may no longer hold, with what replaced them (one line each)
+REPLACED_KEYS = {
+    ("eval", "markov_order"): "the Markov baseline is a component of megaseq-genome: set eval.baselines = "
+    '["markov"] and its order in [baseline.markov] (order = 8)',
+}
 
 
 class Section(BaseModel):
@@ -44,8 +51,8 @@ class RunConfig(Section):
 
 
 class DataConfig(Section):
-    train: str = Field("grch37-chr20", description="dataset name (megaseq data list) or FASTA path")
-    heldout: str = Field("grch37-chrX", description="dataset name or FASTA path")
+    train: str = Field("excerpt-chr20", description="dataset name (megaseq data list) or FASTA path")
+    heldout: str = Field("excerpt-chrX", description="dataset name or FASTA path")
     seq_len: int = Field(1024, ge=2, le=MAX_SEQ_LEN, description="bases per training window")
     max_n_fraction: float = Field(0.5, ge=0, le=1, description="skip windows with more N than this")
     softmask_weight: float = Field(1.0, ge=0, le=1, description="loss weight of soft-masked (lower-case) bases")
@@ -154,7 +161,9 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     windows: int = Field(64, ge=1, description="held-out windows scored")
     batch_size: int = Field(8, ge=1)
-    markov_order: int = Field(8, ge=0, le=12)
+    baselines: list[str] = Field(
+        [], description="baselines scored beside the model (megaseq plugins lists them), each configured in [baseline.NAME]"
+    )
     first_bucket: int = Field(1024, ge=1, description="end of the first context-position bucket")
 
 
@@ -248,6 +257,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recipe>") -> Recipe:
     """Validate TOML-shaped data against core's schema and each used component's schema."""
     raw = dict(raw)
+    for (section, key), instead in REPLACED_KEYS.items():
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            raise ConfigError(f"{source}: {section}.{key}: not a recipe key; {instead}")
     component_raw = {section: raw.pop(section, {}) for section in COMPONENT_SECTIONS}
     try:
         recipe = Recipe(**raw, source=source)
@@ -290,6 +302,9 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         for i, name in enumerate(recipe.train.memory_policy):
             used["memory_policy"].add(name)
             where.setdefault(("memory_policy", name), f"train.memory_policy[{i}]")
+    for i, name in enumerate(recipe.eval.baselines):
+        used["baseline"].add(name)
+        where.setdefault(("baseline", name), f"eval.baselines[{i}]")
 
     for section, kind in COMPONENT_SECTIONS.items():
         if not isinstance(component_raw[section], dict):
@@ -302,7 +317,7 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         tables = component_raw[section]
         for name in sorted(set(tables) - used[kind]):
             users = {"attention": "model.layer_pattern", "ffn": "model.ffn", "moe": "model.moe",
-                     "memory_policy": "train.memory_policy"}[kind]
+                     "memory_policy": "train.memory_policy", "baseline": "eval.baselines"}[kind]
             raise ConfigError(f"{source}: [{section}.{name}] is configured but not used by {users}")
         for name in sorted(used[kind]):
             provided = plugins.get(kind, name, where=f"{source}: {where[(kind, name)]}")

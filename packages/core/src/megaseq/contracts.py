@@ -414,6 +414,24 @@ class RLAlgorithm(Protocol):
     def batch_weight(self, mask: Tensor) -> float: ...
 
 
+@runtime_checkable
+class Baseline(Protocol):
+    """A reference predictor scored beside the model on the same held-out windows (a k-mer Markov model).
+
+    Built by its record's target as ``build(config, train: str)``: ``train`` is the recipe's ``data.train``
+    (a data-source name or a FASTA path), which a baseline that learns from data fits on. ``label`` names its
+    column in the evaluation's results (e.g. ``markov-8``). ``token_losses(inputs [B, T], targets [B, T])``
+    (token ids, ``megaseq.data.tokenizer``) returns ``[B, T]`` losses in nats, finite and non-negative, 0
+    where the target is N; the target at position p is predicted from ``inputs[:, : p + 1]`` only: never
+    from a later input (``inputs[:, p + 1]`` is ``targets[:, p]``) nor from outside the window.
+    ``megaseq.testing.baseline.BaselineConformance`` checks all of this.
+    """
+
+    label: str
+
+    def token_losses(self, inputs: Tensor, targets: Tensor) -> Tensor: ...
+
+
 def iter_modules(model: torch.nn.Module, cls: type) -> Iterator[tuple[str, Any]]:
     """``(name, module)`` for each submodule that is an instance of ``cls``: how a plugin finds its own
     modules in a model from its lifecycle hooks."""
@@ -425,6 +443,7 @@ def iter_modules(model: torch.nn.Module, cls: type) -> Iterator[tuple[str, Any]]
 __all__ = [
     "LOAD_STAT_KEYS",
     "Attention",
+    "Baseline",
     "ContextParallel",
     "FeedForward",
     "ForwardContext",

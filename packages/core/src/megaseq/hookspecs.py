@@ -7,7 +7,8 @@ when the plugin is registered, not a silent no-op.
 Two families:
 
 - **Registration hooks** (``megaseq_attention``, ``megaseq_ffn``, ``megaseq_moe``, ``megaseq_memory_policy``,
-  ``megaseq_rl_algorithm``, ``megaseq_inference_engine``, ``megaseq_command``) return the plugin's components as records (``megaseq.records``). Core calls each
+  ``megaseq_rl_algorithm``, ``megaseq_inference_engine``, ``megaseq_command``, ``megaseq_data_source``,
+  ``megaseq_baseline``) return the plugin's components as records (``megaseq.records``). Core calls each
   plugin's implementation separately, once per plugin manager, when the registry is first needed (listing
   plugins, validating a recipe, building a model), so that a failure is pinned on the plugin that caused it:
   an exception, a record of the wrong type or a record whose target does not exist makes that plugin
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
 
     from megaseq.records import (
         AttentionSpec,
+        BaselineSpec,
         CommandSpec,
+        DataSourceSpec,
         FFNSpec,
         InferenceEngineSpec,
         MemoryPolicySpec,
@@ -117,6 +120,28 @@ def megaseq_command() -> list[CommandSpec]:
     own commands. A name that is one of core's commands (``megaseq.cli.CORE_COMMANDS``) is never dispatched
     to the plugin: core warns and keeps its own. Two plugins with one name are an error
     naming both. An exception in this hook marks the plugin broken.
+    """
+
+
+@hookspec
+def megaseq_data_source() -> list[DataSourceSpec]:
+    """The named corpora this plugin provides (what ``data.train``, ``data.heldout`` and ``megaseq data
+    fetch`` name).
+
+    Returns a list of ``megaseq.records.DataSourceSpec``; each target resolves to
+    ``fetch(cache_dir: Path) -> Path``, the corpus as a local FASTA file. Core tokenises it into its cache and
+    checks the record's base counts. Called like :func:`megaseq_attention`; core provides the two DNA
+    excerpts ``excerpt-chr20`` and ``excerpt-chrX``.
+    """
+
+
+@hookspec
+def megaseq_baseline() -> list[BaselineSpec]:
+    """The baselines (reference predictors scored beside the model, ``eval.baselines``) this plugin provides.
+
+    Returns a list of ``megaseq.records.BaselineSpec``; each target resolves to
+    ``build(config, train: str) -> Baseline`` implementing ``megaseq.contracts.Baseline``. Called like
+    :func:`megaseq_attention`.
     """
 
 

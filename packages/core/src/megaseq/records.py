@@ -270,7 +270,32 @@ class CommandSpec(Record):
     kind: ClassVar[str] = "command"
 
 
+@dataclass(frozen=True)
+class DataSourceSpec(Record):
+    """A named corpus that ``data.train`` / ``data.heldout`` (and ``megaseq data fetch NAME``) can name.
+    ``target`` resolves to ``fetch(cache_dir: Path) -> Path``: the local path of the corpus as one FASTA file
+    (plain or gzip), obtained into ``cache_dir / NAME`` first if needed. ``bases`` and ``n_bases``: the
+    tokens and N tokens its records hold, checked when it is tokenised (``None``: not checked).
+    ``summary`` is its line in ``megaseq data list``."""
+
+    kind: ClassVar[str] = "data_source"
+    bases: int | None = None
+    n_bases: int | None = None
+
+
+@dataclass(frozen=True)
+class BaselineSpec(Component):
+    """A reference predictor scored beside the model (``eval.baselines``, configured in
+    ``[baseline.NAME]``): see ``megaseq.contracts.Baseline``. ``target`` resolves to
+    ``build(config, train: str) -> Baseline``."""
+
+    kind: ClassVar[str] = "baseline"
+
+
 SPEC_TYPES: dict[str, type[Record]] = {
     cls.kind: cls
-    for cls in (AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec, InferenceEngineSpec, CommandSpec)
+    for cls in (
+        AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec, InferenceEngineSpec, CommandSpec,
+        DataSourceSpec, BaselineSpec,
+    )
 }

@@ -1,10 +1,10 @@
-"""Core's built-in components, registered like any plugin: ``sdpa`` attention, the ``swiglu`` FFN and the
-``cached`` inference engine."""
+"""Core's built-in components, registered like any plugin: ``sdpa`` attention, the ``swiglu`` FFN, the
+``cached`` inference engine and the two DNA excerpts shipped for tests and demos."""
 
 from __future__ import annotations
 
 from megaseq.hookspecs import hookimpl
-from megaseq.records import AttentionSpec, FFNSpec, InferenceEngineSpec
+from megaseq.records import AttentionSpec, DataSourceSpec, FFNSpec, InferenceEngineSpec
 
 from .config import CachedEngineConfig, SDPAConfig, SwiGLUConfig
 
@@ -48,4 +48,24 @@ def megaseq_inference_engine() -> list[InferenceEngineSpec]:
             config=CachedEngineConfig,
             summary="decodes with the components' own caches (KDA state, DSA/sdpa key caches); CPU and CUDA, fp32/bf16",
         )
+    ]
+
+
+@hookimpl
+def megaseq_data_source() -> list[DataSourceSpec]:
+    return [
+        DataSourceSpec(
+            name="excerpt-chr20",
+            target="megaseq.data.sources:excerpt_chr20",
+            summary="300 kb of GRCh37 chr20 (40,000,001-40,300,000) from vt-examples, shipped with megaseq",
+            bases=300_000,
+            n_bases=0,
+        ),
+        DataSourceSpec(
+            name="excerpt-chrX",
+            target="megaseq.data.sources:excerpt_chrx",
+            summary="200 kb of GRCh37 chrX (40,000,001-40,200,000) from smalt-examples, shipped with megaseq",
+            bases=200_000,
+            n_bases=0,
+        ),
     ]

@@ -1,10 +1,9 @@
-"""Genome data: FASTA reading, single-nucleotide tokens, named datasets with a token cache, and windows."""
+"""Sequence data: FASTA reading, single-nucleotide tokens, named data sources with a token cache, and windows."""
 
 from megaseq.data.errors import DataError
 from megaseq.data.fasta import read_fasta
 from megaseq.data.sources import (
-    DATASETS,
-    DatasetInfo,
+    data_sources,
     default_cache_dir,
     fetch,
     resolve_fasta,
@@ -24,16 +23,15 @@ from megaseq.data.tokenizer import (
 from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
 
 __all__ = [
-    "DATASETS",
     "N_ID",
     "SOFTMASK_FLAG",
     "VOCAB",
     "VOCAB_SIZE",
     "Batch",
     "DataError",
-    "DatasetInfo",
     "GenomeWindows",
     "WindowSampler",
+    "data_sources",
     "decode",
     "default_cache_dir",
     "encode",

@@ -1,37 +1,45 @@
-"""Named genome datasets, fetching them from Debian packages, and the tokenised on-disk cache.
+"""Named corpora (data sources provided by plugins) and the tokenised on-disk cache.
 
-Datasets come from Debian example packages so that no network service beyond the distribution mirror is
-needed: `fetch` uses the cache, then an installed copy under /usr/share/doc, then `apt-get download` +
-`dpkg-deb -x` (neither needs root). Two small excerpts ship inside megaseq for tests and demos.
+A data source is a record of kind ``data_source`` (``megaseq.records.DataSourceSpec``, hook
+``megaseq_data_source``): a name whose target fetches the corpus as one local FASTA file. Core provides two
+small DNA excerpts shipped inside megaseq, for tests and demos; other corpora come from plugins
+(megaseq-genome provides the GRCh37 chromosomes), registered the same way. Wherever a dataset is named
+(``data.train``, ``data.heldout``, ``megaseq data fetch``), a FASTA path works too.
 
 `tokenized` streams a FASTA through the tokenizer into a flat uint8 file (records joined by one N token, so
 no Markov context and no all-base window silently joins two records) and memory-maps it. The cache entry is
 keyed by the source's resolved path, size and mtime, and a JSON beside it records where it came from, the
-record offsets and base counts. Both files are written to temporaries and renamed, the JSON last, so a
-crashed run never leaves a half-written entry that looks complete.
+record offsets and base counts; a named source's counts are checked against its record. Both files are
+written to temporaries and renamed, the JSON last, so a crashed run never leaves a half-written entry that
+looks complete.
 """
+
+from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megaseq.catalog import provider
 from megaseq.data.errors import DataError
 from megaseq.data.fasta import iter_fasta_pieces
 from megaseq.data.tokenizer import N_ID, SOFTMASK_FLAG, VOCAB, InvalidNucleotide, encode
+from megaseq.errors import PluginError
+
+if TYPE_CHECKING:
+    from megaseq.plugins import Plugins, Provided
+    from megaseq.records import DataSourceSpec
 
 __all__ = [
-    "DATASETS",
     "DataError",
-    "DatasetInfo",
+    "data_sources",
     "default_cache_dir",
     "fetch",
     "resolve_fasta",
@@ -39,71 +47,22 @@ __all__ = [
     "tokenized",
 ]
 
-# Installed Debian packages put their files here; tests point it at a temporary directory.
-SYSTEM_ROOT = Path("/")
 EXCERPT_DIR = Path(__file__).parent / "excerpt"
 
 
-@dataclass(frozen=True)
-class DatasetInfo:
-    """A named FASTA file. `package` is the Debian package holding `member` (a path inside it), or None for
-    an excerpt shipped inside megaseq, whose `member` is then a file name in megaseq/data/excerpt."""
-
-    name: str
-    description: str
-    package: str | None
-    member: str
-    bases: int
-    n_bases: int
+def excerpt_chr20(cache_dir: Path) -> Path:
+    """300 kb of GRCh37 chr20 shipped inside megaseq (the ``excerpt-chr20`` data source)."""
+    return EXCERPT_DIR / "grch37_chr20_excerpt.fa.gz"
 
 
-DATASETS: dict[str, DatasetInfo] = {
-    info.name: info
-    for info in [
-        DatasetInfo(
-            "grch37-chr20",
-            "human GRCh37 chromosome 20, complete, upper case (training chromosome)",
-            "vt-examples",
-            "usr/share/doc/vt/examples/ref/20.fa.gz",
-            bases=63_025_520,
-            n_bases=3_520_000,
-        ),
-        DatasetInfo(
-            "grch37-chrX",
-            "human GRCh37 chromosome X, first 70 Mb, upper case (held-out chromosome)",
-            "smalt-examples",
-            "usr/share/doc/smalt/test/data/hs37chrXtrunc.fa.gz",
-            bases=69_999_930,
-            n_bases=3_760_000,
-        ),
-        DatasetInfo(
-            "excerpt-chr20",
-            "300 kb of GRCh37 chr20 (40,000,001-40,300,000) from vt-examples, shipped with megaseq",
-            None,
-            "grch37_chr20_excerpt.fa.gz",
-            bases=300_000,
-            n_bases=0,
-        ),
-        DatasetInfo(
-            "excerpt-chrX",
-            "200 kb of GRCh37 chrX (40,000,001-40,200,000) from smalt-examples, shipped with megaseq",
-            None,
-            "grch37_chrX_excerpt.fa.gz",
-            bases=200_000,
-            n_bases=0,
-        ),
-    ]
-}
+def excerpt_chrx(cache_dir: Path) -> Path:
+    """200 kb of GRCh37 chrX shipped inside megaseq (the ``excerpt-chrX`` data source)."""
+    return EXCERPT_DIR / "grch37_chrX_excerpt.fa.gz"
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
+    """A progress line on stderr (fetching and tokenising take seconds to minutes)."""
     print(f"megaseq: {message}", file=sys.stderr, flush=True)
-
-
-def _dataset(name: str) -> DatasetInfo:
-    if name not in DATASETS:
-        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
-    return DATASETS[name]
 
 
 def default_cache_dir() -> Path:
@@ -111,68 +70,47 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MEGASEQ_CACHE") or Path.home() / ".cache" / "megaseq")
 
 
-def fetch(name: str, cache_dir: Path | None = None) -> Path:
-    """Local path of the named dataset's FASTA, extracting it from its Debian package if needed."""
-    info = _dataset(name)
-    if info.package is None:
-        return EXCERPT_DIR / info.member
-    target = (cache_dir or default_cache_dir()) / name / PurePosixPath(info.member).name
-    if target.is_file():
-        return target
-    installed = SYSTEM_ROOT / info.member
-    if installed.is_file():
-        _progress(f"{name}: using {installed} from the installed Debian package {info.package}")
-        return installed
-    return _extract_from_debian(info, target)
+def data_sources(plugins: Plugins | None = None) -> dict[str, Provided]:
+    """``{name: Provided}`` of the installed data sources (``plugins``: by default the installed plugins)."""
+    if plugins is None:
+        from megaseq.plugins import get_plugins
+
+        plugins = get_plugins()
+    return plugins.registry["data_source"]
 
 
-def _extract_from_debian(info: DatasetInfo, target: Path) -> Path:
-    assert info.package is not None
-    advice = (
-        f"install Debian package {info.package} (apt-get install {info.package}) or download "
-        f"/{info.member} from it and pass that file's path"
-    )
-    missing = [tool for tool in ("apt-get", "dpkg-deb") if shutil.which(tool) is None]
-    if missing:
-        raise DataError(f"cannot fetch {info.name}: {' and '.join(missing)} not found; {advice}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    # Extract next to the target so the final rename stays on one file system (atomic).
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        _progress(f"{info.name}: apt-get download {info.package}")
-        _run(["apt-get", "download", info.package], Path(tmp), info, advice)
-        debs = sorted(Path(tmp).glob(f"{info.package}_*.deb"))
-        if not debs:
-            raise DataError(f"cannot fetch {info.name}: apt-get produced no {info.package} .deb; {advice}")
-        _progress(f"{info.name}: extracting {debs[0].name}")
-        _run(["dpkg-deb", "-x", str(debs[0]), "root"], Path(tmp), info, advice)
-        extracted = Path(tmp) / "root" / info.member
-        if not extracted.is_file():
-            raise DataError(f"cannot fetch {info.name}: {debs[0].name} has no {info.member}; {advice}")
-        index = extracted.with_name(extracted.name + ".fai")
-        if index.is_file():
-            os.replace(index, target.with_name(target.name + ".fai"))
-        os.replace(extracted, target)
-    _progress(f"{info.name}: {target} ready in {time.perf_counter() - started:.1f} s")
-    return target
+def fetch(name: str, cache_dir: Path | None = None, plugins: Plugins | None = None) -> Path:
+    """Local FASTA path of the data source ``name``, fetched by its plugin if needed."""
+    sources = data_sources(plugins)
+    if name not in sources:
+        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(sources)) or 'none'}{_install_hint(name)}")
+    provided = sources[name]
+    path = Path(provided.load()(cache_dir or default_cache_dir()))
+    if not path.is_file():
+        raise PluginError(f"data source {name!r} from {provided.plugin.label} returned {path}, which is not a file")
+    return path
 
 
-def _run(command: list[str], cwd: Path, info: DatasetInfo, advice: str) -> None:
-    result = subprocess.run(command, check=False, cwd=cwd, capture_output=True, text=True)
-    if result.returncode != 0:
-        lines = (result.stderr or result.stdout).strip().splitlines()
-        reason = lines[-1] if lines else f"exit status {result.returncode}"
-        raise DataError(f"cannot fetch {info.name}: `{' '.join(command)}` failed ({reason}); {advice}")
-
-
-def resolve_fasta(spec: str | Path, cache_dir: Path | None = None) -> Path:
-    """A dataset name (fetched if needed) or the path of an existing FASTA file."""
-    if str(spec) in DATASETS:
-        return fetch(str(spec), cache_dir)
+def _resolve(spec: str | Path, cache_dir: Path | None, plugins: Plugins | None) -> tuple[Path, DataSourceSpec | None]:
+    sources = data_sources(plugins)
+    if str(spec) in sources:
+        return fetch(str(spec), cache_dir, plugins), sources[str(spec)].spec
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise DataError(f"{spec!r} is neither a known dataset ({', '.join(DATASETS)}) nor an existing file")
-    return path
+        raise DataError(
+            f"{spec!r} is neither a known dataset ({', '.join(sorted(sources))}) nor an existing file{_install_hint(str(spec))}"
+        )
+    return path, None
+
+
+def _install_hint(name: str) -> str:
+    package = provider("data_source", name)
+    return f"; {name!r} is provided by the package {package}, which is not installed" if package else ""
+
+
+def resolve_fasta(spec: str | Path, cache_dir: Path | None = None, plugins: Plugins | None = None) -> Path:
+    """A data source's name (fetched if needed) or the path of an existing FASTA file."""
+    return _resolve(spec, cache_dir, plugins)[0]
 
 
 def _token_cache_paths(source: Path, cache_dir: Path | None) -> tuple[Path, Path]:
@@ -182,8 +120,9 @@ def _token_cache_paths(source: Path, cache_dir: Path | None) -> tuple[Path, Path
     return directory / f"{source.name}-{key}.u8", directory / f"{source.name}-{key}.json"
 
 
-def _ensure_tokens(spec: str | Path, cache_dir: Path | None) -> tuple[Path, dict]:
-    source = resolve_fasta(spec, cache_dir).resolve()
+def _ensure_tokens(spec: str | Path, cache_dir: Path | None, plugins: Plugins | None) -> tuple[Path, dict]:
+    source, record = _resolve(spec, cache_dir, plugins)
+    source = source.resolve()
     tokens_path, meta_path = _token_cache_paths(source, cache_dir)
     if meta_path.is_file() and tokens_path.is_file():
         meta = json.loads(meta_path.read_text())
@@ -191,14 +130,14 @@ def _ensure_tokens(spec: str | Path, cache_dir: Path | None) -> tuple[Path, dict
             return tokens_path, meta
     tokens_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    meta = _write_tokens(source, tokens_path, DATASETS.get(str(spec)))
+    meta = _write_tokens(source, tokens_path, record)
     _write_atomically(meta_path, json.dumps(meta, indent=1).encode())
-    _progress(f"tokenised {source} ({meta['tokens']:,} tokens) in {time.perf_counter() - started:.1f} s")
+    progress(f"tokenised {source} ({meta['tokens']:,} tokens) in {time.perf_counter() - started:.1f} s")
     return tokens_path, meta
 
 
-def _write_tokens(source: Path, tokens_path: Path, dataset: DatasetInfo | None) -> dict:
-    """Stream the FASTA into a temporary token file, check a named dataset's base counts, rename the file
+def _write_tokens(source: Path, tokens_path: Path, dataset: DataSourceSpec | None) -> dict:
+    """Stream the FASTA into a temporary token file, check a named data source's base counts, rename the file
     into place and return its metadata."""
     histogram = np.zeros(16, dtype=np.int64)
     records: list[dict] = []
@@ -246,13 +185,14 @@ def _write_tokens(source: Path, tokens_path: Path, dataset: DatasetInfo | None) 
     return meta
 
 
-def _check_counts(info: DatasetInfo, source: Path, meta: dict) -> None:
+def _check_counts(info: DataSourceSpec, source: Path, meta: dict) -> None:
     bases = sum(record["length"] for record in meta["records"])
     n_bases = meta["counts"]["N"] - (len(meta["records"]) - 1)
-    if (bases, n_bases) != (info.bases, info.n_bases):
+    expected = (bases if info.bases is None else info.bases, n_bases if info.n_bases is None else info.n_bases)
+    if (bases, n_bases) != expected:
         raise DataError(
-            f"{source} has {bases:,} bases ({n_bases:,} N) but dataset {info.name} has {info.bases:,} "
-            f"({info.n_bases:,} N): the file is damaged or a different version; delete it and fetch again"
+            f"{source} has {bases:,} bases ({n_bases:,} N) but dataset {info.name} has {expected[0]:,} "
+            f"({expected[1]:,} N): the file is damaged or a different version; delete it and fetch again"
         )
 
 
@@ -267,12 +207,12 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-def tokenized(spec: str | Path, cache_dir: Path | None = None) -> np.ndarray:
-    """Read-only memmap (uint8 token bytes, see tokenizer) of a dataset or FASTA file, records joined by N."""
-    tokens_path, meta = _ensure_tokens(spec, cache_dir)
+def tokenized(spec: str | Path, cache_dir: Path | None = None, plugins: Plugins | None = None) -> np.ndarray:
+    """Read-only memmap (uint8 token bytes, see tokenizer) of a data source or FASTA file, records joined by N."""
+    tokens_path, meta = _ensure_tokens(spec, cache_dir, plugins)
     return np.memmap(tokens_path, dtype=np.uint8, mode="r", shape=(meta["tokens"],))
 
 
-def token_metadata(spec: str | Path, cache_dir: Path | None = None) -> dict:
+def token_metadata(spec: str | Path, cache_dir: Path | None = None, plugins: Plugins | None = None) -> dict:
     """The JSON beside `tokenized(spec)`: source, size, mtime_ns, tokens, records, counts."""
-    return _ensure_tokens(spec, cache_dir)[1]
+    return _ensure_tokens(spec, cache_dir, plugins)[1]

@@ -1,6 +1,5 @@
-"""Evaluation helpers: the Markov baseline and loss by context position."""
+"""Evaluation helpers: loss by context position, for the model and its baselines."""
 
-from megaseq.eval.markov import MarkovBaseline
 from megaseq.eval.positions import PositionLoss, bucket_edges, format_table, plot_positions
 
-__all__ = ["MarkovBaseline", "PositionLoss", "bucket_edges", "format_table", "plot_positions"]
+__all__ = ["PositionLoss", "bucket_edges", "format_table", "plot_positions"]

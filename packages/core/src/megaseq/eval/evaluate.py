@@ -1,13 +1,12 @@
-"""Held-out evaluation: loss by context position for the model and a k-mer Markov baseline.
+"""Held-out evaluation: loss by context position for the model and the recipe's baselines.
 
-Both are scored on the same held-out windows (evenly spaced over the held-out chromosome) with the same
-weights, so every number has a reference beside it. The baseline is fitted on the training chromosome
-and cached next to the token cache.
+The model and every baseline ``eval.baselines`` names (``megaseq.contracts.Baseline``, e.g. the k-mer Markov
+model of megaseq-genome) are scored on the same held-out windows (evenly spaced over the held-out data) with
+the same weights, so every number has a reference beside it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -18,22 +17,22 @@ import torch
 from tqdm import tqdm
 
 from megaseq.config import Recipe
-from megaseq.contracts import ForwardContext
-from megaseq.data.sources import default_cache_dir, resolve_fasta, tokenized
+from megaseq.contracts import Baseline, ForwardContext
+from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows
 from megaseq.errors import UserError
-from megaseq.eval.markov import MarkovBaseline
 from megaseq.eval.positions import PositionLoss, format_table, plot_positions
 from megaseq.model import LanguageModel, chunked_token_losses
+from megaseq.plugins import Plugins
 
 
 def batch_to(batch: Batch, device: torch.device) -> Batch:
     return Batch(batch.inputs.to(device), batch.targets.to(device), batch.weights.to(device))
 
 
-def heldout_windows(recipe: Recipe) -> tuple[GenomeWindows, list[int]]:
+def heldout_windows(recipe: Recipe, plugins: Plugins | None = None) -> tuple[GenomeWindows, list[int]]:
     d = recipe.data
-    windows = GenomeWindows(tokenized(d.heldout), d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight)
+    windows = GenomeWindows(tokenized(d.heldout, plugins=plugins), d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight)
     if len(windows) == 0:
         raise UserError(f"{recipe.source}: data.heldout {d.heldout!r} has no window of seq_len {d.seq_len}")
     n = min(recipe.eval.windows, len(windows))
@@ -63,32 +62,23 @@ def score_model(
     return acc.summary()
 
 
-def markov_baseline(recipe: Recipe) -> MarkovBaseline:
-    return fitted_markov(recipe.data.train, recipe.eval.markov_order)
+def build_baselines(recipe: Recipe, plugins: Plugins) -> list[Baseline]:
+    """The baselines ``eval.baselines`` names, each built from its ``[baseline.NAME]`` config and fitted on
+    ``data.train`` (see ``megaseq.contracts.Baseline``)."""
+    built = []
+    for name in recipe.eval.baselines:
+        provided = plugins.get("baseline", name, where=f"{recipe.source}: eval.baselines")
+        built.append(provided.load()(recipe.component("baseline", name), recipe.data.train))
+    return built
 
 
-def fitted_markov(train: str, order: int) -> MarkovBaseline:
-    """The order-``order`` Markov baseline fitted on dataset ``train``, from the cache or fitted once."""
-    source = resolve_fasta(train)
-    stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{order}".encode()).hexdigest()[:16]
-    path = default_cache_dir() / "markov" / f"order{order}-{key}.npz"
-    if path.exists():
-        return MarkovBaseline.load(path)
-    print(f"fitting the order-{order} Markov baseline on {train} ...", file=sys.stderr)
-    model = MarkovBaseline(order).fit(tokenized(train))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model.save(path)
-    return model
-
-
-def score_markov(
-    baseline: MarkovBaseline, recipe: Recipe, windows: GenomeWindows, indices: list[int], progress: bool = False
+def score_baseline(
+    baseline: Baseline, recipe: Recipe, windows: GenomeWindows, indices: list[int], progress: bool = False
 ) -> dict:
     acc = PositionLoss(recipe.data.seq_len, recipe.eval.first_bucket)
-    for start in _batches(indices, recipe.eval.batch_size, progress, f"eval markov-{baseline.order}"):
+    for start in _batches(indices, recipe.eval.batch_size, progress, f"eval {baseline.label}"):
         batch = windows.batch(indices[start : start + recipe.eval.batch_size])
-        acc.add(baseline.token_losses(batch.inputs, batch.targets), batch.weights)
+        acc.add(baseline.token_losses(batch.inputs, batch.targets).double(), batch.weights)
     return acc.summary()
 
 
@@ -107,18 +97,17 @@ def evaluate_heldout(
     model: LanguageModel,
     recipe: Recipe,
     device: torch.device,
+    plugins: Plugins,
     out_dir: Path | None = None,
     baseline: bool = True,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Score the model (and the Markov baseline) on held-out windows; write JSON + PNG to ``out_dir``.
-
-    ``progress``: a progress bar per scorer on stderr."""
-    windows, indices = heldout_windows(recipe)
+    """Score the model (and, with ``baseline``, the recipe's baselines) on held-out windows; write JSON + PNG
+    to ``out_dir``. ``progress``: a progress bar per scorer on stderr."""
+    windows, indices = heldout_windows(recipe, plugins)
     results = {"model": score_model(model, recipe, windows, indices, device, progress)}
-    if baseline:
-        markov = markov_baseline(recipe)
-        results[f"markov-{recipe.eval.markov_order}"] = score_markov(markov, recipe, windows, indices, progress)
+    for built in build_baselines(recipe, plugins) if baseline else []:
+        results[built.label] = score_baseline(built, recipe, windows, indices, progress)
     table = format_table(results)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -215,7 +215,7 @@ def estimate(
     norms = 2 * (x + NORM_BYTES)
     rows = tokens // length  # sequences per micro-batch on this device
 
-    runtime = machine.runtime_bytes + (training_data_bytes(recipe) if machine.kind == "cpu" else 0)
+    runtime = machine.runtime_bytes + (training_data_bytes(recipe, plugins) if machine.kind == "cpu" else 0)
     out = Estimate(policies, runtime=runtime, time_cost=sum(e.time_cost for e in effects))
     embed = m.vocab_size * m.d_model * 4 * (1 if m.tie_embeddings else 2) // layout.tp
     params = embed + 4 * m.d_model * (2 * m.n_layers + 1)
@@ -302,14 +302,12 @@ def estimate(
     return out
 
 
-def training_data_bytes(recipe: Recipe) -> int:
-    """The training token file's size (one byte per base), which a CPU run keeps resident: known for the
-    named datasets, the FASTA file's size for a path (compressed files are undercounted)."""
-    from megaseq.data.sources import DATASETS
-
-    info = DATASETS.get(recipe.data.train)
-    if info is not None:
-        return info.bases
+def training_data_bytes(recipe: Recipe, plugins: Plugins) -> int:
+    """The training token file's size (one byte per base), which a CPU run keeps resident: known for a data
+    source that declares its bases, the FASTA file's size for a path (compressed files are undercounted)."""
+    source = plugins.registry["data_source"].get(recipe.data.train)
+    if source is not None:
+        return getattr(source.spec, "bases", None) or 0  # a source that declares no size: unknown, not counted
     path = Path(recipe.data.train)
     return path.stat().st_size if path.is_file() else 0
 

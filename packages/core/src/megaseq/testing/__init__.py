@@ -25,13 +25,13 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | knob | suites | default | meaning |
 |---|---|---|---|
 | `name` | all | (required) | the component's registered name |
-| `config` | all | `{}` | its config, as its recipe section would give it |
-| `factory` | all | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; core's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy or an RL algorithm `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)` |
+| `config` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline | `{}` | its config, as its recipe section would give it |
+| `factory` | attention, ffn, moe, tiling, memory policy, rl, engine | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; core's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy or an RL algorithm `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)` |
 | `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
 | `kind` | ffn, moe | `"ffn"` / `"moe"` | the kind to build (set by the suite class) |
 | `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
 | `d_model` | attention, ffn, moe, tiling | 32 | model width |
-| `tolerance` | all | 1e-5; memory policy 1e-6; rl 1e-10; engine 1e-4 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
+| `tolerance` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline | 1e-5; memory policy, baseline 1e-6; rl 1e-10; engine 1e-4 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
 | `grad_tolerance` | attention, ffn, moe | 1e-6 | error bound of the float64 finite-difference gradient check, relative to `max(1, \|derivative\|)` |
 | `invariance_tolerance` | rl | 1e-4 | shift and scale invariance of advantages, relative to the largest advantage |
 | `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement |
@@ -56,6 +56,8 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `clip_range` | rl | `(0.2, 0.2)` | `(eps_low, eps_high)` of a PPO-style trust region: just outside `[1 - eps_low, 1 + eps_high]` on the side the advantage pushes a token gets no gradient, just inside it does; `None`: no trust region |
 | `groups`, `group_size`, `tokens` | rl | 5, 4, 7 | prompts, completions per prompt, tokens per completion |
 | `prompt_len`, `new_tokens` | engine | 11, 9 | prompt length and tokens generated |
+| `train` | baseline | `"excerpt-chr20"` | what the baseline is fitted on (a data source or FASTA path) |
+| `cache_dir` | data source | `None` | where to fetch to; `None`: megaseq's cache (`$MEGASEQ_CACHE`, else ~/.cache/megaseq) |
 """
 
 from __future__ import annotations

@@ -114,21 +114,25 @@ def check_writable(directory: Path, what: str) -> None:
         raise UserError(f"{what} {directory}: cannot write there ({exc.strerror})") from None
 
 
-def prepare(out_dir: Path, mode: StartMode) -> None:
-    """Make ``out_dir`` ready for a run started as ``mode`` (see the module docstring)."""
+def prepare(
+    out_dir: Path, mode: StartMode, outputs: tuple[str, ...] = RUN_OUTPUTS, holds: str = "a run", option: str = "run.out_dir"
+) -> None:
+    """Make ``out_dir`` ready for a run started as ``mode`` (see the module docstring). Something else that
+    keeps this rule (an experiment of several runs) names its own ``outputs``, what the directory ``holds``
+    and the ``option`` that chose the directory, for the messages."""
     if mode not in START_MODES:
         raise ValueError(f"start mode must be one of {START_MODES}, got {mode!r}")
-    present = run_outputs(out_dir)
+    present = [name for name in outputs if (out_dir / name).exists()]
     if mode == "new" and present:
         raise UserError(
-            f"{out_dir} already holds a run ({', '.join(present)}); continue it with --resume or start over "
-            f"with --overwrite (deletes its {', '.join(RUN_OUTPUTS)})"
+            f"{out_dir} already holds {holds} ({', '.join(present)}); continue it with --resume or start over "
+            f"with --overwrite (deletes its {', '.join(outputs)})"
         )
     if mode == "overwrite":
         for name in present:
             path = out_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    check_writable(out_dir, "run.out_dir")
+    check_writable(out_dir, option)
 
 
 def truncate_metrics(out_dir: Path, step: int) -> str | None:

@@ -86,12 +86,12 @@ def freeze_except(model: torch.nn.Module, patterns: list[str], source: str) -> N
             p.requires_grad_(False)
 
 
-def data_windows(recipe: Recipe, which: str) -> GenomeWindows:
+def data_windows(recipe: Recipe, which: str, plugins: Plugins | None = None) -> GenomeWindows:
     """The windows of ``data.train`` or ``data.heldout``; unreadable or unusable data is a one-line error."""
     d = recipe.data
     spec = getattr(d, which)
     try:
-        tokens = tokenized(spec)
+        tokens = tokenized(spec, plugins=plugins)
     except DataError as exc:
         raise DataError(f"{recipe.source}: data.{which}: {exc}") from None
     windows = GenomeWindows(tokens, d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight)
@@ -154,8 +154,8 @@ class Trainer:
         self.out_dir = recipe.out_dir
         self.device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)
-        self.train_windows = data_windows(recipe, "train")
-        data_windows(recipe, "heldout")  # a bad data.heldout fails now, not after training
+        self.train_windows = data_windows(recipe, "train", plugins)
+        data_windows(recipe, "heldout", plugins)  # a bad data.heldout fails now, not after training
         p = self.parallel
         self.model = build_layout_model(recipe, plugins, p.ep_rank, p.layout.ep, p.tp_rank, p.layout.tp).to(self.device)
         self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
@@ -431,7 +431,7 @@ class Trainer:
         result = None
         if model is not None and self.parallel.is_main:
             out_dir = rundir.eval_dir(self.out_dir, self.step) if write else None
-            result = evaluate_heldout(model, self.recipe, self.device, out_dir, baseline=baseline, progress=self.progress)
+            result = evaluate_heldout(model, self.recipe, self.device, self.plugins, out_dir, baseline=baseline, progress=self.progress)
         self.parallel.barrier()
         return result
 

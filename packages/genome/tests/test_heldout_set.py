@@ -10,9 +10,9 @@ import torch
 
 from megaseq.data.tokenizer import N_ID
 from megaseq.errors import UserError
-from megaseq.eval.bootstrap import flat_within_intervals, mean_interval, relative_interval, resample_weights
-from megaseq.eval.heldout_set import WindowBucketLoss, score_windows, select_heldout
-from megaseq.eval.markov import MarkovBaseline
+from megaseq_genome.bootstrap import flat_within_intervals, mean_interval, relative_interval, resample_weights
+from megaseq_genome.heldout_set import WindowBucketLoss, score_windows, select_heldout
+from megaseq_genome.markov import MarkovBaseline
 
 
 def bases(n: int, seed: int = 0) -> np.ndarray:

@@ -1,10 +1,10 @@
-"""``megaseq experiment context-extension RECIPE``: does training at long context teach a model to use it?
+"""``megaseq context-extension RECIPE``: does training at long context teach a model to use it?
 
 Pretrain the recipe at a short context, continue it at a long context and, from the same checkpoint, at the
 short context for the same tokens and steps; train a parameter-matched softmax-attention model on the
 same budget; score all of them and k-mer Markov baselines on one fixed held-out set by context position
-(``megaseq.eval.heldout_set``), with bootstrap intervals over windows; write a report
-(``megaseq.experiment.report``). The plan and its stages are in ``megaseq.experiment.plan``.
+(``megaseq_genome.heldout_set``), with bootstrap intervals over windows; write a report
+(``megaseq_genome.experiment.report``). The plan and its stages are in ``megaseq_genome.experiment.plan``.
 
 Every stage and every evaluation runs in its own process (so its wall time and peak memory are its own),
 ``plan.jobs`` at a time, the machine's cores shared out between them as intra-op threads. Each stage is a
@@ -33,7 +33,6 @@ import json
 import multiprocessing
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -45,9 +44,10 @@ import numpy as np
 
 from megaseq.config import load_recipe
 from megaseq.errors import UserError
-from megaseq.experiment.plan import STAGES, ContextExtensionPlan, Stage, load_plan, parameter_count, stages
-from megaseq.experiment.report import write_report
 from megaseq.plugins import get_plugins
+from megaseq.train import rundir
+from megaseq_genome.experiment.plan import STAGES, ContextExtensionPlan, Stage, load_plan, parameter_count, stages
+from megaseq_genome.experiment.report import write_report
 
 
 def peak_rss_gib() -> float:
@@ -68,7 +68,7 @@ def _child_setup(threads: int) -> Any:
 
 def train_stage(raw: dict, source: str, init_from: str | None, threads: int, result: str) -> None:
     from megaseq.config import validate_recipe
-    from megaseq.train import checkpoint, rundir
+    from megaseq.train import checkpoint
     from megaseq.train.trainer import Trainer
 
     plugins = _child_setup(threads)
@@ -122,9 +122,9 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
     from megaseq.contracts import ForwardContext
     from megaseq.data.sources import tokenized
     from megaseq.devices import pick_device
-    from megaseq.eval.evaluate import fitted_markov
-    from megaseq.eval.heldout_set import HeldoutSet, score_windows
     from megaseq.model import build_model, chunked_token_losses
+    from megaseq_genome.heldout_set import HeldoutSet, score_windows
+    from megaseq_genome.markov import fitted_markov
 
     plugins = _child_setup(threads)
     heldout = HeldoutSet(**spec["heldout"])
@@ -375,20 +375,7 @@ EXPERIMENT_OUTPUTS = ("plan.json", "report.json", "report.md", "bits_by_bucket.p
 def prepare_out(out: Path, plan: ContextExtensionPlan, mode: str) -> None:
     """The run-directory rule (``megaseq.train.rundir``) for the experiment's directory as a whole (what a
     resumed experiment reuses is checked by :func:`check_reuse`)."""
-    present = [name for name in EXPERIMENT_OUTPUTS if (out / name).exists()]
-    if mode == "new" and present:
-        raise UserError(
-            f"{out} already holds a context-extension experiment ({', '.join(present)}); continue it with --resume "
-            f"or start over with --overwrite (deletes its {', '.join(EXPERIMENT_OUTPUTS)})"
-        )
-    if mode == "overwrite":
-        for name in present:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--out {out}: cannot write there ({exc.strerror})") from None
+    rundir.prepare(out, mode, EXPERIMENT_OUTPUTS, holds="a context-extension experiment", option="--out")
     (out / "plan.json").write_text(json.dumps(plan.model_dump(mode="json"), indent=2))
 
 
@@ -398,7 +385,7 @@ def run_context_extension(
     """The whole experiment (module docstring), ``mode`` "new", "resume" or "overwrite". Returns the report
     (also written under ``out``); nothing is written for ``dry_run``."""
     from megaseq.data.sources import tokenized
-    from megaseq.eval.heldout_set import select_heldout
+    from megaseq_genome.heldout_set import select_heldout
 
     plan = load_plan(scale, sets)
     plugins = get_plugins()
@@ -415,12 +402,13 @@ def run_context_extension(
     threads = max(1, (os.cpu_count() or 1) // plan.jobs)
     jobs = plan_jobs(plan, all_stages, dict(vars(heldout)), recipe.data.train, out, threads)
     notes = check_reuse(out, all_stages, jobs) if mode == "resume" else []
-    prepare_out(out, plan, mode)
-    for note in notes:
-        print(f"[experiment] {note}", file=sys.stderr)
-    run_jobs(jobs, plan.jobs, out)
-    params = {s.name: parameter_count(s.recipe, plugins) for s in all_stages}
-    paths = {s.name: model_eval_path(out, s) for s in all_stages} | {
-        f"markov-{k}": markov_eval_path(out, k) for k in plan.markov_orders
-    }
-    return write_report(out, plan, all_stages, heldout, params, paths)
+    with rundir.RunLock(out, "context-extension experiment"):  # one experiment per directory; each stage locks its own
+        prepare_out(out, plan, mode)
+        for note in notes:
+            print(f"[experiment] {note}", file=sys.stderr)
+        run_jobs(jobs, plan.jobs, out)
+        params = {s.name: parameter_count(s.recipe, plugins) for s in all_stages}
+        paths = {s.name: model_eval_path(out, s) for s in all_stages} | {
+            f"markov-{k}": markov_eval_path(out, k) for k in plan.markov_orders
+        }
+        return write_report(out, plan, all_stages, heldout, params, paths)

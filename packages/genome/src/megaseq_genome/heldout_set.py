@@ -10,7 +10,7 @@ window's p + 1 tokens before it, never from anything outside the window.
 
 Every model and baseline is scored on exactly these targets, one window at a time, and the losses are kept
 per window and per position bucket (:class:`WindowBucketLoss`), so confidence intervals can resample
-whole windows (``megaseq.eval.bootstrap``) and two models can be compared on the same resample.
+whole windows (``megaseq_genome.bootstrap``) and two models can be compared on the same resample.
 """
 
 from __future__ import annotations

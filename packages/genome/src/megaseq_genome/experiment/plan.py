@@ -1,11 +1,13 @@
 """The context-extension experiment's plan: budgets, lengths, the held-out set, and the stages it implies.
 
 A plan is validated like a recipe (unknown keys and bad values are one-line errors) and comes from a scale
-preset (``cpu``: sized to fit two hours on an idle 2-core CPU, 1 h 19 min measured; ``cpu-quick``: a third of its training
-budget, about 45 minutes, the same comparison and held-out set; ``gpu``: the same experiment with a larger
-budget, longer context and a larger held-out set) plus ``--set KEY=VALUE`` overrides. Keys of the form
-``STAGE.SECTION.KEY=VALUE`` (``STAGE`` one of :data:`STAGES`, or ``recipe`` for every stage) override the
-recipe of that stage, e.g. ``--set long.train.memory_policy=auto``.
+preset (``cpu``: sized to fit two hours on an idle 2-core CPU; ``cpu-quick``: a third of its training
+budget, the same comparison and held-out set; ``gpu``: the same experiment with a larger budget, longer
+context and a larger held-out set; docs/results.md has their measured times) plus ``--set KEY.PATH=VALUE``
+overrides, read like ``megaseq train --set``: ``plan.KEY=VALUE`` sets a plan key (``plan.pretrain_tokens=1e6``),
+``STAGE.SECTION.KEY=VALUE`` (``STAGE`` one of :data:`STAGES`) overrides that stage's recipe
+(``long.train.memory_policy=auto``), and any other ``SECTION.KEY=VALUE`` overrides every stage's recipe
+(``train.lr=1e-3``).
 
 Stages (each a training run in its own directory):
 
@@ -84,11 +86,14 @@ class ContextExtensionPlan(BaseModel):
         return self
 
 
-# Sized from the recipe's training throughput on a 2-core CPU (README, "The context-extension experiment",
-# has the measured time per stage): cpu 1 h 19 min on an idle machine, cpu-quick about 45 min, both on the same held-out set.
+# what --set plan.KEY may set (the overrides are set through STAGE.* and SECTION.* keys)
+PLAN_KEYS = [k for k in ContextExtensionPlan.model_fields if k not in ("recipe_overrides", "stage_overrides")]
+
+# Sized from the recipe's training throughput on a 2-core CPU (docs/results.md has the measured time per
+# stage); cpu and cpu-quick score the same held-out set.
 # The continuations go on at the pretraining's final learning rate (the recipe's 1e-3 x min_lr_ratio 0.1)
 # without warm-up: re-warming to 1e-3 made both continuations worse than the pretrain they started from
-# (README, "Results"), which hides any gain from context.
+# (docs/results.md), which hides any gain from context.
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {
         "pretrain_tokens": 4_194_304,
@@ -123,16 +128,21 @@ def load_plan(scale: str, sets: list[str]) -> ContextExtensionPlan:
     raw.setdefault("stage_overrides", {})
     for item in sets:
         path, value = parse_override(item)
+        value_text = item.partition("=")[2]
+        if len(path) < 2:
+            raise ConfigError(
+                f"--set {item!r}: expected plan.KEY=VALUE (a plan key), STAGE.SECTION.KEY=VALUE (one stage's recipe, "
+                f"STAGE one of {', '.join(STAGES)}) or SECTION.KEY=VALUE (every stage's recipe)"
+            )
         head, rest = path[0], ".".join(path[1:])
-        if head == "recipe" and rest:
-            raw["recipe_overrides"].append(f"{rest}={item.partition('=')[2]}")
-        elif head in STAGES and rest:
-            raw["stage_overrides"].setdefault(head, []).append(f"{rest}={item.partition('=')[2]}")
-        elif len(path) == 1:
-            raw[head] = value
+        if head == "plan":
+            if len(path) != 2 or path[1] not in PLAN_KEYS:
+                raise ConfigError(f"--set {item!r}: {rest}: unknown plan key; allowed: {', '.join(PLAN_KEYS)}")
+            raw[path[1]] = value
+        elif head in STAGES:
+            raw["stage_overrides"].setdefault(head, []).append(f"{rest}={value_text}")
         else:
-            allowed = ", ".join([*ContextExtensionPlan.model_fields, *(f"{s}.KEY" for s in ("recipe", *STAGES))])
-            raise ConfigError(f"--set {item!r}: unknown key; allowed: {allowed}")
+            raw["recipe_overrides"].append(f"{'.'.join(path)}={value_text}")
     try:
         return ContextExtensionPlan(**raw)
     except ValidationError as exc:
@@ -140,8 +150,8 @@ def load_plan(scale: str, sets: list[str]) -> ContextExtensionPlan:
         key = ".".join(str(p) for p in err["loc"])
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         if err["type"] == "extra_forbidden":
-            msg += f"; allowed: {', '.join(ContextExtensionPlan.model_fields)}"
-        raise ConfigError(f"experiment plan ({scale}): {key}: {msg}") from None
+            msg += f"; allowed: {', '.join(PLAN_KEYS)}"
+        raise ConfigError(f"experiment plan ({scale}): plan.{key}: {msg}") from None
 
 
 @dataclass(frozen=True)

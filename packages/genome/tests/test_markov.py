@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from megaseq.data import GenomeWindows, encode, tokenized
-from megaseq.eval import MarkovBaseline, PositionLoss, markov
+from megaseq.eval import PositionLoss
+from megaseq.testing.baseline import BaselineConformance
+from megaseq_genome import markov
+from megaseq_genome.config import MarkovConfig
+from megaseq_genome.markov import MarkovBaseline
 
 BASES = "ACGT"
 
@@ -142,3 +146,18 @@ def test_real_dna_held_out_bits_per_base() -> None:
     order4 = held_out_bits_per_base(4)
     assert 1.90 < order4 < 1.97
     assert order4 < held_out_bits_per_base(0) - 0.05
+
+
+class TestMarkovConformance(BaselineConformance):
+    name = "markov"
+    config = {"order": 3}
+
+
+def test_markov_baseline_is_fitted_once_on_data_train(tmp_path: Path) -> None:
+    first = markov.build(MarkovConfig(order=2), "excerpt-chr20")
+    assert first.label == "markov-2" and first.counts[2].sum() > 0
+    cached = list((tmp_path / "cache" / "markov").iterdir())
+    assert len(cached) == 1
+    again = markov.build(MarkovConfig(order=2), "excerpt-chr20")  # read back from the cache
+    assert all((a == b).all() for a, b in zip(first.counts, again.counts, strict=True))
+    assert list((tmp_path / "cache" / "markov").iterdir()) == cached

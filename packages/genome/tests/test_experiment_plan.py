@@ -1,5 +1,5 @@
 """The context-extension plan: presets, --set routing, one-line errors, the stages it implies, the sdpa twin,
-and the report's columns and verdict. (The whole pipeline runs in tests/test_context_extension.py.)"""
+and the report's columns and verdict. (The whole pipeline runs in the repository's tests/test_context_extension.py.)"""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 
 from megaseq.config import load_recipe
 from megaseq.errors import ConfigError
-from megaseq.experiment.plan import PRESETS, load_plan, parameter_count, stages
-from megaseq.experiment.report import columns, per_window_bits, verdict
 from megaseq.plugins import get_plugins
+from megaseq_genome.experiment.plan import PRESETS, load_plan, parameter_count, stages
+from megaseq_genome.experiment.report import columns, per_window_bits, verdict
 
 REPO = Path(__file__).resolve().parents[3]
-SMALL = ["short_len=128", "long_len=512", "pretrain_tokens=2048", "extension_tokens=1024", "first_bucket=16"]
+SMALL = ["plan.short_len=128", "plan.long_len=512", "plan.pretrain_tokens=2048", "plan.extension_tokens=1024", "plan.first_bucket=16"]
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +36,24 @@ def test_presets_validate(scale):
 
 
 def test_set_routes_plan_keys_and_recipe_overrides():
-    plan = load_plan("cpu", [*SMALL, "recipe.train.lr=1e-3", "long.train.memory_policy=['x']", "sdpa.train.bf16=true"])
+    plan = load_plan("cpu", [*SMALL, "train.lr=1e-3", "attention.sdpa.n_heads=2", "long.train.memory_policy=['x']",
+                             "sdpa.train.bf16=true"])
     assert plan.short_len == 128 and plan.pretrain_tokens == 2048
-    assert plan.recipe_overrides == ["train.lr=1e-3"]
+    assert plan.recipe_overrides == ["train.lr=1e-3", "attention.sdpa.n_heads=2"]
     assert plan.stage_overrides == {"long": ["train.memory_policy=['x']"], "sdpa": ["train.bf16=true"]}
 
 
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["pretrain_tokens=0"], "pretrain_tokens: Input should be greater than or equal to 1"),
-        (["extension_tokens=0"], "extension_tokens: Input should be greater than or equal to 1"),
-        (["short_len=3000"], "short_len must be a power of two"),
-        (["long_len=6000"], "must be a multiple of short_len"),
-        (["colour=red"], "colour: unknown key; allowed: short_len"),
-        (["nosuchstage.train.lr=1"], "unknown key; allowed: short_len"),
+        (["plan.pretrain_tokens=0"], "plan.pretrain_tokens: Input should be greater than or equal to 1"),
+        (["plan.extension_tokens=0"], "plan.extension_tokens: Input should be greater than or equal to 1"),
+        (["plan.short_len=3000"], "short_len must be a power of two"),
+        (["plan.long_len=6000"], "must be a multiple of short_len"),
+        (["plan.colour=red"], r"--set 'plan.colour=red': colour: unknown plan key; allowed: short_len, long_len, "),
+        (["plan.recipe_overrides=[]"], "recipe_overrides: unknown plan key"),
+        (["plan.short_len.x=1"], "short_len.x: unknown plan key"),
+        (["pretrain_tokens=1000"], r"--set 'pretrain_tokens=1000': expected plan.KEY=VALUE \(a plan key\), STAGE.SECTION.KEY"),
     ],
 )
 def test_bad_plans_are_one_line_errors(sets, message):
@@ -65,13 +68,13 @@ def test_unknown_scale():
 
 
 def test_budget_below_one_step_is_an_error(recipe, plugins, tmp_path):
-    plan = load_plan("cpu", [*SMALL, "extension_tokens=511"])
+    plan = load_plan("cpu", [*SMALL, "plan.extension_tokens=511"])
     with pytest.raises(ConfigError, match="extension_tokens: a budget of 511 tokens is less than one step of 512 tokens"):
         stages(plan, recipe.to_dict(), plugins, "r.toml", tmp_path)
 
 
 def test_stages_share_budget_steps_and_schedule(recipe, plugins, tmp_path):
-    plan = load_plan("cpu", [*SMALL, "pretrain_batch=2", "recipe.train.lr=2e-3", "short.train.log_every=3"])
+    plan = load_plan("cpu", [*SMALL, "plan.pretrain_batch=2", "train.lr=2e-3", "short.train.log_every=3"])
     by_name = {s.name: s for s in stages(plan, recipe.to_dict(), plugins, "r.toml", tmp_path)}
     assert list(by_name) == ["pretrain", "long", "short", "sdpa"]
     pre, long, short, sdpa = (by_name[n] for n in ("pretrain", "long", "short", "sdpa"))
@@ -89,7 +92,7 @@ def test_stages_share_budget_steps_and_schedule(recipe, plugins, tmp_path):
 
 
 def test_sdpa_twin_matches_the_parameter_count(recipe, plugins, tmp_path):
-    plan = load_plan("cpu", [*SMALL, "sdpa_heads=2"])
+    plan = load_plan("cpu", [*SMALL, "plan.sdpa_heads=2"])
     by_name = {s.name: s for s in stages(plan, recipe.to_dict(), plugins, "r.toml", tmp_path)}
     target, twin = parameter_count(by_name["pretrain"].recipe, plugins), parameter_count(by_name["sdpa"].recipe, plugins)
     swiglu_row = 3 * recipe.model.d_model * recipe.model.n_layers  # parameters per unit of SwiGLU width
@@ -124,7 +127,7 @@ def test_verdict(within, beyond, start):
 HANGING_STAGES = """
 import os, sys, time
 from pathlib import Path
-from megaseq.experiment.context_extension import Job, run_jobs
+from megaseq_genome.experiment.context_extension import Job, run_jobs
 
 def hang(pid_dir, result):
     Path(pid_dir, str(os.getpid())).touch()

@@ -11,16 +11,22 @@ hundreds of times, so smoothing only matters for rare contexts, where 0.5 is a s
 token_losses: the target at window position p is predicted from the window's own previous tokens only:
 the last min(p + 1, k) input tokens, shortened to those after the most recent N. So position 0 uses an
 order-1 context, and the baseline never sees context the model could not.
+
+As the ``markov`` baseline (``eval.baselines = ["markov"]``, ``[baseline.markov] order = K``) it is fitted on
+the recipe's ``data.train`` once and the counts cached next to the token cache (:func:`fitted_markov`).
 """
 
+import hashlib
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from megaseq.data.sources import default_cache_dir, resolve_fasta, tokenized
 from megaseq.data.tokenizer import N_ID, TOKEN_ID_MASK
+from megaseq_genome.config import MAX_MARKOV_ORDER, MarkovConfig
 
-MAX_ORDER = 12
 _FIT_BLOCK = 1 << 22
 
 
@@ -41,12 +47,13 @@ class MarkovBaseline:
     """Order-k Markov model over A/C/G/T with add-alpha smoothing (see module docstring)."""
 
     def __init__(self, order: int, alpha: float = 0.5) -> None:
-        if not 0 <= order <= MAX_ORDER:
-            raise ValueError(f"Markov order must be in 0..{MAX_ORDER}, got {order}")
+        if not 0 <= order <= MAX_MARKOV_ORDER:
+            raise ValueError(f"Markov order must be in 0..{MAX_MARKOV_ORDER}, got {order}")
         if alpha <= 0:
             raise ValueError(f"alpha must be > 0, got {alpha}")
         self.order = order
         self.alpha = alpha
+        self.label = f"markov-{order}"
         # counts[j] has shape [4**j, 4]: row = context code of the j previous bases, column = next base.
         self.counts = [np.zeros((4**j, 4), dtype=np.int64) for j in range(order + 1)]
         self._refresh()
@@ -117,3 +124,24 @@ class MarkovBaseline:
         model.counts = [part.reshape(-1, 4) for part in np.split(flat, np.cumsum(sizes)[:-1])]
         model._refresh()
         return model
+
+
+def fitted_markov(train: str, order: int) -> MarkovBaseline:
+    """The order-``order`` Markov baseline fitted on ``train`` (a data source or FASTA path), from the cache or
+    fitted once."""
+    source = resolve_fasta(train)
+    stat = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{order}".encode()).hexdigest()[:16]
+    path = default_cache_dir() / "markov" / f"order{order}-{key}.npz"
+    if path.exists():
+        return MarkovBaseline.load(path)
+    print(f"fitting the order-{order} Markov baseline on {train} ...", file=sys.stderr)
+    model = MarkovBaseline(order).fit(tokenized(train))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.save(path)
+    return model
+
+
+def build(config: MarkovConfig, train: str) -> MarkovBaseline:
+    """The ``markov`` baseline (``megaseq.contracts.Baseline``) of ``[baseline.markov]``, fitted on ``train``."""
+    return fitted_markov(train, config.order)

@@ -2,7 +2,7 @@
 
 Columns of every per-window array: one per position bucket, then ``all``, then the positions inside the
 pretraining length (``<short_len``) and past it (``>=short_len``: targets with more than ``short_len`` tokens
-of preceding context). Intervals are percentile bootstraps over held-out windows (``megaseq.eval.bootstrap``);
+of preceding context). Intervals are percentile bootstraps over held-out windows (``megaseq_genome.bootstrap``);
 relative changes are paired with the short-context continuation on the same resamples.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from megaseq.eval.bootstrap import flat_within_intervals, mean_interval, relative_interval, resample_weights
-from megaseq.eval.heldout_set import HeldoutSet
 from megaseq.eval.positions import LN2
+from megaseq_genome.bootstrap import flat_within_intervals, mean_interval, relative_interval, resample_weights
+from megaseq_genome.heldout_set import HeldoutSet
 
 REFERENCE = "short"
 MARKOV_TARGET = 0.03  # the hybrid at least 3% below the best Markov baseline overall

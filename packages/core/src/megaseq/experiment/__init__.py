@@ -1,1 +1,0 @@
-"""Experiments: several training runs and evaluations compared in one report."""

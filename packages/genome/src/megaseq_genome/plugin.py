@@ -1,0 +1,47 @@
+"""megaseq plugin registration: the ``grch37-chr20`` and ``grch37-chrX`` data sources, the ``markov``
+baseline and the ``megaseq context-extension`` command.
+
+Listing plugins imports this module, so it imports nothing heavy (no torch): targets load lazily.
+"""
+
+from __future__ import annotations
+
+from megaseq.hookspecs import hookimpl
+from megaseq.records import BaselineSpec, CommandSpec, DataSourceSpec
+from megaseq_genome.config import MarkovConfig
+
+
+@hookimpl
+def megaseq_data_source() -> list[DataSourceSpec]:
+    return [
+        DataSourceSpec(
+            name="grch37-chr20", target="megaseq_genome.sources:chr20",
+            summary="human GRCh37 chromosome 20, complete, upper case (training chromosome; Debian vt-examples)",
+            bases=63_025_520, n_bases=3_520_000,
+        ),
+        DataSourceSpec(
+            name="grch37-chrX", target="megaseq_genome.sources:chrx",
+            summary="human GRCh37 chromosome X, first 70 Mb, upper case (held-out chromosome; Debian smalt-examples)",
+            bases=69_999_930, n_bases=3_760_000,
+        ),
+    ]
+
+
+@hookimpl
+def megaseq_baseline() -> list[BaselineSpec]:
+    return [
+        BaselineSpec(
+            name="markov", target="megaseq_genome.markov:build", config=MarkovConfig,
+            summary="order-k nucleotide Markov model fitted on data.train (add-1/2 smoothing)",
+        )
+    ]
+
+
+@hookimpl
+def megaseq_command() -> list[CommandSpec]:
+    return [
+        CommandSpec(
+            name="context-extension", target="megaseq_genome.experiment.cli:main",
+            summary="does training at long context teach the model to use it? (trains and compares several models)",
+        )
+    ]
