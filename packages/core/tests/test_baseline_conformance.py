@@ -23,7 +23,7 @@ class WindowUnigramConfig(ComponentConfig):
 
 
 class WindowUnigram:
-    """Reference: p(next base) from the counts of A, C, G, T among the window's inputs so far (plus
+    """Reference: p(next base) from the counts of A, C, G, T among the window's inputs up to the target (plus
     ``pseudo`` each); N inputs are not counted, N targets cost 0."""
 
     label = "window-unigram"
