@@ -33,7 +33,7 @@ TINY = {
     "model": {"d_model": 16, "n_layers": 2},
     "attention": {"sdpa": {"n_heads": 2}},
     "train": {"steps": 6, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 50},
-    "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+    "eval": {"windows": 2, "batch_size": 2},
 }
 
 

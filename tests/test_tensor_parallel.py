@@ -30,7 +30,7 @@ DENSE: dict[str, Any] = {
     "attention": {"sdpa": {"n_heads": 4}},
     "ffn": {"swiglu": {"hidden": 64}},
     "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64},
-    "eval": {"windows": 2, "batch_size": 2, "markov_order": 2},
+    "eval": {"windows": 2, "batch_size": 2},
 }
 
 
