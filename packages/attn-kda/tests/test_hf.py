@@ -230,7 +230,7 @@ def test_trained_model_exported_loads_in_transformers_with_the_same_logits(tmp_p
         '[data]\ntrain = "excerpt-chr20"\nheldout = "excerpt-chrX"\nseq_len = 48\n'
         '[model]\nd_model = 32\nn_layers = 2\nlayer_pattern = ["kda"]\ntie_embeddings = false\n'
         '[attention.kda]\nn_heads = 2\nhead_dim = 8\nnorm_eps = 1e-6\n'
-        '[train]\nsteps = 2\nbatch_size = 2\nwarmup_steps = 1\n[eval]\nwindows = 2\nbatch_size = 2\nmarkov_order = 1\n'
+        '[train]\nsteps = 2\nbatch_size = 2\nwarmup_steps = 1\n[eval]\nwindows = 2\nbatch_size = 2\n'
     )
     assert main(["train", str(recipe), "--no-progress"]) == 0
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
