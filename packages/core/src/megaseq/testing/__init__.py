@@ -42,7 +42,7 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `doc_lengths` | attention, tiling, memory policy | `(5, 17, 0, 1, 25)`; tiling `(12, 4, 13, 0, 16)`; memory policy `(20, 1, 29, 17)` | documents of the packed tests (an empty one included; tiling: one starts on a tile edge) |
 | `prefill` | attention | 19 | tokens decoded as one prefill before the decoding steps |
 | `decode_steps` | attention | `(3, 1, 5, 2)` | token counts of the decoding steps after the prefill, cycled, beside single-token steps |
-| `capabilities` | attention, tiling, memory policy | `None` | with `factory`: the capabilities the component or policy would declare on its record (`megaseq.records.CAPABILITIES`); the suites verify what is declared and check the one-line refusal of what is not |
+| `capabilities` | attention, ffn, moe, tiling, memory policy | `None` | with `factory`: the capabilities the component or policy would declare on its record (`megaseq.records.CAPABILITIES`); the suites verify what is declared and check the one-line refusal of what is not |
 | `cp_world_sizes` | attention, memory policy | `(2, 4)`; memory policy `(2,)` | context-parallel sizes to check when `context_parallel` is declared (memory policy: and the config does not tile sequences) |
 | `cp_seq_len` | attention, memory policy | 32; memory policy 68 | tokens of the context-parallel sequence (a multiple of `2 x` every size) |
 | `chunk_sizes` | moe | `(7, 1)` | `chunk_tokens` values compared with unchunked |
