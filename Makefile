@@ -20,7 +20,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH=$(TORCH): use TORCH=cpu (the default) or TORCH=cuda)
 endif
 
-.PHONY: setup train test test-isolated test-integration lint dist clean
+.PHONY: setup train test test-fast test-isolated test-integration lint dist clean
 
 # A venv with pip new enough for dependency groups, the chosen torch build (before the packages, so that
 # their torch requirement is already met), and every workspace package editable. One stamp per build.
@@ -47,6 +47,13 @@ train: setup
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
 test: test-isolated test-integration
 
+# The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
+# the marker is megaseq-core's pytest plugin, megaseq/pytest_plugin.py). What to run while working on a
+# plugin; make test runs everything and is what CI runs.
+PYTEST_ARGS ?=
+test-fast:
+	$(MAKE) test-isolated test-integration PYTEST_ARGS='-m "not slow"'
+
 # The isolated environment shares the full venv's third-party packages (torch, triton, pytest, ...) through
 # hard links (tools/link_venv.py), never its megaseq packages: it costs megabytes, not a second 2.2 GB venv.
 $(ISO)/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml tools/link_venv.py
@@ -58,16 +65,16 @@ $(ISO)/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml tool
 	touch $@
 
 test-isolated: $(ISO)/.installed
-	$(ISO)/bin/python -m pytest packages/core/tests
+	$(ISO)/bin/python -m pytest $(PYTEST_ARGS) packages/core/tests
 	set -e; for p in $(PLUGINS); do \
 	  $(ISO)/bin/python -m pip install -q --no-deps -e $$p; \
-	  $(ISO)/bin/python -m pytest $$p/tests || { $(ISO)/bin/python -m pip uninstall -q -y $$(basename $$p | sed 's/^/megaseq-/'); exit 1; }; \
+	  $(ISO)/bin/python -m pytest $(PYTEST_ARGS) $$p/tests || { $(ISO)/bin/python -m pip uninstall -q -y $$(basename $$p | sed 's/^/megaseq-/'); exit 1; }; \
 	  $(ISO)/bin/python -m pip uninstall -q -y megaseq-$$(basename $$p); \
 	done
 
 test-integration: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
-	$(VENV)/bin/python -m pytest tests $(addsuffix /tests,$(EXAMPLES))
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) tests $(addsuffix /tests,$(EXAMPLES))
 
 lint: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools

@@ -69,6 +69,7 @@ def experiment(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megaseq.cli", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_miniature_experiment_writes_the_report(tmp_path):
     proc = experiment(tmp_path, *MINI)
     assert proc.returncode == 0, proc.stderr[-3000:]

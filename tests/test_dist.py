@@ -40,6 +40,7 @@ def lend(modules: list[str], into: Path) -> Path:
     return into
 
 
+@pytest.mark.slow
 def test_wheels_install_into_a_fresh_venv_and_list_the_plugin(tmp_path):
     pytest.importorskip("hatchling")
     wheels = tmp_path / "wheels"

@@ -51,6 +51,7 @@ def _check(results, layouts, expected):
         assert_same_run(result, expected, RTOL, str(layout), EP_METRICS if layout.ep > 1 else frozenset())
 
 
+@pytest.mark.slow
 def test_two_ranks_cp_dp_ep_equal_one_and_ep_checkpoint_resumes_on_one(tmp_path, hybrid, single, capsys):
     first_two, third = single
     layouts = [Layout(cp=2), Layout(dp=2), Layout(dp=2, ep=2)]
@@ -68,6 +69,7 @@ def test_two_ranks_cp_dp_ep_equal_one_and_ep_checkpoint_resumes_on_one(tmp_path,
     assert "step 2: held-out" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_four_ranks_dp_cp_ep_equal_one(tmp_path, hybrid, single):
     layouts = [Layout(dp=2, cp=2, ep=2)]
     _check(run_gloo(4, train_under_layouts, hybrid, layouts, str(tmp_path), 2)[0], layouts, single[0])

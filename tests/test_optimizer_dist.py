@@ -55,6 +55,7 @@ def single(tmp_path_factory):
     return train_single(trainer, 2), train_single(trainer, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["device", "host"])
 def test_sharded_on_two_ranks_equals_one_process_and_resumes_unsharded(tmp_path, single, state):
     first_two, next_two = single
@@ -72,6 +73,7 @@ def test_sharded_on_two_ranks_equals_one_process_and_resumes_unsharded(tmp_path,
     assert_same_run(train_single(resumed, 2), next_two, RTOL, f"dp=2 sharded ({state}) resumed on one process")
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_sharded_on_two_ranks(tmp_path, single):
     first_two, next_two = single
     raw = _with(optimizer_shard=True)

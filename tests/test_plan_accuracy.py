@@ -55,6 +55,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_predicted_peak_within_15_percent(case, tmp_path):  # 10% for plain offload
     name, seq_len, policies = CASES[case]

@@ -44,6 +44,7 @@ def _ray_workers(pid: int) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_resumes_to_the_uninterrupted_weights(tmp_path, monkeypatch, hybrid, recipe_toml):
     monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
@@ -85,6 +86,7 @@ def test_killed_worker_restarts_and_resumes_to_the_uninterrupted_weights(tmp_pat
     assert Path(out / "eval" / f"step_{STEPS:07d}" / "heldout.json").exists()
 
 
+@pytest.mark.slow
 def test_workers_started_from_another_directory_write_the_default_run_directory(tmp_path):
     """The README's `--workers 2` command, run where the run directory (runs/{name}) and the cache are
     relative to the working directory: Ray's workers run in a directory of their own, so the launcher hands

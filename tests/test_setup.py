@@ -124,3 +124,12 @@ def test_readme_says_what_the_set_up_needs_and_how_to_use_the_venv():
     assert "~/.cache/megaseq" in text and "MEGASEQ_CACHE" in text and "175 MB" in text
     assert "TORCH=cuda" in text and ".venv-isolated" in text
     assert "nothing else" not in text
+
+
+def test_the_fast_lane_runs_make_tests_sets_without_the_slow_tests():
+    def pytest_lines(target: str) -> list[str]:
+        return [" ".join(line.split()) for line in make_dry_run(target).stdout.splitlines() if " -m pytest " in line]
+
+    full, fast = pytest_lines("test"), pytest_lines("test-fast")
+    assert full and not any("not slow" in line for line in full)  # make test: everything
+    assert fast == [line.replace(" -m pytest ", ' -m pytest -m "not slow" ') for line in full]

@@ -8,6 +8,7 @@ the plain sparse configuration in test_conformance.py. Tolerance: max abs error 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megaseq.testing.attention import check_context_parallel
@@ -32,6 +33,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 def test_four_ranks_equal_one_rank() -> None:
     gen = torch.Generator().manual_seed(0)
     cases = []

@@ -33,6 +33,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 def test_four_ranks_equal_one_rank() -> None:
     gen = torch.Generator().manual_seed(0)
     cases = []

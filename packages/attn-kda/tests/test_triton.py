@@ -19,6 +19,9 @@ import sys
 import pytest
 import torch
 
+# the kernels run in the Triton interpreter in a subprocess: minutes on CPU, outside the fast lane
+pytestmark = pytest.mark.slow
+
 TOL = 2e-6
 TENSORS = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 

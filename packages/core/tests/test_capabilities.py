@@ -79,3 +79,11 @@ def test_a_layout_needing_an_undeclared_capability_is_one_line(plugins):
     with pytest.raises(UserError, match=r"moe 'plain-moe' \(.*\) does not declare expert_parallel"):
         check_components(moe, plugins, Layout(dp=2, ep=2))
 
+
+
+def test_the_plugin_listing_shows_each_declaration(plugins):
+    from megaseq.plugin_report import report
+
+    lines = {line.split()[1]: line for line in report(plugins).splitlines() if line.startswith("  attention")}
+    assert lines["sdpa"].endswith("[context_parallel, sequence_tiling]")
+    assert not lines["plain"].endswith("]")

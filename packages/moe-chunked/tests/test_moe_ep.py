@@ -72,6 +72,7 @@ def ep_worker(rank: int, world: int, states: dict, inputs: list, grad_outs: list
     return results
 
 
+@pytest.mark.slow
 def test_expert_parallel_equals_one_rank() -> None:
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(*shape, D, generator=gen) for shape in SHAPES]

@@ -1,7 +1,8 @@
 """``megaseq plugins``: what is installed, which components a recipe can name, and what is wrong.
 
-The listing leads with the components (the names recipes use), then the plugins that provide them with
-their status, then conflicts. ``--json`` prints the plugins as records; ``--check`` imports every target
+The listing leads with the components (the names recipes use, each with the optional capabilities its
+record declares, ``megaseq.records.CAPABILITIES``), then the plugins that provide them with their status,
+then conflicts. ``--json`` prints the plugins as records; ``--check`` imports every target
 (and memory target) and runs nothing else, exiting with status 2 if any fails to import.
 """
 
@@ -17,7 +18,7 @@ def report(plugins: Plugins) -> str:
     infos = list(plugins)  # statuses are final only after collection
     lines = ["Components (the names a recipe uses):"]
     rows = [
-        (kind, name, found.plugin.label, found.spec.summary)
+        (kind, name, found.plugin.label, found.spec.summary + _capabilities(found.spec))
         for kind, components in plugins.registry.items()
         for name, found in sorted(components.items())
     ]
@@ -34,6 +35,11 @@ def report(plugins: Plugins) -> str:
         lines.append(f"  {info.dist} {info.version}, {info.name}: {info.status}{reason}")
         lines.extend(f"    conflict: {c}" for c in info.conflicts)
     return "\n".join(lines)
+
+
+def _capabilities(spec: object) -> str:
+    declared = sorted(getattr(spec, "capabilities", ()))  # commands are records without capabilities
+    return f" [{', '.join(declared)}]" if declared else ""
 
 
 def run(plugins: Plugins, *, as_json: bool = False, check: bool = False) -> int:

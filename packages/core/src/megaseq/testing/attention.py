@@ -349,6 +349,7 @@ class AttentionConformance:
             "read the layout through ctx.documents (built once per forward)"
         )
 
+    @pytest.mark.slow  # gloo processes: outside the fast lane (megaseq/pytest_plugin.py)
     def test_context_parallel(self) -> None:
         if "context_parallel" not in self.declared():
             self._assert_refuses_context_parallel()

@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -431,6 +432,7 @@ class MemoryPolicyConformance:
         config = provided.spec.config(**self.config)
         return policy_runs_under(provided.spec, policy_effect(provided.spec, config), cp=2)
 
+    @pytest.mark.slow  # gloo processes: outside the fast lane (megaseq/pytest_plugin.py)
     def test_context_parallel(self) -> None:
         from megaseq.testing.distributed import run_gloo
 
