@@ -43,11 +43,15 @@ def _mapping(plugins: Plugins, kind: str, name: str) -> Any:
     return mapping
 
 
+def _check_new(out: Path) -> None:
+    if out.exists():
+        raise InteropError(f"{out}: already exists; choose a new output directory (nothing is overwritten)")
+
+
 @contextmanager
 def _staged(out: Path) -> Iterator[Path]:
     """A fresh directory beside ``out`` that becomes ``out`` when the block completes (else is removed)."""
-    if out.exists():
-        raise InteropError(f"{out}: already exists; choose a new output directory (nothing is overwritten)")
+    _check_new(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -113,6 +117,7 @@ def import_model(src: Path, out: Path, plugins: Plugins) -> Path:
     from megaseq.train import checkpoint
 
     src = Path(src)
+    _check_new(Path(out))  # before any reading; checked again when the result moves into place
     hf = read_config(src)
     extra: dict[str, Any] = {"run": {"name": src.resolve().name}}
     token_ids = token_ids_for(src, hf.get("vocab_size", 0))
@@ -215,6 +220,7 @@ def export_checkpoint(path: Path, out: Path, layout_name: str, plugins: Plugins,
     from megaseq.distributed.sharded import read_full_weights
     from megaseq.train import checkpoint
 
+    _check_new(Path(out))
     path = checkpoint.resolve(Path(path))
     meta = checkpoint.read_meta(path)
     recipe = validate_recipe(meta["recipe"], plugins, source=f"{path}/meta.json")
