@@ -46,6 +46,9 @@ train: setup
 # Every test. Each package's tests run in an environment holding only core and that package, so a plugin
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
 test: test-isolated test-integration
+# One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
+# (megaseq.threads): several test processes and their gloo ranks run at once.
+test test-isolated test-integration: export OMP_NUM_THREADS = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-core's pytest plugin, megaseq/pytest_plugin.py). What to run while working on a

@@ -5,9 +5,11 @@ Every measurement runs in fresh processes (so that each peak RSS is its own): on
 peak RSS (``VmHWM``), the last loss, and the ratio of tokens/s to the recorded baseline where it has the same
 recipe, length and setting. Settings (``--settings``):
 
-- ``alone``: one process with megaseq's thread default (``megaseq.threads``: one intra-op thread);
-- ``alone-2t``: one process with two OpenMP threads that spin-wait (OpenMP's default);
-- ``pair`` / ``pair-2t``: the same, two processes at once (each row is one process; ``sum`` adds them).
+- ``alone``: one process with megaseq's thread default (``megaseq.threads``: the cores shared among the
+  live trainers, so all of them here);
+- ``alone-1t`` / ``alone-2t``: one process with one, or two OpenMP threads that spin-wait (OpenMP's default);
+- ``pair`` / ``pair-1t`` / ``pair-2t``: the same, two processes at once (each row is one process; ``sum`` adds them); under
+  megaseq's default each takes half the cores once it sees the other (within ``megaseq.threads.RECOUNT_S``).
 
 The recorded baseline (``benchmarks/baselines/train_throughput.json``) holds reference numbers of another
 version of the code (``--code`` measures any checkout), each with the command it was measured with. Wall-clock numbers
@@ -16,7 +18,7 @@ mean something only on a machine that runs nothing else; on a shared one compare
     .venv/bin/python benchmarks/train_throughput.py                                   # default recipe, 8k 64k
     .venv/bin/python benchmarks/train_throughput.py --seq-len 8192 --settings alone pair alone-2t pair-2t
     .venv/bin/python benchmarks/train_throughput.py --recipe recipes/genome-cpu.toml recipes/genome-sdpa-cpu.toml \\
-        --seq-len 65536 --settings alone --steps 1                                     # the memory comparison
+        --seq-len 65536 --settings alone-1t --steps 1                                    # the memory comparison
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ BASELINE = REPO / "benchmarks" / "baselines" / "train_throughput.json"
 SETTINGS = {
     # name: (processes at once, OMP_NUM_THREADS or None for megaseq's default)
     "alone": (1, None),
+    "alone-1t": (1, "1"),
     "alone-2t": (1, "2"),
     "pair": (2, None),
+    "pair-1t": (2, "1"),
     "pair-2t": (2, "2"),
 }
 
@@ -104,7 +108,8 @@ def run_setting(recipe: str, seq_len: int, setting: str, args: argparse.Namespac
 
 
 # What the baseline's code did by default in each setting's situation (one process alone, two at once).
-OLD_DEFAULT = {"alone": "alone-2t", "alone-2t": "alone-2t", "pair": "pair-2t", "pair-2t": "pair-2t"}
+OLD_DEFAULT = {"alone": "alone-2t", "alone-1t": "alone-2t", "alone-2t": "alone-2t", "pair": "pair-2t", "pair-1t": "pair-2t",
+               "pair-2t": "pair-2t"}
 
 
 def load_baseline(path: Path) -> tuple[dict, dict[tuple[str, int, str], dict]]:

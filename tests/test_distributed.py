@@ -59,6 +59,10 @@ def test_two_ranks_cp_dp_ep_equal_one_and_ep_checkpoint_resumes_on_one(tmp_path,
     _check(ranks[0], layouts, first_two)
     assert any(k.startswith("moe/") for k in first_two["metrics"][0]) and "aux/dsa_indexer" in first_two["metrics"][0]
 
+    # the run header's parameter counts under ep=2: the whole model's (one process's) and each rank's, labelled
+    whole = ranks[0][0]["parameters"].split("M parameters; layers:")[0]  # cp=2: every rank holds every parameter
+    assert ranks[0][2]["parameters"].startswith(f"{whole}M parameters in all, "), ranks[0][2]["parameters"]
+    assert "M on each rank (experts over ep=2); layers:" in ranks[0][2]["parameters"]
     saved = Path(ranks[0][2]["checkpoint"])  # dp=2, ep=2: experts in two blocks
     assert sorted(p.name for p in (saved / "experts").iterdir()) == ["ep0.pt", "ep0.safetensors", "ep1.pt", "ep1.safetensors"]
     resumed = single_trainer(hybrid, saved.parents[1])

@@ -157,8 +157,9 @@ def test_train_then_eval_checkpoint(tmp_path, monkeypatch):
 
 def test_eval_into_an_unwritable_place_is_one_line(tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["train", str(REPO / "recipes" / "tiny.toml"), "--no-progress", "--set", f"run.out_dir={run}",
+    assert main(["train", str(REPO / "recipes" / "tiny.toml"), "--no-progress", "--out", str(run),  # run.out_dir
                  "--set", "train.steps=1", "--set", "eval.windows=1", "--set", "data.seq_len=64"]) == 0
+    assert (run / "checkpoints" / "step_0000001").is_dir()
     (tmp_path / "file").write_text("")
     capsys.readouterr()
     assert main(["eval", str(run), "--out", str(tmp_path / "file" / "eval"), "--no-progress"]) == 2
@@ -190,7 +191,8 @@ def test_help_says_where_output_goes_and_what_data_may_be(capsys):
     assert "RUN/eval/step_N" in text and "never into the checkpoint directory" in text
 
 
-@pytest.mark.parametrize(("args", "choices"), [([], "train, plan, eval, import, export, plugins, data"), (["data"], "fetch, list")])
+@pytest.mark.parametrize(("args", "choices"), [([], "train, plan, eval, import, export, checkpoint, plugins, data"),
+                                               (["data"], "fetch, list"), (["checkpoint"], "upgrade")])
 def test_a_missing_subcommand_is_one_line_naming_the_choices(args, choices, capsys):
     assert main(args) == 2
     (line,) = capsys.readouterr().err.splitlines()

@@ -105,6 +105,30 @@ def test_unreadable_metrics_lines_are_kept_aside_and_reported_on_resume(run, cap
     assert logged_steps(run) == [1, 2, 3, 4, 5]
 
 
+def test_checkpoints_without_a_manifest_are_upgraded_then_resume(run, capsys):
+    for step in ("step_0000002", "step_0000004"):  # as written before manifests existed
+        (run / "checkpoints" / step / "manifest.json").unlink()
+    capsys.readouterr()
+    assert train(run, "--resume", steps=5) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "no manifest.json" in line and f"megaseq checkpoint upgrade {run / 'checkpoints'}" in line, line
+    assert main(["checkpoint", "upgrade", str(run)]) == 0
+    assert capsys.readouterr().out.count("wrote ") == 2
+    assert train(run, "--resume", steps=5) == 0 and "resumed from" in capsys.readouterr().err
+    assert main(["checkpoint", "upgrade", str(run)]) == 0 and "already has a manifest" in capsys.readouterr().out
+
+
+def test_a_cut_short_file_gets_no_manifest(run, capsys):
+    step = run / "checkpoints" / "step_0000004"
+    (step / "manifest.json").unlink()
+    weights = step / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    capsys.readouterr()
+    assert main(["checkpoint", "upgrade", str(step)]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "model.safetensors cannot be read" in line and not (step / "manifest.json").exists(), line
+
+
 def test_latest_naming_a_missing_checkpoint_falls_back(run, capsys):
     shutil.rmtree(run / "checkpoints" / "step_0000004")
     capsys.readouterr()

@@ -1,4 +1,5 @@
-"""megaseq's processes default to one intra-op thread, set before torch loads, and keep what the user set."""
+"""megaseq's processes start with one intra-op thread, set before torch loads, and keep what the user set;
+trainers share the machine's cores through the registry of live trainers (``megaseq.threads.CoreShare``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megaseq import threads
 
@@ -32,8 +34,84 @@ def test_cli_keeps_the_users_thread_count():
     assert run_probe(OMP_NUM_THREADS="2") == ["0", "2", "2"]
 
 
-@pytest.mark.parametrize(("environ", "changed"), [({}, {"OMP_NUM_THREADS": "1"}), ({"OMP_NUM_THREADS": "3"}, {})])
+@pytest.mark.parametrize(("environ", "changed"), [
+    ({}, {"OMP_NUM_THREADS": "1", threads.AUTO: "1"}), ({"OMP_NUM_THREADS": "3"}, {})
+])
 def test_apply_defaults_sets_only_what_is_unset(environ: dict, changed: dict):
     before = dict(environ)
     assert threads.apply_defaults(environ) == changed
     assert environ == before | changed
+
+
+def test_shared_only_when_megaseq_chose_the_thread_count(monkeypatch):
+    assert threads.shared({}) and threads.shared({"OMP_NUM_THREADS": "1", threads.AUTO: "1"})
+    assert not threads.shared({"OMP_NUM_THREADS": "1"})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(threads.AUTO, "1")
+    before = torch.get_num_threads()
+    try:
+        threads.fix(2)  # a caller that shares the cores out itself
+        assert not threads.shared() and os.environ["OMP_NUM_THREADS"] == "2" and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+# A process that registers as a live trainer in the registry argv[1], says so, and lives until killed.
+HOLDER = (
+    "import sys, time; from pathlib import Path; from megaseq.threads import CoreShare; "
+    "share = CoreShare(Path(sys.argv[1])); print('registered', flush=True); time.sleep(600)"
+)
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    monkeypatch.setattr(threads, "cores", lambda: 4)
+    return tmp_path / "trainers"
+
+
+def test_a_lone_trainer_takes_every_core_and_two_share_them(registry):
+    share = threads.CoreShare(registry)
+    before = torch.get_num_threads()
+    try:
+        assert share.live() == 1 and share.decide() == 4
+        other = subprocess.Popen([sys.executable, "-c", HOLDER, str(registry)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert other.stdout.readline().strip() == "registered"
+            assert share.live() == 2 and share.decide() == 2
+            assert share.update(now=0.0) == 2 and torch.get_num_threads() == 2
+            assert share.update(now=threads.RECOUNT_S / 2) is None  # not recounted before RECOUNT_S
+        finally:
+            other.kill()
+            other.wait()
+        # the killed trainer's entry is still there, but nobody holds it: not counted, removed
+        assert len(list(registry.iterdir())) == 2
+        assert share.update(now=threads.RECOUNT_S) == 4 and torch.get_num_threads() == 4
+        assert [p.name for p in registry.iterdir()] == [share.name]
+    finally:
+        share.close()
+        torch.set_num_threads(before)
+
+
+def test_the_trainer_takes_its_share_at_a_step(registry, tmp_path, monkeypatch):
+    from megaseq.config import validate_recipe
+    from megaseq.testing import fresh_plugins
+    from megaseq.train.trainer import Trainer
+
+    monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(threads.AUTO, "1")
+    before = torch.get_num_threads()
+    plugins = fresh_plugins()
+    raw = {"run": {"out_dir": str(tmp_path / "run"), "device": "cpu"},
+           "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 32},
+           "model": {"d_model": 8, "n_layers": 1}, "attention": {"sdpa": {"n_heads": 1}},
+           "train": {"steps": 1, "batch_size": 1, "warmup_steps": 0}}
+    trainer = Trainer(validate_recipe(raw, plugins), plugins, progress=False, tensorboard=False)
+    try:
+        trainer.train_step()
+        assert torch.get_num_threads() == 4 and (registry / trainer.core_share.name).exists()
+    finally:
+        trainer.core_share.close()
+        torch.set_num_threads(before)
+    monkeypatch.setenv(threads.AUTO, "0")  # the user's own OMP_NUM_THREADS: no sharing
+    assert Trainer(validate_recipe(raw, plugins), plugins, progress=False, tensorboard=False).core_share is None

@@ -22,6 +22,7 @@ from megaseq.plugins import get_plugins
 from megaseq.testing import assert_close
 from megaseq.testing.distributed import run_gloo
 from megaseq.train.checkpoint import read_meta
+from megaseq.train.rundir import RunLock
 from megaseq_rl.algorithms import PolicyGradient
 from megaseq_rl.loop import RLRun
 from megaseq_rl.recipe import validate_rl_recipe
@@ -87,6 +88,9 @@ def test_run_writes_history_plot_and_a_checkpoint_core_reads(tmp_path, policy_ch
     assert main(["logprob-gap", str(out), "--lengths", "40", "--new-tokens", "4", "--device", "cpu"]) == 0
     with pytest.raises(UserError, match="already holds a run"):  # core's run-directory rule
         RLRun(recipe, plugins, progress=False).run()
+    with RunLock(out, "training"), pytest.raises(UserError, match=r"in use by PID \d+ on .* \(training\)"):
+        RLRun(recipe, plugins, progress=False).run("overwrite")  # core's run-directory lock
+    assert (out / "checkpoints" / "step_0000002").is_dir(), "a refused --overwrite deleted the run"
 
 
 def test_micro_batch_split_does_not_change_the_step(tmp_path, policy_checkpoint):

@@ -32,7 +32,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     plugins = get_plugins()
     init_from = [f"train.init_from={json.dumps(args.init_from)}"] if args.init_from else []
-    recipe = load_recipe(args.recipe, plugins, [*args.set, *memory_policy_override(args.memory_policy), *init_from])
+    out = [f"run.out_dir={json.dumps(args.out)}"] if args.out else []  # TOML reads a JSON string as a string
+    recipe = load_recipe(args.recipe, plugins, [*args.set, *out, *memory_policy_override(args.memory_policy), *init_from])
     layout = resolve_layout(recipe, Layout.parse(args.parallel, base=Layout.of(recipe)), args.workers)
     recipe = recipe.model_copy(update={"parallel": ParallelConfig(dp=layout.dp, cp=layout.cp, ep=layout.ep)})
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
@@ -192,6 +193,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint_upgrade(args: argparse.Namespace) -> int:
+    from megaseq.train import checkpoint
+
+    path = Path(args.path)
+    upgraded = checkpoint.upgrade(path)
+    for target in upgraded:
+        print(f"wrote {target / checkpoint.MANIFEST}")
+    if not upgraded:
+        print(f"{path}: every checkpoint already has a manifest")
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from megaseq import plugin_report
     from megaseq.plugins import get_plugins
@@ -242,7 +255,7 @@ Writes heldout.json and heldout_by_position.png to --out, by default RUN/eval/st
 RUN/checkpoints (never into the checkpoint directory itself)."""
 
 
-CORE_COMMANDS = ("train", "eval", "plugins", "data", "plan", "import", "export")
+CORE_COMMANDS = ("train", "eval", "plugins", "data", "plan", "import", "export", "checkpoint")
 # Commands of this repository's plugin packages, by name only (core imports no plugin): without the package
 # installed, asking for one says what to install instead of argparse's "invalid choice".
 PACKAGED_COMMANDS = {name: dist for (kind, name), dist in PROVIDERS.items() if kind == "command"}
@@ -282,6 +295,7 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     start = t.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
     start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
+    t.add_argument("--out", metavar="DIR", help="the run directory (as --set run.out_dir=DIR; default runs/{run.name})")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--parallel", metavar="dp=N,cp=N,ep=N", help="process layout (overrides the recipe's [parallel]): "
                    "dp x cp workers; ep (dividing dp x cp) shares each MoE layer's experts")
@@ -337,6 +351,17 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
                     help="kda: fla's KDAForCausalLM (default); kimi_linear: Kimi-Linear's tensor names")
     ex.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GiB", help="largest safetensors shard (default 5)")
     ex.set_defaults(func=cmd_export)
+
+    ck = sub.add_parser("checkpoint", help="checkpoint maintenance", description="Maintain checkpoints.")
+    cksub = ck.add_subparsers(title="commands", metavar="COMMAND")
+    ck.set_defaults(func=missing_command("megaseq checkpoint", cksub))
+    up = cksub.add_parser(
+        "upgrade", help="write the manifest of checkpoints written before manifests",
+        description="Give checkpoints written before megaseq wrote manifests (manifest.json: every file's size and "
+        "SHA-256, checked on every load) a manifest, after reading each file whole; then they resume and evaluate.",
+    )
+    up.add_argument("path", help="a checkpoint, a run directory or its checkpoints/ directory")
+    up.set_defaults(func=cmd_checkpoint_upgrade)
 
     pl = sub.add_parser(
         "plugins", help="list plugins and components",

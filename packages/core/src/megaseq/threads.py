@@ -1,25 +1,35 @@
-"""How many intra-op threads megaseq's own processes use, decided before torch starts OpenMP.
+"""How many intra-op threads megaseq's training processes use: the machine's cores shared among the
+trainers that run on it.
 
 On CPU, torch runs its intra-op work on an OpenMP thread pool (libgomp) whose threads spin while they wait
 for the next parallel region. That is fast for a process that has the machine to itself and ruinous when it
-does not: every waiting thread burns a core another process needs, so two training processes with
-spinning threads on two cores slow each other to a crawl. Passive waiting (``OMP_WAIT_POLICY=PASSIVE``)
-shares the cores but makes every parallel region pay a wake-up; one thread per process does neither.
-``benchmarks/train_throughput.py --settings alone pair alone-2t pair-2t`` measures the four cases.
+does not: two training processes with spinning threads on two cores slow each other to a crawl. So a
+trainer uses ``cores // live trainers`` threads, where the live trainers are the processes registered in
+``$MEGASEQ_CACHE/trainers/`` (:class:`CoreShare`): alone it uses every core it may run on, two at once use
+half each. Each trainer re-decides at most every ``RECOUNT_S`` seconds, at a step boundary, so one that
+started alone gives cores back when a second one starts. ``benchmarks/train_throughput.py --settings alone
+pair`` measures both situations.
 
-So megaseq's commands use one intra-op thread unless told otherwise: ``apply_defaults`` sets
-``OMP_NUM_THREADS=1`` when the user has not set it, before torch is imported (libgomp and MKL read it when
-they load; child processes inherit it). A value the user set is kept: ``OMP_NUM_THREADS=2 megaseq train ...``
-uses two threads, which is faster on a machine nobody else uses (the benchmark shows by how much).
+Every command starts with one thread: ``apply_defaults`` sets ``OMP_NUM_THREADS=1`` when the user has not
+set it, before torch is imported (libgomp reads it when it loads; child processes inherit it), and marks it
+as megaseq's own (``MEGASEQ_AUTO_THREADS``), so that child processes share cores too. A value the user set
+is kept and no sharing happens: ``OMP_NUM_THREADS=2 megaseq train ...`` uses two threads throughout.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import sys
+import time
 from collections.abc import MutableMapping
+from pathlib import Path
+from typing import IO
 
 DEFAULT_THREADS = 1
+AUTO = "MEGASEQ_AUTO_THREADS"  # set beside OMP_NUM_THREADS when megaseq, not the user, chose it
+RECOUNT_S = 1.0  # a count costs a directory listing; steps take longer than this at any useful length
 
 
 def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
@@ -32,6 +42,112 @@ def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, 
     if "OMP_NUM_THREADS" in environ:
         return {}
     environ["OMP_NUM_THREADS"] = str(DEFAULT_THREADS)
+    environ[AUTO] = "1"
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(DEFAULT_THREADS)
-    return {"OMP_NUM_THREADS": str(DEFAULT_THREADS)}
+    return {"OMP_NUM_THREADS": str(DEFAULT_THREADS), AUTO: "1"}
+
+
+def fix(threads: int) -> None:
+    """Use ``threads`` intra-op threads in this process and its children, as a user's ``OMP_NUM_THREADS``
+    would: for a caller that shares the cores out itself (the context-extension experiment's jobs)."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.pop(AUTO, None)
+    torch.set_num_threads(threads)
+
+
+def shared(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether this process shares the cores (megaseq chose its thread count, the user did not)."""
+    return "OMP_NUM_THREADS" not in environ or environ.get(AUTO) == "1"
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def registry_dir() -> Path:
+    """``$MEGASEQ_CACHE/trainers`` (the cache's default: ``~/.cache/megaseq``)."""
+    return Path(os.environ.get("MEGASEQ_CACHE") or Path.home() / ".cache" / "megaseq") / "trainers"
+
+
+class CoreShare:
+    """This process's entry in the registry of live trainers: a file ``PID@HOST`` it holds an ``flock`` on
+    while it lives (the kernel drops the lock when the process dies, however it dies). The other entries
+    whose lock can be taken belong to dead processes and are removed."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.name = f"{os.getpid()}@{socket.gethostname()}"
+        # locked under a hidden name first, then renamed: no other trainer ever sees the entry unlocked
+        hidden = directory / f".{self.name}"
+        self._file: IO[str] | None = hidden.open("w")
+        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.replace(hidden, directory / self.name)
+        self.threads: int | None = None
+        self._counted_at = -float("inf")
+
+    def live(self) -> int:
+        """Live trainers on this registry, this one included."""
+        count = 1
+        for path in self.directory.iterdir():
+            if path.name == self.name or path.name.startswith("."):
+                continue
+            try:
+                with path.open("r") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    path.unlink(missing_ok=True)  # nobody holds it: its process is gone
+            except BlockingIOError:
+                count += 1
+            except OSError:  # removed meanwhile by another trainer
+                continue
+        return count
+
+    def decide(self) -> int:
+        return max(1, cores() // self.live())
+
+    def update(self, now: float | None = None) -> int | None:
+        """Set torch's intra-op threads to this process's share when ``RECOUNT_S`` has passed since the last
+        count; returns the new count when it changed, else None."""
+        now = time.monotonic() if now is None else now
+        if now - self._counted_at < RECOUNT_S:
+            return None
+        self._counted_at = now
+        threads = self.decide()
+        if threads == self.threads:
+            return None
+        import torch
+
+        torch.set_num_threads(threads)
+        self.threads = threads
+        return threads
+
+    def close(self) -> None:
+        """Leave the registry (a process that exits leaves it anyway: its lock goes with it)."""
+        if self._file is not None:
+            (self.directory / self.name).unlink(missing_ok=True)
+            self._file.close()
+            self._file = None
+            _shares.pop(self.directory, None)
+
+
+_shares: dict[Path, CoreShare] = {}
+
+
+def core_share() -> CoreShare | None:
+    """This process's :class:`CoreShare` in the current registry (one per process: its trainers run one
+    after another), or None when the user set the thread count."""
+    if not shared():
+        return None
+    directory = registry_dir()
+    if directory not in _shares:
+        _shares[directory] = CoreShare(directory)
+    return _shares[directory]
+
+
+__all__ = [
+    "AUTO", "DEFAULT_THREADS", "RECOUNT_S", "CoreShare", "apply_defaults", "core_share", "cores", "fix", "registry_dir", "shared",
+]

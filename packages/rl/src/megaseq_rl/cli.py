@@ -28,6 +28,7 @@ def rl_main(argv: list[str]) -> int:
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
     start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
+    p.add_argument("--out", metavar="DIR", help="the run directory (as --set run.out_dir=DIR)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
@@ -35,7 +36,8 @@ def rl_main(argv: list[str]) -> int:
     from megaseq_rl.recipe import load_rl_recipe
 
     plugins = get_plugins()
-    recipe = load_rl_recipe(args.recipe, plugins, args.set)
+    out = [f"run.out_dir={json.dumps(args.out)}"] if args.out else []  # TOML reads a JSON string as a string
+    recipe = load_rl_recipe(args.recipe, plugins, [*args.set, *out])
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     result = _run(recipe, plugins, mode, progress=not args.no_progress)
     if result is None:  # a rank other than 0 of a data-parallel run

@@ -7,6 +7,14 @@ directory that this launch wrote (each checkpoint's ``meta.json`` names its laun
 checkpoints are never mistaken for this one's). Locally, Ray is told that the machine has at least N
 logical CPUs: a worker needs one, and Ray waits forever for workers it cannot place.
 
+The launcher holds the run directory's lock for the whole launch (``megaseq.train.rundir``). SIGINT or
+SIGTERM to it asks the workers to save at their next step and stop (through a stop file, see
+``megaseq.train.interrupt``); a second signal stops at once. Either way the workers and the local Ray
+cluster the launcher started are shut down before it exits. Each worker records its PID and, when it
+raises, the error and the time in ``RUN/.megaseq-workers/``, so that a failed group's error names the
+worker that failed first (one that left no error died: killed, or crashed) rather than a survivor's
+broken connection. Ray's own logging is kept to errors through its documented settings (``QUIET_RAY``).
+
 torchrun: ``torchrun --nproc-per-node N -m megaseq.cli train RECIPE --parallel ...`` runs the same worker
 code with the process group from torchrun's environment.
 
@@ -16,12 +24,18 @@ cluster's address and size) runs in the launching process before any worker star
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from megaseq import threads
 from megaseq.capabilities import check_components
 from megaseq.config import Recipe, RunConfig, validate_recipe
 from megaseq.devices import device_type, join_torchrun
@@ -31,7 +45,15 @@ from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
 from megaseq.plugins import Plugins, get_plugins
 from megaseq.train import checkpoint
+from megaseq.train.interrupt import HANDLED, Interrupted
 from megaseq.train.trainer import Trainer, TrainResult
+
+STOP_FILE = ".megaseq-stop"
+WORKER_RECORDS = ".megaseq-workers"
+# Ray's documented switches, set unless the user set them: Ray Train's print redirection off (each line once).
+# The Python log levels are set in ray.init (ray.LoggingConfig: Ray's actors, e.g. the placement-group
+# cleaner's warnings) and the RunConfig (ray.train.LoggingConfig: the controller's and workers' info lines).
+QUIET_RAY = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
 
 def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, address: str | None = None) -> None:
@@ -86,20 +108,21 @@ def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:
 
 
 # -- the worker (both launchers) ------------------------------------------------------------------------------
-def run_worker(raw: dict[str, Any], source: str, mode: str, progress: bool, launch: str | None = None) -> TrainResult:
+def run_worker(
+    raw: dict[str, Any], source: str, mode: str, progress: bool, launch: str | None = None, stop_file: Path | None = None
+) -> TrainResult:
     """One worker of a distributed run; ``torch.distributed`` is initialised (by Ray or torchrun).
-    ``launch`` identifies the launch in the checkpoints it writes (how restarted workers find theirs)."""
-    import torch
-
+    ``launch`` identifies the launch in the checkpoints it writes (how restarted workers find theirs);
+    ``stop_file``: the launcher's stop request (``megaseq.train.interrupt``). The workers of one machine
+    share its cores as any trainers do (``megaseq.threads``)."""
     plugins = get_plugins()
     recipe = validate_recipe(raw, plugins, source=source)
     layout = Layout.of(recipe)
-    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)))
-    torch.set_num_threads(threads)  # the workers of one machine share its cores
     parallel = init_process_groups(layout)
     try:
         # a Ray run's launcher holds the run directory's lock for the whole launch, restarts included
         trainer = Trainer(recipe, plugins, parallel=parallel, progress=progress, lock_run=launch is None)
+        trainer.stop_file = stop_file
         if launch is not None:
             trainer.checkpoint_meta["launch"] = launch
         return trainer.run(mode)
@@ -125,16 +148,59 @@ def in_torchrun() -> bool:
 
 # -- Ray ----------------------------------------------------------------------------------------------------
 def _ray_worker(config: dict[str, Any]) -> None:
-    import logging
+    import torch.distributed as dist
 
-    logging.getLogger("ray").setLevel(logging.WARNING)
     out_dir = RunConfig.model_validate(config["recipe"]["run"]).out_path
+    record = out_dir / WORKER_RECORDS / f"rank{dist.get_rank()}.json"
+    _write_record(record, {"pid": os.getpid(), "host": socket.gethostname()})
     newest = checkpoint.newest_verified(out_dir / "checkpoints").path
     # A restarted worker group (a worker died) resumes from the newest checkpoint this launch wrote. The
     # launcher prepared the run directory (refused or wiped it): without --resume, all in it is this launch's.
     ours = newest is not None and checkpoint.read_meta(newest).get("launch") == config["launch"]
     mode = "resume" if config["resume"] or ours else "overwrite"
-    run_worker(config["recipe"], config["source"], mode, progress=False, launch=config["launch"])
+    try:
+        run_worker(config["recipe"], config["source"], mode, progress=False, launch=config["launch"],
+                   stop_file=out_dir / STOP_FILE)
+    except Interrupted:
+        return  # the launcher asked for the stop (and reports it): to Ray, a finished run, not one to restart
+    except BaseException as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        _write_record(record, {"pid": os.getpid(), "host": socket.gethostname(), "failed_at": time.time(),
+                               "error": f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__})
+        raise
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def first_failure(records_dir: Path, world_size: int) -> str | None:
+    """Which worker failed first, from the records of the last worker group: a rank that recorded no error
+    died without raising (killed, or crashed) and so before the others, whose errors follow from losing it;
+    else the rank with the earliest recorded error. None when no worker recorded anything."""
+    records = {}
+    for rank in range(world_size):
+        path = records_dir / f"rank{rank}.json"
+        if path.exists():
+            records[rank] = json.loads(path.read_text())
+    if not records:
+        return None
+    silent = [rank for rank, r in records.items() if "error" not in r]
+    if silent and len(silent) < len(records):
+        rank = silent[0]
+        return f"worker rank {rank} ({_where(records[rank])}) died without an error (killed, or the process crashed)"
+    failed = sorted((r["failed_at"], rank) for rank, r in records.items() if "error" in r)
+    if not failed:
+        return None
+    rank = failed[0][1]
+    return f"worker rank {rank} ({_where(records[rank])}) failed first: {records[rank]['error']}"
+
+
+def _where(record: dict[str, Any]) -> str:
+    return f"PID {record['pid']} on {record['host']}"
 
 
 def with_absolute_paths(recipe: Recipe) -> Recipe:
@@ -157,7 +223,7 @@ def with_absolute_paths(recipe: Recipe) -> Recipe:
 def worker_environment() -> dict[str, str]:
     """The environment variables megaseq reads that workers must see as this process does (a relative
     ``MEGASEQ_CACHE`` made absolute), for Ray's ``runtime_env``."""
-    env = {name: os.environ[name] for name in ("OMP_NUM_THREADS",) if name in os.environ}
+    env = {name: os.environ[name] for name in ("OMP_NUM_THREADS", threads.AUTO) if name in os.environ}
     if os.environ.get("MEGASEQ_CACHE"):
         env["MEGASEQ_CACHE"] = str(Path(os.environ["MEGASEQ_CACHE"]).expanduser().absolute())
     return env
@@ -193,12 +259,22 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
     use_gpu = device_type(recipe.run.device) == "cuda"
     init = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
     recipe = with_absolute_paths(recipe)
+    out = recipe.out_dir
+    stop_file, records = out / STOP_FILE, out / WORKER_RECORDS
+    for name, value in QUIET_RAY.items():
+        os.environ.setdefault(name, value)  # read by the local cluster's processes, which ray.init starts
+    env = worker_environment() | {name: os.environ[name] for name in QUIET_RAY}
+
+    def before_fit(signum: int, frame: Any) -> None:  # SIGTERM's default would skip the shutdown below
+        raise Interrupted(signum, f"{signal.Signals(signum).name}: stopped before the workers started")
+
+    previous = signal.signal(signal.SIGTERM, before_fit)
     try:
-        ray.init(**init, include_dashboard=False, log_to_driver=True, logging_level="ERROR", configure_logging=True,
-                 runtime_env={"env_vars": worker_environment()})
-    except ConnectionError as exc:
-        raise UserError(f"--address {address}: {str(exc).splitlines()[0]}") from None
-    try:
+        try:
+            ray.init(**init, include_dashboard=False, log_to_driver=True, logging_level="ERROR", configure_logging=True,
+                     logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"), runtime_env={"env_vars": env})
+        except ConnectionError as exc:
+            raise UserError(f"--address {address}: {str(exc).splitlines()[0]}") from None
         available = ray.cluster_resources()
         need = {"CPU": workers, **({"GPU": workers} if use_gpu else {})}
         for resource, amount in need.items():
@@ -207,7 +283,7 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
                     f"{workers} workers need {amount} {resource}s; the Ray cluster{f' at {address}' if address else ''} "
                     f"has {available.get(resource, 0):g}"
                 )
-        out = recipe.out_dir
+        stop_file.unlink(missing_ok=True)
         trainer = TorchTrainer(
             _ray_worker,
             train_loop_config={"recipe": recipe.to_dict(), "source": recipe.source, "resume": resume, "launch": uuid.uuid4().hex},
@@ -217,24 +293,70 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
                 name="ray",
                 storage_path=str(out),
                 failure_config=ray.train.FailureConfig(max_failures=max_failures),
+                logging_config=ray.train.LoggingConfig(log_level="ERROR"),
             ),
         )
-        try:
-            trainer.fit()
-        except ray.train.TrainingFailedError as exc:
-            raise WorkerFailed(exc) from None
+        stopped = _fit_until_done_or_stopped(trainer, stop_file)
+        if stopped is not None:
+            saved = checkpoint.newest_verified(out / "checkpoints").path
+            where = f"stopped after step {checkpoint.read_meta(saved)['step']}; saved {saved}" if saved else "stopped before the first checkpoint"
+            raise Interrupted(stopped, f"{where}; continue with --resume")
+    except ray.train.TrainingFailedError as exc:
+        raise WorkerFailed(exc, first_failure(records, workers)) from None
     finally:
-        ray.shutdown()
+        ray.shutdown()  # stops the workers and, when ray.init started it, the local cluster
+        signal.signal(signal.SIGTERM, previous)
+        stop_file.unlink(missing_ok=True)
+        for path in records.glob("rank*.json"):
+            path.unlink()
     return out
 
 
+def _fit_until_done_or_stopped(trainer: Any, stop_file: Path) -> int | None:
+    """``trainer.fit()`` in a thread (so that Ray installs no SIGINT handler of its own, which would abort
+    the workers without saving), while this thread turns the first SIGINT/SIGTERM into the workers' stop
+    file and a second into :class:`Interrupted` at once. Returns the signal that stopped the run, if any."""
+    outcome: dict[str, BaseException] = {}
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    requested: list[int] = []
+
+    def handle(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if requested:
+            raise Interrupted(signum, f"{name} again: stopped at once, without saving; the workers are stopped")
+        requested.append(signum)
+        stop_file.write_text(str(int(signum)))
+        print(f"\nmegaseq: {name}: the workers save a checkpoint after their current step, then stop "
+              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    previous = {signum: signal.signal(signum, handle) for signum in HANDLED}
+    try:
+        thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if "error" in outcome:
+        raise outcome["error"]
+    return requested[0] if requested else None
+
+
 class WorkerFailed(RuntimeError):
-    """The workers failed more often than ``--max-failures`` allows."""
+    """The workers failed more often than ``--max-failures`` allows: one line naming the worker that failed
+    first (``first``, from the workers' records) and why, else Ray's last line."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, first: str | None = None) -> None:
         lines = [line for line in str(error).strip().splitlines() if line.strip()]
-        super().__init__(f"training workers failed: {lines[-1] if lines else type(error).__name__}")
+        super().__init__(f"training workers failed: {first or (lines[-1] if lines else type(error).__name__)}")
 
 
-__all__ = ["WorkerFailed", "in_torchrun", "preflight", "run_torchrun", "run_with_ray", "run_worker", "with_absolute_paths",
+__all__ = ["QUIET_RAY", "STOP_FILE", "WORKER_RECORDS", "WorkerFailed", "first_failure", "in_torchrun", "preflight", "run_torchrun", "run_with_ray", "run_worker", "with_absolute_paths",
            "worker_environment"]

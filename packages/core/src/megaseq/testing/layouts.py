@@ -61,7 +61,7 @@ def train_under_layouts(
         try:
             recipe = _recipe(raw, layout, Path(out_dir) / str(layout).replace(",", "_"))
             trainer = Trainer(recipe, installed_plugins(), parallel=parallel, progress=False, tensorboard=False)
-            result = _train(trainer, steps)
+            result = _train(trainer, steps) | {"parameters": trainer.describe_parameters()}
             if save:
                 result["checkpoint"] = str(trainer.save())
             results.append(result)

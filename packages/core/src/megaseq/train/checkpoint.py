@@ -28,7 +28,8 @@ descriptions.
 
 API: :func:`save_checkpoint` (one process), :func:`staging_dir` + :func:`file_entries` + :func:`commit`
 (several writers),
-:func:`load_for_resume` (all the checks a resume needs, then the weights), :func:`verify`, :func:`newest_verified`, :func:`set_aside`, :func:`read_meta`, :func:`load_weights`,
+:func:`load_for_resume` (all the checks a resume needs, then the weights), :func:`verify`, :func:`upgrade`
+(manifests for checkpoints written before them), :func:`newest_verified`, :func:`set_aside`, :func:`read_meta`, :func:`load_weights`,
 :func:`load_state`, :func:`load_optimizer`, :func:`recipe_changes`, :func:`prune`, :func:`remove_leftovers`,
 and the RNG helpers :func:`rng_state` / :func:`set_rng_state`.
 Every problem a user can meet is a :class:`CheckpointError`: one line naming the checkpoint and the file.
@@ -186,7 +187,8 @@ def verify(path: Path) -> dict[str, Any]:
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
             raise ValueError
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MANIFEST} (the save was interrupted, or an older megaseq wrote it)") from None
+        raise CheckpointError(f"{path}: no {MANIFEST} (the save was interrupted, or an older megaseq wrote it: "
+                              f"megaseq checkpoint upgrade {path})") from None
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path}: {MANIFEST} is unreadable") from None
     for name, expected in files.items():
@@ -246,6 +248,41 @@ def newest_verified(root: Path) -> Found:
             continue
         return Found(path, skipped, _latest_note(root, path))
     return Found(None, skipped, _latest_note(root, None) if skipped else None)
+
+
+def upgrade(path: Path) -> list[Path]:
+    """Write the manifest of each checkpoint without one (written before manifests existed): ``path`` is a
+    checkpoint, or a run directory / checkpoint root (each of its checkpoints). Returns those upgraded.
+
+    A manifest can only vouch for the files as they are now, so each is first read whole the way a resume
+    reads it (``meta.json`` with its step, every ``*.safetensors`` tensor, every ``*.pt`` file): a file cut
+    short by the old, non-atomic save is a one-line error and gets no manifest."""
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    targets = [path] if (path / "meta.json").exists() else checkpoints(root)
+    if not targets:
+        raise CheckpointError(f"{path}: not a megaseq checkpoint, run directory or checkpoint directory")
+    upgraded = []
+    for target in targets:
+        if (target / MANIFEST).exists():
+            continue
+        meta = read_meta(target)
+        if not isinstance(meta.get("step"), int):
+            raise CheckpointError(f"{target}: meta.json has no step; not a checkpoint megaseq wrote")
+        names = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+        for name in names:
+            try:
+                if name.endswith(".safetensors"):
+                    with safe_open(str(target / name), "pt") as f:
+                        for key in f.keys():
+                            f.get_tensor(key)
+                elif name.endswith(".pt"):
+                    torch.load(target / name, map_location="cpu", weights_only=False)
+            except Exception as exc:
+                raise CheckpointError(f"{target}: {name} cannot be read ({type(exc).__name__}); no manifest written") from None
+        manifest = {"format": MANIFEST_FORMAT, "step": meta["step"], "files": file_entries(target, names)}
+        _write_atomic(target / MANIFEST, json.dumps(manifest, indent=2))
+        upgraded.append(target)
+    return upgraded
 
 
 # -- loading -----------------------------------------------------------------------------------------

@@ -4,6 +4,10 @@ trainer saves a checkpoint there and raises :class:`Interrupted`); a second one 
 Python runs signal handlers in the main thread between bytecodes, so "at once" means as soon as the
 current torch operation returns. Outside the main thread (where handlers cannot be installed) the
 default behaviour is kept.
+
+Workers that get no signal (Ray's, started by ``megaseq train --workers N``) are asked to stop through a
+stop file: the launcher catches the signal and writes its number into the file that every worker's
+:class:`StopRequests` watches (``stop_file``), and they stop as after a first signal.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
@@ -26,17 +31,26 @@ class Interrupted(KeyboardInterrupt):
 
 
 class StopRequests:
-    """Context manager that turns the first SIGINT/SIGTERM into :attr:`requested` (the signal number)."""
+    """Context manager that turns the first SIGINT/SIGTERM, or the appearance of ``stop_file`` (holding a
+    signal number), into :attr:`requested` (the signal number)."""
 
-    def __init__(self) -> None:
-        self.requested: int | None = None
+    def __init__(self, stop_file: Path | None = None) -> None:
+        self.stop_file = stop_file
+        self._requested: int | None = None
         self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> int | None:
+        if self._requested is None and self.stop_file is not None and self.stop_file.exists():
+            text = self.stop_file.read_text().strip()
+            self._requested = int(text) if text.isdigit() else signal.SIGTERM
+        return self._requested
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:
+        if self._requested is not None:
             raise Interrupted(signum, f"{name} again: stopped at once, without saving")
-        self.requested = signum
+        self._requested = signum
         print(f"\nmegaseq: {name}: saving a checkpoint after this step, then stopping "
               f"(send it again to stop at once)", file=sys.stderr, flush=True)
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from megaseq import threads
 from megaseq.capabilities import check_components
 from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext
@@ -186,6 +187,9 @@ class Trainer:
         self.checkpoint_meta: dict[str, Any] = {}  # more for every checkpoint's meta.json (e.g. the launch)
         self.tensorboard = tensorboard
         self.lock_run = lock_run
+        # this process's share of the machine's cores, re-decided at step boundaries (``megaseq.threads``)
+        self.core_share = threads.core_share() if self.device.type == "cpu" else None
+        self.stop_file: Path | None = None  # a file whose appearance asks for a stop (``megaseq.train.interrupt``)
         self.notes: list[str] = []  # what resuming changed or found, for the run header
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -327,6 +331,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         t, p = self.recipe.train, self.parallel
+        if self.core_share is not None:
+            self.core_share.update()
         info = self.optimizer_step.start(self.step + 1, self.tokens)
         started = time.perf_counter()
         totals = StepTotals()
@@ -354,13 +360,26 @@ class Trainer:
         self.optimizer_step.end(info, self.tokens, metrics)
         return metrics
 
+    def describe_parameters(self) -> str:
+        """The model line of the run header: under ep or tp a rank holds part of the parameters, so the line
+        gives the whole model's count and each rank's, labelled."""
+        layout = self.parallel.layout
+        local = sum(p.numel() for p in self.model.parameters())
+        whole = (local + (layout.ep - 1) * sum(p.numel() for p in self.expert_params)
+                 + (layout.tp - 1) * sum(p.numel() for p in self.tp_params))
+        if whole == local:
+            return describe(self.model)
+        split = ", ".join(f"{what} over {dim}={n}" for what, dim, n in (("experts", "ep", layout.ep), ("tensors", "tp", layout.tp)) if n > 1)
+        layers = describe(self.model).partition("; ")[2]
+        return f"{whole / 1e6:.2f}M parameters in all, {local / 1e6:.2f}M on each rank ({split}); {layers}"
+
     def header(self) -> str:
         plugins = ", ".join(f"{p['dist']} {p['version']}" for p in self.plugins.active())
         return "\n".join([
             f"megaseq run {self.recipe.run.name!r} from {self.recipe.source} on {self.device}"
             + (f" x {self.parallel.layout.world_size} workers ({self.parallel.layout})" if self.parallel.distributed else ""),
             f"  plugins: {plugins}",
-            f"  model: {describe(self.model)}",
+            f"  model: {self.describe_parameters()}",
             f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases; out: {self.out_dir}",
             f"  memory: {describe_memory_policy(self.recipe, self.plan)}; heap: {self.heap}",
             f"  {MEMORY_NOTE[self.device.type]}",
@@ -396,7 +415,7 @@ class Trainer:
         losses: list[float] = []
         result_eval = saved_at = None
         bar = tqdm(total=t.steps, initial=self.step, disable=not self.progress, desc="train", file=sys.stderr)
-        with contextlib.closing(logger), StopRequests() as stop:
+        with contextlib.closing(logger), StopRequests(self.stop_file) as stop:
             while self.step < t.steps and not p.any(stop.requested is not None):
                 metrics = self.train_step()
                 losses.append(metrics["loss"])

@@ -60,9 +60,9 @@ def peak_rss_gib() -> float:
 
 
 def _child_setup(threads: int) -> Any:
-    import torch
+    from megaseq import threads as thread_counts
 
-    torch.set_num_threads(threads)
+    thread_counts.fix(threads)  # the experiment shares the cores out itself
     return get_plugins()
 
 
