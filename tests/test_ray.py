@@ -132,6 +132,7 @@ def _wait_for_workers(proc: subprocess.Popen, out: Path, log: Path) -> list[psut
     pytest.fail("the run ended or stalled before its workers checkpointed:\n" + log.read_text()[-3000:])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_stops_the_workers_and_the_cluster_and_leaves_no_process(tmp_path):
     proc, out, log = _tiny_ray_run(tmp_path)
     try:
@@ -151,6 +152,7 @@ def test_sigterm_saves_stops_the_workers_and_the_cluster_and_leaves_no_process(t
     assert "Traceback" not in text, text[-3000:]
 
 
+@pytest.mark.slow
 def test_a_failed_group_names_the_worker_that_died_first(tmp_path):
     proc, out, log = _tiny_ray_run(tmp_path, "--max-failures", "0")
     try:
