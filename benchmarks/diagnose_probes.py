@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/diagnose_probes.py residual --steps 8     # what each block writes, step by step
     .venv/bin/python benchmarks/diagnose_probes.py residual --set train.lr=1e-3
     .venv/bin/python benchmarks/diagnose_probes.py markov-data           # Markov baselines by training tokens
-    .venv/bin/python benchmarks/diagnose_probes.py heldout --windows 24  # Markov baselines on the fixed held-out set
+    .venv/bin/python benchmarks/diagnose_probes.py heldout --windows 24  # Markov baselines on the fixed held-out set, by position and by retrieval distance
     .venv/bin/python benchmarks/diagnose_probes.py repeats --windows 24  # what copying could gain past 4k there
 
 ``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
@@ -14,8 +14,10 @@ the per-token deviation from it (what tells tokens apart). ``markov-data`` fits 
 N tokens of shuffled chr20 training windows and scores them on 64 held-out chrX windows: what counting k-mers
 reaches with the data a model has seen. ``heldout`` scores the order-8 and order-11 baselines on the
 context-extension experiment's fixed held-out set (the ``cpu`` preset's, with ``--windows`` windows) with the
-experiment's own scorers: bits/base per bucket with its 95% bootstrap interval, and whether each curve is
-flat within its intervals (how many windows it takes to resolve a given effect). ``repeats`` bounds what
+experiment's own scorers: bits/base per bucket with its 95% bootstrap interval, whether each curve is
+flat within its intervals (how many windows it takes to resolve a given effect), and the retrieval table of
+the experiment's report for each k (``megaseq_genome.retrieval``: the baselines and the perfect copier by
+distance to each target's last earlier k-mer occurrence). ``repeats`` bounds what
 long context can give on that set: for each target past ``short_len`` of context, whether the 20 tokens
 before it occurred earlier in the window, the most recent such occurrence ending within ``short_len`` tokens
 or only further back, and whether the token after that occurrence is the target (a copy would be right).
@@ -116,6 +118,7 @@ def probe_heldout(args: argparse.Namespace) -> None:
     from megaseq_genome.experiment.report import columns, per_window_bits
     from megaseq_genome.heldout_set import score_windows, select_heldout
     from megaseq_genome.markov import fitted_markov
+    from megaseq_genome.retrieval import RetrievalLoss, markdown, retrieval_table
 
     plan = load_plan(args.scale, [f"plan.eval_windows={args.windows}"])
     tokens = tokenized(plan.heldout)
@@ -123,13 +126,20 @@ def probe_heldout(args: argparse.Namespace) -> None:
     print(f"{plan.heldout} {list(plan.heldout_region)}: {heldout.candidates} windows of {plan.long_len + 1} without N, "
           f"{len(heldout.starts)} chosen; bits/base [95% interval]")
     weights = resample_weights(len(heldout.starts), plan.bootstrap_samples, seed=0)
+    by_distance = {}
     for order in plan.markov_orders:
-        acc = score_windows(heldout, tokens, plan.first_bucket, fitted_markov("grch37-chr20", order).token_losses)
+        by_distance[f"markov-{order}"] = RetrievalLoss(len(heldout.starts))
+        acc = score_windows(heldout, tokens, plan.first_bucket, fitted_markov("grch37-chr20", order).token_losses,
+                            by_distance[f"markov-{order}"])
         ci = mean_interval(per_window_bits(acc.sums, acc.edges, plan.short_len), weights, plan.confidence)
         n = len(acc.edges) - 1
         print(f"order {order}: flat within its intervals: {flat_within_intervals(ci['low'][:n], ci['high'][:n])}")
         for c, name in enumerate(columns(acc.edges, plan.short_len)):
             print(f"  {name:>8} {ci['mean'][c]:.4f} [{ci['low'][c]:.4f}, {ci['high'][c]:.4f}]")
+    table = retrieval_table(by_distance, f"markov-{max(plan.markov_orders)}", weights, plan.confidence)
+    for k in table["ks"]:
+        print()
+        print(markdown(table, k), end="")
 
 
 def probe_repeats(args: argparse.Namespace) -> None:

@@ -101,6 +101,12 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     assert "| positions | pretrain | long | short | sdpa | markov-2 | markov-3 |" in table
     assert "| run | parameters |" in table and "Target 1" in table and "Target 2" in table
     assert (out / "bits_by_bucket.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    retrieval = report["retrieval"]  # by distance to each target's last earlier k-mer occurrence
+    assert retrieval["ks"] == [12, 16, 20, 32] and retrieval["reference"] == "markov-3" and list(retrieval["models"]) == names
+    assert all(sum(row) == 4 * 512 for row in retrieval["targets"])  # every target in one bucket, for every k
+    assert all(row[2:4] == [0, 0] for row in retrieval["targets"])  # a 512-token window has no distance past 4k
+    assert "Retrieval (k = 20)" in table and "| perfect copier, bits |" in table and "| long, captured |" in table
+    assert (out / "retrieval_by_distance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Bits/base on the held-out set" in proc.stdout
 
     for stage in ("pretrain", "long", "short", "sdpa"):  # each stage is a run directory, scored where `megaseq eval` writes

@@ -24,6 +24,7 @@ import torch
 from megaseq.data.tokenizer import N_ID, TOKEN_ID_MASK
 from megaseq.errors import UserError
 from megaseq.eval.positions import LN2, bucket_edges
+from megaseq_genome.retrieval import RetrievalLoss
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,15 @@ def score_windows(
     tokens: np.ndarray,
     first_bucket: int,
     token_losses: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    retrieval: RetrievalLoss | None = None,
 ) -> WindowBucketLoss:
-    """Run ``token_losses(inputs [1, L], targets [1, L]) -> [1, L] nats`` over every window of the set."""
+    """Run ``token_losses(inputs [1, L], targets [1, L]) -> [1, L] nats`` over every window of the set; with
+    ``retrieval``, also sum the losses by distance to each target's last earlier k-mer occurrence there."""
     acc = WindowBucketLoss(heldout.length, first_bucket, len(heldout.starts))
     for i, (inputs, targets) in enumerate(heldout.windows(tokens)):
-        acc.add(i, token_losses(inputs, targets))
+        loss = token_losses(inputs, targets)
+        acc.add(i, loss)
+        if retrieval is not None:
+            ids = torch.cat([inputs[0], targets[0, -1:]]).numpy()
+            retrieval.add(i, ids, loss.detach().to("cpu", torch.float64).reshape(-1).numpy())
     return acc

@@ -48,6 +48,7 @@ from megaseq.plugins import get_plugins
 from megaseq.train import rundir
 from megaseq_genome.experiment.plan import STAGES, ContextExtensionPlan, Stage, load_plan, parameter_count, stages
 from megaseq_genome.experiment.report import write_report
+from megaseq_genome.retrieval import KS
 
 
 def peak_rss_gib() -> float:
@@ -125,15 +126,17 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
     from megaseq.model import build_model, chunked_token_losses
     from megaseq_genome.heldout_set import HeldoutSet, score_windows
     from megaseq_genome.markov import fitted_markov
+    from megaseq_genome.retrieval import RetrievalLoss
 
     plugins = _child_setup(threads)
     heldout = HeldoutSet(**spec["heldout"])
     tokens = tokenized(heldout.dataset)
+    retrieval = RetrievalLoss(len(heldout.starts), tuple(spec["retrieval_ks"]))
     started, cpu_started = time.perf_counter(), time.process_time()
     if spec["kind"] == "markov":
         baseline = fitted_markov(spec["train"], spec["order"])
         fit_s = time.perf_counter() - started
-        acc = score_windows(heldout, tokens, spec["first_bucket"], baseline.token_losses)
+        acc = score_windows(heldout, tokens, spec["first_bucket"], baseline.token_losses, retrieval)
         extra = {"fit_s": fit_s}
     else:
         recipe = validate_recipe(spec["recipe"], plugins, spec["source"])
@@ -154,7 +157,7 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
                     return chunked_token_losses(hidden, model.head_weight, targets, recipe.train.loss_chunk).float()
                 return sliding_losses(model, inputs, targets, context, recipe.train.loss_chunk)
 
-        acc = score_windows(heldout, tokens, spec["first_bucket"], losses)
+        acc = score_windows(heldout, tokens, spec["first_bucket"], losses, retrieval)
         extra = {"eval_context": context, "checkpoint": str(scored)}
     meta = {
         "wall_s": time.perf_counter() - started,
@@ -167,7 +170,7 @@ def evaluate(spec: dict, threads: int, result: str) -> None:
     Path(result).parent.mkdir(parents=True, exist_ok=True)
     Path(result).with_suffix(".json").write_text(json.dumps(meta, indent=2))
     # the .npz, written last and renamed into place, is what marks this evaluation done
-    np.savez(result + ".tmp.npz", sums=acc.sums, edges=np.asarray(acc.edges))
+    np.savez(result + ".tmp.npz", sums=acc.sums, edges=np.asarray(acc.edges), **retrieval.arrays())
     os.replace(result + ".tmp.npz", result)
 
 
@@ -280,7 +283,7 @@ def plan_jobs(plan: ContextExtensionPlan, all_stages: list[Stage], heldout: dict
 
 
 def common(plan: ContextExtensionPlan, heldout: dict) -> dict:
-    return {"heldout": heldout, "first_bucket": plan.first_bucket}
+    return {"heldout": heldout, "first_bucket": plan.first_bucket, "retrieval_ks": list(KS)}
 
 
 def describe_plan(all_stages: list[Stage], plan: ContextExtensionPlan) -> str:
@@ -324,7 +327,7 @@ def check_memory(all_stages: list[Stage], plan: ContextExtensionPlan, plugins: A
 def evaluation_record(spec: dict) -> dict:
     """What an evaluation's scores depend on besides the model: the held-out windows, the buckets and, for a
     Markov baseline, its training data and order. Saved beside the scores; ``--resume`` compares it."""
-    keys = ("heldout", "first_bucket", "eval_context", "train", "order")
+    keys = ("heldout", "first_bucket", "retrieval_ks", "eval_context", "train", "order")
     return json.loads(json.dumps({k: spec[k] for k in keys if k in spec}))  # tuples -> lists, as read back
 
 
@@ -369,7 +372,9 @@ def check_reuse(out: Path, all_stages: list[Stage], jobs: list[Job]) -> list[str
     return notes
 
 
-EXPERIMENT_OUTPUTS = ("plan.json", "report.json", "report.md", "bits_by_bucket.png", "baselines", *STAGES)
+EXPERIMENT_OUTPUTS = (
+    "plan.json", "report.json", "report.md", "bits_by_bucket.png", "retrieval_by_distance.png", "baselines", *STAGES
+)
 
 
 def prepare_out(out: Path, plan: ContextExtensionPlan, mode: str) -> None:
