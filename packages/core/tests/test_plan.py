@@ -209,3 +209,70 @@ def test_tiles_are_never_planned_under_context_parallelism():
             refuse()
     whole = load_recipe(TINY, plugins, ["train.batch_size=2", 'train.memory_policy=["shrink"]'])
     check_components(whole, plugins, cp2)  # recompute without tiles runs under CP
+
+
+def test_optimizer_state_in_host_memory_and_sharded():
+    """Per parameter: AdamW's 8 bytes of moments on the device; with optimizer_state = "host" on CUDA 16 bytes of
+    host memory instead (moments, master, gradient buffer), on CPU still the process's 8; ZeRO-1 divides by dp x cp."""
+    plugins = fresh_plugins()
+    cuda, cpu = Machine("cuda", 64 * GiB, None), Machine("cpu", 64 * GiB, None)
+    dp2cp2 = Layout.parse("dp=2,cp=2")
+
+    def one(machine, layout=None, *sets):
+        recipe = load_recipe(TINY, plugins, ["train.batch_size=4", *sets])
+        return plan(recipe, plugins, seq_len=4096, layout=layout, machine=machine, policies="none").candidates[0]
+
+    device = one(cuda)
+    params = device.weights // 4
+    assert device.optimizer == 8 * params and device.host_optimizer == 0
+    host = one(cuda, None, "train.optimizer_state='host'")
+    assert host.optimizer == 0 and host.host_optimizer == 16 * params
+    assert device.device_peak - host.device_peak == 8 * params
+    assert one(cpu, None, "train.optimizer_state='host'").optimizer == 8 * params  # the same memory on a CPU run
+    assert one(cuda, dp2cp2, "train.optimizer_shard=true").optimizer == 8 * params // 4
+    assert one(cuda, dp2cp2, "train.optimizer_shard=true", "train.optimizer_state='host'").host_optimizer == 16 * params // 4
+    assert "in host memory" in render_table(plan(load_recipe(TINY, plugins, ["train.optimizer_state='host'"]), plugins,
+                                                 machine=cuda, policies="none"))
+
+
+def test_sharding_expert_parallel_parameters_is_refused_in_one_line(capsys):
+    args = ["plan", str(REPO / "recipes" / "glm5-flash-1m.toml"), "--parallel", "dp=4,cp=2,ep=32", "--device-mem", "178",
+            "--set", "train.optimizer_shard=true"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.optimizer_shard cannot shard expert-parallel parameters (ep=32" in err[0]
+
+
+class CostConfig(ComponentConfig):
+    part: str = "block"
+
+
+def cost_effect(config: CostConfig) -> MemoryEffect:  # block: cheap on CPU, dear on CUDA; ffn the other way
+    costs = {"block": {"cpu": 0.2, "cuda": 0.5}, "ffn": {"cpu": 0.6, "cuda": 0.1}}[config.part]
+    return MemoryEffect(recompute=config.part, time_cost=0.3, time_costs=costs)
+
+
+class CostPlugin:
+    @hookimpl
+    def megaseq_memory_policy(self):
+        return [MemoryPolicySpec(name="cost", target=f"{__name__}:CostConfig", config=CostConfig,
+                                 memory=f"{__name__}:cost_effect", presets=({"part": "ffn"}, {"part": "block"}))]
+
+
+def test_time_costs_per_device_kind_and_a_calibration_decide_the_ranking():
+    """Two sets that both fit: the cheaper on the plan's device kind is proposed; a calibration overrides."""
+    plugins = fresh_plugins()
+    plugins.register(CostPlugin(), name="cost-plugin")
+    recipe = load_recipe(TINY, plugins)
+    def tight(kind: str) -> Machine:  # no policy does not fit; both sets do
+        none = plan(recipe, plugins, seq_len=65536, machine=Machine(kind, 64 * GiB, None), policies="none")
+        return Machine(kind, none.candidates[0].device_peak - 1, None)
+
+    for kind, cheaper in (("cpu", "cost"), ("cuda", "cost(part=ffn)")):
+        machine = tight(kind)
+        result = plan(recipe, plugins, seq_len=65536, machine=machine)
+        assert {e.label for e in result.candidates if e.fits} == {"cost", "cost(part=ffn)"}, kind
+        assert result.chosen is not None and result.chosen.label == cheaper, kind
+    calibrated = plan(recipe, plugins, seq_len=65536, machine=tight("cpu"), time_costs={"cost": 0.9, "cost(part=ffn)": 0.05})
+    assert calibrated.chosen is not None and calibrated.chosen.label == "cost(part=ffn)"
+    assert {e.label: e.time_cost for e in calibrated.candidates}["cost"] == 0.9

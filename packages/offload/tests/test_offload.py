@@ -147,10 +147,24 @@ def test_read_only_scratch_dir(tmp_path, monkeypatch):
 
 def test_full_scratch_dir(tmp_path):
     stat = os.statvfs(tmp_path)
-    policy = _policy(scratch_dir=str(tmp_path), pool_bytes=stat.f_bavail * stat.f_frsize + 2**30)
+    too_much = stat.f_bavail * stat.f_frsize + 2**30
+    with pytest.raises(UserError, match="is full: a step needs") as err:  # refused when applied, before training
+        _policy(scratch_dir=str(tmp_path), pool_bytes=too_much)
+    assert "\n" not in str(err.value)
+    policy = _policy(scratch_dir=str(tmp_path))
+    policy.config = policy.config.model_copy(update={"pool_bytes": too_much})  # a disk that filled up since
     with pytest.raises(UserError, match="is full: this step needs"), policy.step():
         pass
     assert not list(tmp_path.iterdir())
+
+
+def test_scratch_dir_on_a_network_file_system(tmp_path, monkeypatch):
+    # no network mount here: the mount table the policy reads is simulated
+    import megaseq_offload.stores as stores
+
+    monkeypatch.setattr(stores, "filesystem_type", lambda path: "nfs4")
+    with pytest.raises(UserError, match=r"is on a network file system \(nfs4\); choose a directory on a local disk"):
+        _policy(scratch_dir=str(tmp_path))
 
 
 def test_full_scratch_dir_in_the_middle_of_a_step(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ schema is a pydantic model: keep the module that defines it light.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -66,17 +67,19 @@ class MemoryEffect:
     (``None``: all); ``tile_tokens``: with ``recompute = "block"``, the blocks run in sequence tiles of this
     many tokens where the attention can tile; ``offload_min_bytes``: saved tensors of at least this size
     leave device memory between forward and backward (to pinned host memory on CUDA, to a scratch file on
-    local disk on CPU); ``optimizer_on_host``: the optimizer state lives in host memory. ``time_cost``: a
-    rough extra step time as a fraction of a step without policies, which the planner uses to rank the sets
-    that fit (state how you estimated it).
+    local disk on CPU). ``time_cost``: the extra step time as a fraction of a step without policies, which
+    the planner uses to rank the sets that fit; ``time_costs``: the same per device kind (``"cpu"``,
+    ``"cuda"``), where it differs by machine (state where each figure comes from: a measurement, a report or
+    an estimate). The planner takes ``time_costs[kind]`` where given, else ``time_cost``; a calibration
+    measured on the machine overrides both (``megaseq.memory.plan.plan(time_costs=...)``).
     """
 
     recompute: str | None = None
     layers: tuple[int, int] | None = None
     tile_tokens: int | None = None
     offload_min_bytes: int | None = None
-    optimizer_on_host: bool = False
     time_cost: float = 0.0
+    time_costs: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.recompute not in (None, "block", "attention", "ffn"):

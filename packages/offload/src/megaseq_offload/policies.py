@@ -122,7 +122,7 @@ class OffloadPolicy:
         self.model = model
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
-            self.scratch = check_scratch_dir(self.config.scratch_dir or default_scratch_dir())
+            self.scratch = check_scratch_dir(self.config.scratch_dir or default_scratch_dir(), self.config.pool_bytes or 0)
             map_large_allocations()  # else glibc's heap keeps what leaves for disk resident
         elif self.device.type != "cuda":
             raise UserError(f"memory_policy.offload runs on cpu or cuda, not {self.device.type}")
@@ -165,20 +165,29 @@ def build_offload(config: OffloadConfig) -> OffloadPolicy:
     return OffloadPolicy(config)
 
 
-# Rough extra step time, for ranking policy sets: a forward is about a third of forward + backward, so
-# re-running every block costs about +33%; the attention and the feed-forward each take part of that. Tiles
-# add a little per halving of the tile (carried state, repeated key concatenation).
-_RECOMPUTE_COST = {"ffn": 0.10, "attention": 0.20, "block": 0.33}
+# Extra step time, for ranking policy sets, per device kind (megaseq.records.MemoryEffect.time_costs).
+# CPU, measured: one step of recipes/genome-cpu.toml at 65,536 tokens, one thread, a fresh process each, the
+# same busy machine (docs/results.md, "Policy costs"): no policy 76.8 CPU s, recompute(part=block) 110.8 s
+# (+44%), offload 141.5 s (+84%: the scratch file's writes and reads and the page faults of mapped allocations).
+# CUDA: offload +21%, reported for the GLM-5.3-Flash run at 256k (checkpoint inputs to pinned host memory);
+# recompute estimated: a forward is about a third of forward + backward, so re-running every block costs
+# about +33%. The attention and the feed-forward alone are estimated as the same shares of the block's cost on
+# both kinds (0.3 and 0.6 of it). Tiles add a little per halving of the tile (carried state, repeated key
+# concatenation), an estimate.
+_RECOMPUTE_BLOCK_COST = {"cpu": 0.44, "cuda": 0.33}
+_RECOMPUTE_SHARE = {"ffn": 0.3, "attention": 0.6, "block": 1.0}
 _TILE_COST, _TILE_COST_PER_HALVING = 0.03, 0.01
-_OFFLOAD_COST = 0.10
+_OFFLOAD_COST = {"cpu": 0.84, "cuda": 0.21}
 
 
 def recompute_effect(config: RecomputeConfig) -> MemoryEffect:
-    cost = _RECOMPUTE_COST[config.part]
+    tiles = 0.0
     if config.tile_tokens is not None:
-        cost += _TILE_COST + _TILE_COST_PER_HALVING * max(0.0, math.log2(2**20 / config.tile_tokens))
-    return MemoryEffect(recompute=config.part, layers=config.layers, tile_tokens=config.tile_tokens, time_cost=cost)
+        tiles = _TILE_COST + _TILE_COST_PER_HALVING * max(0.0, math.log2(2**20 / config.tile_tokens))
+    costs = {kind: _RECOMPUTE_SHARE[config.part] * block + tiles for kind, block in _RECOMPUTE_BLOCK_COST.items()}
+    return MemoryEffect(recompute=config.part, layers=config.layers, tile_tokens=config.tile_tokens,
+                        time_cost=costs["cuda"], time_costs=costs)
 
 
 def offload_effect(config: OffloadConfig) -> MemoryEffect:
-    return MemoryEffect(offload_min_bytes=config.min_bytes, time_cost=_OFFLOAD_COST)
+    return MemoryEffect(offload_min_bytes=config.min_bytes, time_cost=_OFFLOAD_COST["cuda"], time_costs=_OFFLOAD_COST)

@@ -102,8 +102,16 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
-def check_scratch_dir(directory: str) -> Path:
-    """Raise a one-line UserError unless ``directory`` is an existing, writable directory on a disk."""
+# File systems whose files live on another machine: every offloaded byte would cross the network twice a step.
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "9p", "afs", "ceph", "glusterfs", "fuse.glusterfs", "lustre",
+    "gpfs", "beegfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone",
+})
+
+
+def check_scratch_dir(directory: str, need: int = 0) -> Path:
+    """Raise a one-line UserError unless ``directory`` is an existing, writable directory on a local disk with
+    at least ``need`` bytes free."""
     path = Path(directory).expanduser().resolve()
     where = f"memory_policy.offload.scratch_dir {str(path)!r}"
     if not path.exists():
@@ -113,6 +121,13 @@ def check_scratch_dir(directory: str) -> Path:
     kind = filesystem_type(path)
     if kind in ("tmpfs", "ramfs"):
         raise UserError(f"{where} is on {kind}, whose files are held in memory; choose a directory on a local disk")
+    if kind in NETWORK_FILESYSTEMS:
+        raise UserError(f"{where} is on a network file system ({kind}); choose a directory on a local disk")
+    stat = os.statvfs(path)
+    free = stat.f_bavail * stat.f_frsize
+    if free == 0 or free < need:
+        raise UserError(f"{where} is full: a step needs {need / 2**30:.2f} GiB of scratch space, "
+                        f"{free / 2**30:.2f} GiB are free; free space or choose another directory")
     try:  # the real test of writability (permissions, a read-only mount, no inodes left)
         tempfile.TemporaryFile(dir=path, prefix="megaseq-offload-").close()
     except OSError as exc:

@@ -8,7 +8,7 @@ and proposes the cheapest set that fits. Nothing here builds a model or touches 
 The model of one step on one device (bytes; ``N`` = tokens of one micro-batch on this device, i.e. windows
 per micro-batch per data-parallel rank times ``seq_len / cp``):
 
-    device peak = runtime + weights + gradients + optimizer state (unless on host)
+    device peak = runtime + weights + gradients + optimizer state (unless in host memory)
                 + sum over layers of what the layer keeps between forward and backward
                 + the most any one layer re-creates while its backward runs (recomputation)
                 + the gradient stream (GRAD_STREAM x N x d_model x 4, or x 2 in bf16) + the largest temporary buffer
@@ -33,6 +33,17 @@ Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved
 block inputs ``x``, the norms' inputs, the gradient stream) is fp32 unless ``model.residual_dtype = "bf16"``
 (``megaseq.model``), which halves those bytes too.
 
+The optimizer (``megaseq.train.optimizer``): AdamW's two fp32 moments per parameter beside the parameters;
+with ``train.optimizer_state = "host"`` on CUDA, 16 bytes per parameter in (pageable) host memory instead (the
+moments, an fp32 master and a gradient buffer; on a CPU run the moments stay where they are, in the process);
+``train.optimizer_shard`` (ZeRO-1) divides either by the ``dp x cp`` ranks that hold the same parameters.
+Host memory is reported in two parts: the offloaded activations (the pinned pool on CUDA, which
+``--host-mem`` bounds) and the host optimizer state.
+
+Ranking: the sets that fit are ranked by their extra step time, summed over their policies: a calibration
+measured on the machine when given (``plan(time_costs=...)``), else each policy's figure for the device kind
+(``MemoryEffect.time_costs``, with its source), else its single estimate.
+
 Where this is wrong and by how much: ``benchmarks/plan_accuracy.py`` measures it (``docs/results.md``, "The
 planner's accuracy").
 """
@@ -41,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +65,9 @@ from megaseq.memory.machine import Machine, gib
 from megaseq.plugins import Plugins
 from megaseq.records import MemoryEffect, MemoryEstimate, ModelDims
 
+# Host memory per parameter of train.optimizer_state = "host" on CUDA (megaseq.train.optimizer.HostAdamW): two
+# fp32 moments, an fp32 master copy and an fp32 buffer the gradient is copied into.
+HOST_OPTIMIZER_BYTES = 16
 # Gradients with respect to hidden states alive at once during backward, in units of N x d_model values of the
 # residual stream.
 GRAD_STREAM = 3
@@ -96,7 +111,8 @@ class Estimate:
     layers_peak: int = 0  # kept by the layers still alive at the peak, plus that layer's working set
     gradient_stream: int = 0
     temporary: int = 0
-    host: int = 0  # offloaded activations and host optimizer state (CUDA: pinned/host memory)
+    host: int = 0  # offloaded activations (CUDA: the pinned pool)
+    host_optimizer: int = 0  # optimizer state in host memory (train.optimizer_state = "host" on CUDA)
     disk: int = 0  # offloaded activations on CPU (a scratch file)
     offloaded: int = 0
     time_cost: float = 0.0
@@ -201,9 +217,10 @@ def _combine(effects: list[MemoryEffect], layer: int) -> tuple[str | None, int |
 
 def estimate(
     recipe: Recipe, plugins: Plugins, policies: list[PolicyChoice], layout: Layout, machine: Machine, seq_len: int,
-    costs: list[_LayerCost] | None = None,
+    costs: list[_LayerCost] | None = None, time_costs: Mapping[str, float] | None = None,
 ) -> Estimate:
-    """Predicted memory of one training step of ``recipe`` at ``seq_len`` on one device under ``policies``."""
+    """Predicted memory of one training step of ``recipe`` at ``seq_len`` on one device under ``policies``
+    (``time_costs``: see :func:`policy_time_cost`)."""
     m, t = recipe.model, recipe.train
     tokens = tokens_per_device(recipe, layout, seq_len)
     length = seq_len // layout.cp  # one sequence's tokens on this device: what a component's call sees
@@ -216,18 +233,19 @@ def estimate(
     rows = tokens // length  # sequences per micro-batch on this device
 
     runtime = machine.runtime_bytes + (training_data_bytes(recipe, plugins) if machine.kind == "cpu" else 0)
-    out = Estimate(policies, runtime=runtime, time_cost=sum(e.time_cost for e in effects))
+    cost = sum(policy_time_cost(p, machine.kind, time_costs) for p in policies)
+    out = Estimate(policies, runtime=runtime, time_cost=cost)
     embed = m.vocab_size * m.d_model * 4 * (1 if m.tie_embeddings else 2) // layout.tp
     params = embed + 4 * m.d_model * (2 * m.n_layers + 1)
     for c in costs:
         params += c.at("attention", length).parameters // layout.tp
         params += c.at("ffn", length).parameters // (layout.tp if c.ffn_tiles else layout.etp)
     out.weights, out.gradients = params, params
-    optimizer = 2 * params  # AdamW: two fp32 moments per parameter
-    if any(e.optimizer_on_host for e in effects):
-        out.host += optimizer
+    shards = layout.dp * layout.cp if t.optimizer_shard else 1  # ZeRO-1: each rank its share
+    if t.optimizer_state == "host" and machine.kind == "cuda":
+        out.host_optimizer = HOST_OPTIMIZER_BYTES * (params // 4) // shards
     else:
-        out.optimizer = optimizer
+        out.optimizer = 2 * params // shards  # AdamW: two fp32 moments per (fp32) parameter
 
     offloaded, kept_so_far, backward_peak = 0, 0.0, 0.0
     for i, c in enumerate(costs):
@@ -302,6 +320,15 @@ def estimate(
     return out
 
 
+def policy_time_cost(choice: PolicyChoice, kind: str, time_costs: Mapping[str, float] | None = None) -> float:
+    """The extra step time of one policy choice on a ``kind`` device: ``time_costs[str(choice)]`` when a
+    calibration gives it (keys as the plan's table prints choices: ``"offload"``, ``"recompute(part=ffn)"``),
+    else the policy's figure for the device kind, else its single estimate."""
+    if time_costs is not None and str(choice) in time_costs:
+        return time_costs[str(choice)]
+    return choice.effect.time_costs.get(kind, choice.effect.time_cost)
+
+
 def training_data_bytes(recipe: Recipe, plugins: Plugins) -> int:
     """The training token file's size (one byte per base), which a CPU run keeps resident: known for a data
     source that declares its bases, the FASTA file's size for a path (compressed files are undercounted)."""
@@ -358,15 +385,21 @@ def plan(
     layout: Layout | None = None,
     machine: Machine,
     policies: str | list[str] = "auto",
+    time_costs: Mapping[str, float] | None = None,
 ) -> Plan:
     """Plan ``recipe``: ``policies`` is ``"auto"`` (try every candidate set, propose the cheapest that fits),
-    ``"none"`` or a list of policy names (configured by the recipe's sections)."""
+    ``"none"`` or a list of policy names (configured by the recipe's sections). ``time_costs``: extra step
+    time per policy choice measured on this machine, overriding the policies' own figures
+    (:func:`policy_time_cost`)."""
     seq_len = recipe.data.seq_len if seq_len is None else seq_len
     layout = layout or Layout()
     if seq_len < 1:
         raise UserError(f"--seq-len {seq_len}: must be a positive number of tokens")
     check_zigzag_length(seq_len, layout.cp, "--seq-len")
     check_components(recipe, plugins, layout, policies if isinstance(policies, list) else [], planning=True)
+    if layout.ep > 1 and recipe.train.optimizer_shard:
+        raise UserError(f"{recipe.source}: train.optimizer_shard cannot shard expert-parallel parameters (ep={layout.ep}: "
+                        "each ep rank holds different experts); set train.optimizer_shard = false or ep = 1")
     if policies == "auto":
         # a set that cannot run under this layout is never a candidate
         sets = [s for s in candidate_sets(recipe, plugins)
@@ -377,7 +410,7 @@ def plan(
     else:
         sets, given = [[_policy_choice(recipe, plugins, n, {}) for n in policies]], True
     costs = _layer_costs(recipe, plugins, layout)
-    estimates = [estimate(recipe, plugins, s, layout, machine, seq_len, costs) for s in sets]
+    estimates = [estimate(recipe, plugins, s, layout, machine, seq_len, costs, time_costs) for s in sets]
     for e in estimates:
         _size_pools(e, recipe, plugins)
     fitting = [e for e in estimates if e.fits]

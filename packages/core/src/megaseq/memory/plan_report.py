@@ -18,6 +18,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "label": e.label,
             "device_peak_bytes": e.device_peak,
             "host_peak_bytes": e.host,
+            "host_optimizer_bytes": e.host_optimizer,
             "disk_bytes": e.disk,
             "fits": e.fits,
             "time_cost": e.time_cost,
@@ -61,7 +62,8 @@ def render_table(plan: Plan) -> str:
     first = plan.candidates[0]
     lines = [head, "", "per device (policy-independent):",
              f"  runtime {gib(first.runtime)}   weights {gib(first.weights)}   gradients {gib(first.gradients)}"
-             f"   optimizer state {gib(first.optimizer) if first.optimizer else 'on host'}", ""]
+             f"   optimizer state {gib(first.optimizer) if first.optimizer else f'{gib(first.host_optimizer)} in host memory'}",
+             ""]
     kinds = sorted({k for e in plan.candidates for k in e.saved_by_kind})
     width = max(24, *(len(e.label) for e in plan.candidates))
     cols = "".join(f"{k[:18]:>19}" for k in kinds)
