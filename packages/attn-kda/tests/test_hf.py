@@ -448,8 +448,7 @@ def test_resume_and_init_from_an_import_train_the_same_and_the_engine_scores_lik
     imported = tmp_path / "imported"
     assert main(["import", str(tmp_path / "fla"), "--out", str(imported)]) == 0
     short = ["--no-progress", "--set", "data.train=excerpt-chr20", "--set", "data.heldout=excerpt-chrX", "--set", "data.seq_len=32",
-             "--set", "train.steps=1", "--set", "train.batch_size=2", "--set", "eval.windows=1", "--set", "eval.batch_size=1",
-             "--set", "eval.markov_order=1"]
+             "--set", "train.steps=1", "--set", "train.batch_size=2", "--set", "eval.windows=1", "--set", "eval.batch_size=1"]
     copy = tmp_path / "copy"
     shutil.copytree(imported, copy)
     recipe = str(imported / "recipe.toml")

@@ -177,3 +177,25 @@ def test_baseline_mistakes_are_one_line(raw, message):
     with pytest.raises((ConfigError, PluginError)) as err:
         validate_recipe({**RAW, **raw}, plugins, "r.toml")
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_stored_recipe_with_markov_order_reads_in_the_current_keys():
+    """Checkpoints written with eval.markov_order still evaluate and resume: their recipe reads as
+    eval.baselines = ["markov"] with [baseline.markov] order (and a recipe file with it is refused above)."""
+    from megaseq.config import stored_recipe
+
+    old = {**RAW, "eval": {**RAW["eval"], "markov_order": 3}}
+    new = stored_recipe(old)
+    assert new["eval"] == {**RAW["eval"], "baselines": ["markov"]} and new["baseline"] == {"markov": {"order": 3}}
+    assert old["eval"]["markov_order"] == 3  # the stored dict is left as it was
+    assert stored_recipe(RAW) is RAW
+
+
+def test_read_meta_gives_a_checkpoints_recipe_in_the_current_keys(tmp_path):
+    import json
+
+    from megaseq.train.checkpoint import read_meta
+
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 3, "recipe": {**RAW, "eval": {"markov_order": 2}}}))
+    meta = read_meta(tmp_path)
+    assert meta["recipe"]["eval"] == {"baselines": ["markov"]} and meta["recipe"]["baseline"] == {"markov": {"order": 2}}

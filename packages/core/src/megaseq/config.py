@@ -254,6 +254,20 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+def stored_recipe(raw: dict[str, Any]) -> dict[str, Any]:
+    """A recipe as a checkpoint's ``meta.json`` holds it, in the current keys: ``eval.markov_order = K``, which
+    checkpoints of megaseq-core 0.1.0 hold, becomes ``eval.baselines = ["markov"]`` with ``[baseline.markov]
+    order = K`` (megaseq-genome's baseline), so that those checkpoints still evaluate, resume and compare."""
+    section = raw.get("eval")
+    if not isinstance(section, dict) or "markov_order" not in section:
+        return raw
+    raw = copy.deepcopy(raw)
+    order = raw["eval"].pop("markov_order")
+    raw["eval"].setdefault("baselines", ["markov"])
+    raw.setdefault("baseline", {}).setdefault("markov", {"order": order})
+    return raw
+
+
 def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recipe>") -> Recipe:
     """Validate TOML-shaped data against core's schema and each used component's schema."""
     raw = dict(raw)

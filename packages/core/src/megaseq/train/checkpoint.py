@@ -303,9 +303,15 @@ def resolve(path: Path) -> Path:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """``meta.json`` of a checkpoint (unverified: call :func:`verify` first when the files matter)."""
+    """``meta.json`` of a checkpoint (unverified: call :func:`verify` first when the files matter), its recipe
+    in the current keys (``megaseq.config.stored_recipe``)."""
+    from megaseq.config import stored_recipe
+
     try:
-        return json.loads((path / "meta.json").read_text())
+        meta = json.loads((path / "meta.json").read_text())
+        if isinstance(meta.get("recipe"), dict):
+            meta["recipe"] = stored_recipe(meta["recipe"])
+        return meta
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a megaseq checkpoint (no meta.json)") from None
     except ValueError:
