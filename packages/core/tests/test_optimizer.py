@@ -194,3 +194,16 @@ def test_sharding_refuses_expert_parallelism_in_one_line(tmp_path):
         check_layout(recipe, Layout(dp=2, ep=2))
     assert "train.optimizer_shard cannot shard expert-parallel parameters" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_host_that_cannot_hold_the_state_is_one_line_before_any_step(monkeypatch):
+    import megaseq.train.optimizer as optimizer
+
+    model = _model(torch.bfloat16)  # its masters and buffers need host memory: 16 bytes per trained parameter
+    need = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    monkeypatch.setattr(optimizer, "available_host_memory", lambda: need - 1)
+    with pytest.raises(UserError) as err:
+        HostAdamW(param_groups(model, TRAIN))
+    assert "needs 0.00 GiB of host memory" in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setattr(optimizer, "available_host_memory", lambda: need)
+    HostAdamW(param_groups(model, TRAIN))

@@ -22,6 +22,7 @@ switching ``optimizer_state`` between runs keeps the moments.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.optim.adamw import adamw as adamw_update
 
 from megaseq.config import TrainConfig
 from megaseq.distributed.groups import Parallel
+from megaseq.errors import UserError
 
 # Parameters per bucket of the CUDA path's copies (fp32 elements: 64 MiB): large enough that a copy's latency
 # is small beside its transfer, small enough that the first bucket's update starts early.
@@ -70,6 +72,7 @@ class HostAdamW(torch.optim.Optimizer):
     Per parameter, in host memory: the two moments, the step count and, unless the parameter is already an
     fp32 CPU tensor (then it is its own master), an fp32 master copy and a buffer for its gradient. A step:
     gradients to the host, AdamW on the masters, masters back into the parameters (cast to their dtype).
+    A host without the memory for these buffers is refused in one line when the optimizer is built.
 
     On CUDA the host buffers are two flat fp32 tensors page-locked with ``cudaHostRegister`` (sized exactly,
     not rounded up by PyTorch's caching host allocator) and the step runs in buckets of
@@ -89,6 +92,7 @@ class HostAdamW(torch.optim.Optimizer):
         copied = [p for g in self.param_groups for p in g["params"] if not _own_master(p)]
         if copied:
             total = sum(p.numel() for p in copied)
+            check_host_memory(HOST_BYTES_PER_PARAMETER * total)
             masters, grads = torch.empty(total, dtype=torch.float32), torch.empty(total, dtype=torch.float32)
             if any(p.is_cuda for p in copied):
                 for flat in (masters, grads):
@@ -202,6 +206,30 @@ class HostAdamW(torch.optim.Optimizer):
                     p.detach().copy_(self._masters[p], non_blocking=True)
             else:
                 p.detach().copy_(self._masters[p])
+
+
+# Host bytes per copied parameter: two fp32 moments, an fp32 master and an fp32 gradient buffer.
+HOST_BYTES_PER_PARAMETER = 16
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory the kernel can give this process without swapping (``MemAvailable``)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_host_memory(need: int) -> None:
+    """A one-line UserError, before any step, when the host cannot hold ``need`` bytes of optimizer state."""
+    free = available_host_memory()
+    if need > free:
+        raise UserError(
+            f"train.optimizer_state = 'host': this process's optimizer state needs {need / 2**30:.2f} GiB of host "
+            f"memory, {free / 2**30:.2f} GiB are available; set train.optimizer_shard = true, run fewer processes per "
+            "machine, or use optimizer_state = 'device'"
+        )
 
 
 def _own_master(p: Tensor) -> bool:
