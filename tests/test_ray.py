@@ -183,3 +183,16 @@ def test_first_failure_reads_the_workers_records(tmp_path):
     record(0, failed_at=0.5, error="UserError: no such file")
     assert first_failure(tmp_path, 2).startswith("worker rank 0 (PID 100 on h) failed first: UserError")
     assert first_failure(tmp_path / "none", 2) is None
+
+
+def test_worker_paths_are_absolute_and_data_source_names_stay_names(tmp_path, monkeypatch):
+    from megaseq.config import validate_recipe
+    from megaseq.distributed.launch import with_absolute_paths
+    from megaseq.plugins import get_plugins
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "genome.fa").write_text(">chr\nACGT\n")
+    raw = {"run": {"name": "x"}, "data": {"train": "genome.fa", "heldout": "excerpt-chrX"}}
+    recipe = with_absolute_paths(validate_recipe(raw, get_plugins()))
+    assert recipe.run.out_dir == str(tmp_path / "runs" / "x")
+    assert (recipe.data.train, recipe.data.heldout) == (str(tmp_path / "genome.fa"), "excerpt-chrX")

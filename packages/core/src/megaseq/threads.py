@@ -69,8 +69,10 @@ def cores() -> int:
 
 
 def registry_dir() -> Path:
-    """``$MEGASEQ_CACHE/trainers`` (the cache's default: ``~/.cache/megaseq``)."""
-    return Path(os.environ.get("MEGASEQ_CACHE") or Path.home() / ".cache" / "megaseq") / "trainers"
+    """``trainers/`` in megaseq's cache (``$MEGASEQ_CACHE``, else ``~/.cache/megaseq``)."""
+    from megaseq.data.sources import default_cache_dir
+
+    return default_cache_dir() / "trainers"
 
 
 class CoreShare:

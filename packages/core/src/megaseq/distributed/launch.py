@@ -206,13 +206,14 @@ def _where(record: dict[str, Any]) -> str:
 def with_absolute_paths(recipe: Recipe) -> Recipe:
     """The recipe with every path a worker reads or writes made absolute against this process's working
     directory: Ray starts its workers in a working directory of its own. ``run.out_dir`` (with ``{name}``
-    filled in) and FASTA paths in ``data.train``/``data.heldout``; dataset names stay names."""
-    from megaseq.data.sources import DATASETS
+    filled in) and FASTA files named in ``data.train``/``data.heldout``; data-source names stay names."""
+    from megaseq.data.sources import data_sources
 
+    sources = data_sources()
     data = {}
     for which in ("train", "heldout"):
         spec = getattr(recipe.data, which)
-        if spec not in DATASETS:
+        if spec not in sources and Path(spec).expanduser().is_file():
             data[which] = str(Path(spec).expanduser().absolute())
     return recipe.model_copy(update={
         "run": recipe.run.model_copy(update={"out_dir": str(recipe.out_dir.absolute())}),
