@@ -73,6 +73,8 @@ def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) ->
 def moe_load_metrics(model: nn.Module, parallel: Parallel) -> dict[str, float]:
     """``moe/load/KEY`` for each of ``LOAD_STAT_KEYS``: the MoE layers' ``load_stats()`` (each describes its
     layer's last training forward, the step's last micro-batch), averaged over the layers and over all ranks.
+    They describe routing as each rank saw it, so they depend on how the layout splits the batch (unlike the
+    loss and the weights, which every layout reproduces).
     Empty for a model without MoE layers or before any training forward."""
     rows = [stats for _, layer in iter_modules(model, MoE) if (stats := layer.load_stats())]
     if not rows:  # the same on every rank: every rank holds the same layers and ran the same forwards
