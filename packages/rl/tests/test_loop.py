@@ -442,6 +442,7 @@ def test_data_parallel_equals_one_process(tmp_path, policy_checkpoint):
         ({"train": {"memory_policy": "auto"}}, "train.memory_policy = 'auto'"),
         ({"memory_policy": {"recompute": {}}}, "[memory_policy.recompute] is configured but not used by train.memory_policy"),
         ({"parallel": {"dp": 2}}, "torchrun --nproc-per-node 2 --no-python megaseq rl"),
+        ({"train": {"optimizer_shard": True}}, "train.optimizer_shard: the RL loop keeps one whole optimizer state"),
     ],
 )
 def test_shared_section_mistakes_are_one_line(tmp_path, policy_checkpoint, capsys, change, expected):
