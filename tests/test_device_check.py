@@ -25,6 +25,7 @@ def load_script():
     return module
 
 
+@pytest.mark.slow  # every part of the device check rehearsed on CPU, gloo ranks included
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the rehearsal runs Triton kernels")
 def test_rehearsal_runs_every_part(tmp_path: Path) -> None:
     out = tmp_path / "device_check.json"

@@ -405,6 +405,7 @@ TRITON_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # the Triton interpreter
 def test_triton_backend_equals_torch_backend():
     """The layer with backend='triton' equals backend='torch' in fp32, with key pooling, and never runs the torch
     selection: on CUDA when present, else with the kernels in the Triton CPU interpreter (a subprocess, so

@@ -33,6 +33,9 @@ from megaseq_dsa.ops import (  # noqa: E402
 from megaseq_dsa.ops.triton import select_topk_triton, sparse_attention_triton  # noqa: E402
 from megaseq_dsa.ops.triton.indexer import _indexer_topk_kernel  # noqa: E402
 
+# without CUDA every kernel runs in the Triton interpreter: minutes on CPU, outside the fast lane
+pytestmark = pytest.mark.slow
+
 for _name, _value in _saved_env.items():
     if _value is None:
         os.environ.pop(_name)

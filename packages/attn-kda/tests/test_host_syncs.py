@@ -8,6 +8,7 @@ wrapper in test_layer.py (it needs the Triton interpreter in a subprocess).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megaseq.testing.distributed import run_gloo
@@ -22,6 +23,7 @@ def test_chunked_path_reads_boundaries_once() -> None:
     assert host_reads_of_layers(CONFIG, x, CU, n_layers=3) == 1
 
 
+@pytest.mark.slow  # gloo processes
 def test_context_parallel_path_reads_boundaries_once() -> None:
     x = torch.randn(1, 32, 16, generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 3, 8, 8, 24, 32], dtype=torch.int32)

@@ -299,6 +299,7 @@ def triton_versus_chunk() -> dict[str, float]:
     return errors
 
 
+@pytest.mark.slow  # the Triton interpreter
 def test_triton_backend_under_interpreter() -> None:
     pytest.importorskip("triton")  # an optional extra; the isolated test environment installs it
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -160,6 +160,7 @@ def test_saved_for_backward_is_the_inputs_and_one_state_per_chunk() -> None:
     assert floats_per_token_and_head <= 3 * K + V + 1 + K * V / 64, floats_per_token_and_head
 
 
+@pytest.mark.slow  # float64 gradcheck of the whole backward: seconds
 def test_subchunk_diagonal_grams_backward_gradcheck() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 16, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))

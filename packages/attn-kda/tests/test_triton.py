@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-# the kernels run in the Triton interpreter in a subprocess: minutes on CPU, outside the fast lane
+# without CUDA the kernels run in the Triton interpreter (in a subprocess): minutes on CPU, outside the fast lane
 pytestmark = pytest.mark.slow
 
 TOL = 2e-6

@@ -72,6 +72,7 @@ def _rss(mode: str, scratch: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a training subprocess whose resident memory is measured
 def test_resident_memory_really_drops(tmp_path):
     kept, offloaded = _rss("keep", str(tmp_path)), _rss("offload", str(tmp_path))
     assert offloaded["grad"] == kept["grad"], "offloading changed the gradient"
@@ -96,6 +97,7 @@ with policy.step():
 """
 
 
+@pytest.mark.slow  # a megaseq subprocess
 def test_sigkill_leaves_no_scratch_file(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -189,6 +191,7 @@ def test_nothing_to_offload_is_an_error(tmp_path):
         (torch.randn(64) * w).sin().sum().backward()
 
 
+@pytest.mark.slow  # a megaseq subprocess
 def test_cli_bad_scratch_dir_is_one_line(tmp_path):
     recipe = Path(__file__).resolve().parents[3] / "recipes" / "tiny.toml"
     out = subprocess.run(
