@@ -439,7 +439,9 @@ def test_dependency_floors_are_the_tested_versions():
     import importlib.metadata as md
 
     torch_version = re.search(r"^TORCH_VERSION := (\S+)", (REPO / "Makefile").read_text(), re.M).group(1)
-    installed = {d.metadata["Name"].lower().replace("_", "-"): d.version for d in md.distributions()}
+    installed: dict[str, str] = {}
+    for dist in md.distributions():  # in sys.path order: the first of a name is the one imports use
+        installed.setdefault(dist.metadata["Name"].lower().replace("_", "-"), dist.version)
     problems = floor_problems(declared_requirements(), installed, torch_version)
     assert not problems, "\n".join(problems)
 
