@@ -57,6 +57,7 @@ def lend_site_packages(into: Path) -> Path:
     return into
 
 
+@pytest.mark.slow  # a fresh venv, wheels, and the guide's commands as processes
 @pytest.mark.timeout(900)
 def test_guide_runs_end_to_end(tmp_path):
     pytest.importorskip("hatchling")

@@ -69,6 +69,7 @@ def start(tmp_path: Path, cache: Path, sleep: float, *extra: str) -> tuple[subpr
     return proc, tmp_path / "run"
 
 
+@pytest.mark.slow  # signals to a training subprocess
 def test_first_signal_saves_at_the_step_boundary_then_resume_logs_each_step_once(tmp_path, cache, monkeypatch):
     proc, run = start(tmp_path, cache, sleep=1.5)
     proc.send_signal(signal.SIGINT)
@@ -89,6 +90,7 @@ def test_first_signal_saves_at_the_step_boundary_then_resume_logs_each_step_once
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow  # signals to a training subprocess
 def test_second_signal_exits_at_once_without_saving(tmp_path, cache):
     proc, run = start(tmp_path, cache, sleep=60.0)
     started = time.monotonic()
@@ -102,6 +104,7 @@ def test_second_signal_exits_at_once_without_saving(tmp_path, cache):
     assert not list(run.glob("checkpoints/step_*")) and not list(run.glob("checkpoints/.tmp-*"))
 
 
+@pytest.mark.slow  # signals to a training subprocess
 def test_a_live_run_is_locked_and_a_killed_ones_lock_is_taken_over(tmp_path, cache, monkeypatch, capsys):
     proc, run = start(tmp_path, cache, 120.0, "--set", "train.checkpoint_every=2")
     try:

@@ -218,6 +218,7 @@ def test_rollout_workers_without_ray(tmp_path, policy_checkpoint, capsys):
     assert_no_checkpoint(tmp_path)
 
 
+@pytest.mark.slow  # Ray actors
 @pytest.mark.skipif(__import__("importlib").util.find_spec("ray") is None, reason="needs Ray (pip install 'megaseq-rl[ray]')")
 def test_rollout_workers_as_ray_actors_match_one_engine(tmp_path, policy_checkpoint):
     from megaseq.inference import SamplingParams
@@ -415,6 +416,7 @@ def _dp_worker(rank: int, world: int, raw: dict, steps: int, nan_rewards: bool =
         destroy_process_groups()
 
 
+@pytest.mark.slow  # gloo processes
 def test_data_parallel_equals_one_process(tmp_path, policy_checkpoint):
     """9 completions per step over 2 ranks (4 and 5 rows, micro-batches of 2): the same rewards, loss,
     gradient norm and weights as one process, and every rank holds the same weights."""
@@ -454,6 +456,7 @@ def test_shared_section_mistakes_are_one_line(tmp_path, policy_checkpoint, capsy
     assert_no_checkpoint(tmp_path)
 
 
+@pytest.mark.slow  # gloo processes
 def test_data_parallel_mistake_on_rank_0_stops_every_rank(tmp_path, policy_checkpoint):
     """Rank 0 alone draws the rollouts: a mistake it finds there (non-finite rewards) reaches every rank as the
     same one-line error, instead of leaving the others waiting in a collective."""
