@@ -140,8 +140,9 @@ def test_train_then_eval_checkpoint(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stderr
     assert "bits/base by context position" in proc.stdout
     # the progress bar shows the loss in the unit of every result, labelled; the header says what its memory is
-    assert re.search(r"loss \d\.\d{4} bits/base, \d+ tok/s, peak RSS \d+\.\d\d GiB", proc.stderr), proc.stderr
-    assert "loss=" not in proc.stderr and "megaseq plan predicts the training tensors alone" in proc.stderr
+    assert re.search(r"loss \d\.\d{4} bits/base, \d+ tok/s, peak RSS \d+\.\d\d GiB \(plan \d+\.\d\d GiB\)", proc.stderr), proc.stderr
+    assert "loss=" not in proc.stderr and "the whole process" in proc.stderr and "what the plan predicts" in proc.stderr
+    assert re.search(r"megaseq: peak memory \d+\.\d\dG, plan \d+\.\d\dG \([+-]\d+\.\d%\)", proc.stderr), proc.stderr
     assert (tmp_path / "run" / "eval" / "step_0000002" / "heldout.json").exists()  # where megaseq eval writes too
     proc = subprocess.run([sys.executable, "-m", "megaseq.cli", "eval", str(tmp_path / "run"), "--set", "eval.windows=2"],
                           capture_output=True, text=True, timeout=300, env={**__import__("os").environ, **env_cache})

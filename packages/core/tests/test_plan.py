@@ -97,10 +97,12 @@ class ShrinkConfig(ComponentConfig):
     part: str = "block"
     tile_tokens: int | None = None
     cost: float = 0.1
+    maps: int | None = None
 
 
 def shrink_effect(config: ShrinkConfig) -> MemoryEffect:
-    return MemoryEffect(recompute=config.part, tile_tokens=config.tile_tokens, time_cost=config.cost)
+    return MemoryEffect(recompute=config.part, tile_tokens=config.tile_tokens, time_cost=config.cost,
+                        maps_allocations_from=config.maps)
 
 
 class ShrinkPlugin:
@@ -179,6 +181,38 @@ def test_bf16_residual_stream_halves_the_streams_bytes():
     assert fp32.saved_by_kind["embedding+head"] - bf16.saved_by_kind["embedding+head"] == 2 * d * n
     layers = sum(fp32.saved_by_kind.values()) - sum(bf16.saved_by_kind.values()) - 2 * d * n
     assert layers == 2 * 2 * 2 * d * n  # two layers, two norms each
+
+
+def test_the_heap_is_counted_where_the_c_library_keeps_it(monkeypatch):
+    """A CPU run that does not trim its heap (below ``TRIM_FROM_TOKENS`` with run.trim_heap = "auto", or
+    false) is planned HEAP_RETAINED x its live activations higher, at most HEAP_RETAINED_MAX; a trimmed run,
+    one whose policy maps large allocations, and a CUDA device are not. A planner that ignored the run's heap
+    rule fails here."""
+    from megaseq.memory import heap
+    from megaseq.memory.plan import HEAP_RETAINED, HEAP_RETAINED_MAX
+
+    monkeypatch.setattr(heap, "available", lambda: True)
+    plugins = fresh_plugins()
+    plugins.register(ShrinkPlugin(), name="shrink-plugin")
+    cpu = Machine("cpu", 64 * GiB, None)
+
+    def one(*overrides, seq_len=4096, machine=cpu, policies="none"):
+        recipe = load_recipe(TINY, plugins, ["train.batch_size=1", *overrides])
+        return plan(recipe, plugins, seq_len=seq_len, machine=machine, policies=policies).candidates[0]
+
+    kept = one()
+    live = kept.layers_peak + kept.saved_by_kind["embedding+head"] + kept.gradient_stream + kept.temporary
+    assert kept.heap == int(HEAP_RETAINED * live) > 0
+    assert one("run.trim_heap=false", seq_len=1 << 20).heap == HEAP_RETAINED_MAX
+    assert kept.device_peak == one("run.trim_heap=true").device_peak + kept.heap
+    assert one("run.trim_heap=true").heap == 0
+    assert one(seq_len=heap.TRIM_FROM_TOKENS).heap == 0
+    assert one("run.trim_heap=false", seq_len=heap.TRIM_FROM_TOKENS).heap > 0
+    assert one("train.memory_policy=['shrink']", policies=["shrink"]).heap > 0
+    assert one("train.memory_policy=['shrink']", "memory_policy.shrink.maps=1048576", policies=["shrink"]).heap == 0
+    assert one(machine=Machine("cuda", 64 * GiB, None)).heap == 0
+    monkeypatch.setattr(heap, "available", lambda: False)  # no glibc: nothing trims
+    assert one(seq_len=heap.TRIM_FROM_TOKENS).heap > 0
 
 
 def test_run_header_names_the_memory_policy():

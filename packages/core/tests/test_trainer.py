@@ -166,6 +166,26 @@ def test_trainable_patterns_freeze_the_rest(tmp_path):
         Trainer(tiny(tmp_path, plugins, trainable=["*.nothing"]), plugins, progress=False, tensorboard=False)
 
 
+def test_header_and_end_show_the_plan_beside_the_measured_peak(tmp_path, capsys):
+    """The run header gives the planner's prediction for the run's own policies and the run ends with the
+    measured peak beside it; a policy the planner cannot model is said so, not hidden."""
+    from megaseq.memory.machine import GiB
+    from megaseq.memory.plan import planned_peak
+
+    plugins = fresh_plugins()
+    recipe = tiny(tmp_path, plugins, steps=1)
+    predicted = planned_peak(recipe, plugins, torch.device("cpu")).device_peak / GiB
+    trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
+    assert f"plan: {predicted:.2f}G per device" in trainer.header()
+    trainer.run()
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("megaseq: peak memory ") and f"plan {predicted:.2f}G (" in last, last
+    with registered(Recorder(), plugins, name="recorder"):  # its policy reports no memory effect
+        recipe = tiny(tmp_path / "other", plugins, memory_policy=["count-forwards"])
+        header = Trainer(recipe, plugins, progress=False, tensorboard=False).header()
+    assert "plan: not planned: memory_policy 'count-forwards'" in header and "reports no memory effect" in header
+
+
 @pytest.mark.parametrize(("trim_heap", "from_tokens", "per_step"), [(True, 32768, 12), ("auto", 64, 12), ("auto", 65, 0), (False, 1, 0)])
 def test_heap_trimmed_at_every_block_boundary(tmp_path, monkeypatch, trim_heap, from_tokens, per_step):
     """On CPU the heap's freed pages go back after every block's forward and before every block's backward

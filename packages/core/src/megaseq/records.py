@@ -67,8 +67,10 @@ class MemoryEffect:
     (``None``: all); ``tile_tokens``: with ``recompute = "block"``, the blocks run in sequence tiles of this
     many tokens where the attention can tile; ``offload_min_bytes``: saved tensors of at least this size
     leave device memory between forward and backward (to pinned host memory on CUDA, to a scratch file on
-    local disk on CPU). ``time_cost``: the extra step time as a fraction of a step without policies, which
-    the planner uses to rank the sets that fit; ``time_costs``: the same per device kind (``"cpu"``,
+    local disk on CPU); ``maps_allocations_from``: on CPU the policy serves allocations of at least this many
+    bytes by their own memory maps (``megaseq.memory.heap.map_large_allocations``), so the C library's heap
+    keeps none of them resident once freed. ``time_cost``: the extra step time as a fraction of a step
+    without policies, which the planner uses to rank the sets that fit; ``time_costs``: the same per device kind (``"cpu"``,
     ``"cuda"``), where it differs by machine (state where each figure comes from: a measurement, a report or
     an estimate). The planner takes ``time_costs[kind]`` where given, else ``time_cost``; a calibration
     measured on the machine overrides both (``megaseq.memory.plan.plan(time_costs=...)``).
@@ -78,6 +80,7 @@ class MemoryEffect:
     layers: tuple[int, int] | None = None
     tile_tokens: int | None = None
     offload_min_bytes: int | None = None
+    maps_allocations_from: int | None = None
     time_cost: float = 0.0
     time_costs: Mapping[str, float] = field(default_factory=dict)
 

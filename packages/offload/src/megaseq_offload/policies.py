@@ -19,6 +19,7 @@ from megaseq.records import MemoryEffect
 from megaseq_offload.config import OffloadConfig, RecomputeConfig
 from megaseq_offload.recompute import recomputed, tiled_block_forward
 from megaseq_offload.stores import (
+    MAP_LARGER_THAN,
     PinnedPool,
     ScratchFile,
     check_scratch_dir,
@@ -190,4 +191,5 @@ def recompute_effect(config: RecomputeConfig) -> MemoryEffect:
 
 
 def offload_effect(config: OffloadConfig) -> MemoryEffect:
-    return MemoryEffect(offload_min_bytes=config.min_bytes, time_cost=_OFFLOAD_COST["cuda"], time_costs=_OFFLOAD_COST)
+    return MemoryEffect(offload_min_bytes=config.min_bytes, maps_allocations_from=MAP_LARGER_THAN,
+                        time_cost=_OFFLOAD_COST["cuda"], time_costs=_OFFLOAD_COST)

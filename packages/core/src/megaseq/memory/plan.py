@@ -78,6 +78,15 @@ HEAD_BYTES = 28
 # What each RMSNorm keeps per token: its input (d_model values of the residual stream) and rstd (NORM_BYTES);
 # the normalised output is recomputed in backward (``megaseq.model.RMSNorm``).
 NORM_BYTES = 4
+# The C library's heap on a CPU run that neither trims it (``run.trim_heap``, ``megaseq.memory.heap``) nor maps
+# large allocations (``MemoryEffect.maps_allocations_from``): freed chunks below glibc's mmap threshold stay
+# resident until reused, and a step allocates and frees activation-sized buffers in changing sizes, so resident
+# memory exceeds live memory by HEAP_RETAINED x the step's live activations, up to HEAP_RETAINED_MAX bytes
+# (buffers above the threshold, 32 MiB at most, are mapped and leave when freed). Fitted to the default
+# recipe's measured peaks at 8k and 24k tokens, checked at 4k and 16k (docs/results.md, "The planner's
+# accuracy"; tests/test_plan_accuracy.py).
+HEAP_RETAINED = 1.25
+HEAP_RETAINED_MAX = int(0.5 * 2**30)
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,7 @@ class Estimate:
     layers_peak: int = 0  # kept by the layers still alive at the peak, plus that layer's working set
     gradient_stream: int = 0
     temporary: int = 0
+    heap: int = 0  # CPU: what the C library's heap keeps resident beyond live memory (HEAP_RETAINED, _MAX)
     host: int = 0  # offloaded activations (CUDA: the pinned pool)
     host_optimizer: int = 0  # optimizer state in host memory (train.optimizer_state = "host" on CUDA)
     disk: int = 0  # offloaded activations on CPU (a scratch file)
@@ -122,7 +132,7 @@ class Estimate:
     def device_peak(self) -> int:
         return (
             self.runtime + self.weights + self.gradients + self.optimizer + self.layers_peak
-            + self.saved_by_kind.get("embedding+head", 0) + self.gradient_stream + self.temporary
+            + self.saved_by_kind.get("embedding+head", 0) + self.gradient_stream + self.temporary + self.heap
         )
 
     @property
@@ -312,6 +322,8 @@ def estimate(
     out.temporary = 3 * 4 * loss_chunk * m.vocab_size  # one chunk's logits, probabilities and their gradient
     # what the peak counts of the layers' keeping and working: the worst point of backward
     out.layers_peak = int(backward_peak)
+    if machine.kind == "cpu" and not heap_trimmed(recipe, length) and not any(e.maps_allocations_from for e in effects):
+        out.heap = min(int(HEAP_RETAINED * (out.layers_peak + head + out.gradient_stream + out.temporary)), HEAP_RETAINED_MAX)
     out.fits = (
         out.device_peak <= machine.device_bytes
         and (machine.host_bytes is None or out.host <= machine.host_bytes)
@@ -327,6 +339,15 @@ def policy_time_cost(choice: PolicyChoice, kind: str, time_costs: Mapping[str, f
     if time_costs is not None and str(choice) in time_costs:
         return time_costs[str(choice)]
     return choice.effect.time_costs.get(kind, choice.effect.time_cost)
+
+
+def heap_trimmed(recipe: Recipe, tokens: int) -> bool:
+    """Whether a CPU run of ``recipe`` with ``tokens`` per sequence per device trims the heap at block
+    boundaries (the rule of ``megaseq.memory.heap.apply_run_setting``)."""
+    from megaseq.memory import heap
+
+    trim = recipe.run.trim_heap
+    return heap.available() and (trim is True or (trim == "auto" and tokens >= heap.TRIM_FROM_TOKENS))
 
 
 def training_data_bytes(recipe: Recipe, plugins: Plugins) -> int:
@@ -443,6 +464,18 @@ def choose_memory_policy(recipe: Recipe, plugins: Plugins, device: Any) -> tuple
     return recipe.model_copy(update={"train": train, "components": components}), result
 
 
+def planned_peak(recipe: Recipe, plugins: Plugins, device: Any) -> Estimate | str:
+    """The plan of a run with the recipe's own policies on ``device`` (one device of its layout), or why there is
+    none (a component or policy the planner cannot model), for the run header."""
+    names = recipe.train.memory_policy
+    try:
+        result = plan(recipe, plugins, layout=Layout.of(recipe), machine=Machine.detect(device.type),
+                      policies=list(names) or "none")
+    except UserError as exc:
+        return f"not planned: {exc}"
+    return result.candidates[0]
+
+
 __all__ = [
     "Estimate",
     "Plan",
@@ -451,4 +484,5 @@ __all__ = [
     "choose_memory_policy",
     "estimate",
     "plan",
+    "planned_peak",
 ]

@@ -30,6 +30,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "recompute_peak_bytes": e.recompute_peak,
             "gradient_stream_bytes": e.gradient_stream,
             "temporary_bytes": e.temporary,
+            "heap_bytes": e.heap,
         }
 
     chosen = plan.chosen or (plan.candidates[0] if plan.given else None)
@@ -68,18 +69,19 @@ def render_table(plan: Plan) -> str:
     width = max(24, *(len(e.label) for e in plan.candidates))
     cols = "".join(f"{k[:18]:>19}" for k in kinds)
     off = "disk" if m.kind == "cpu" else "host"
-    lines.append(f"{'policies':<{width}}{cols}{'re-run':>9}{'temp':>9}{off:>9}{'peak':>9}  fits  cost")
+    lines.append(f"{'policies':<{width}}{cols}{'re-run':>9}{'temp':>9}{'heap':>9}{off:>9}{'peak':>9}  fits  cost")
     for e in plan.candidates:
         # a space before every cell, so that a number wider than its column never runs into the next
         cells = "".join(f" {gib(e.saved_by_kind.get(k, 0)):>18}" for k in kinds)
         mark = "yes" if e.fits else "no"
         chosen = "  <- proposed" if e is plan.chosen and not plan.given else ""
         lines.append(
-            f"{e.label:<{width}}{cells} {gib(e.recompute_peak):>8} {gib(e.temporary):>8}"
+            f"{e.label:<{width}}{cells} {gib(e.recompute_peak):>8} {gib(e.temporary):>8} {gib(e.heap):>8}"
             f" {gib(e.disk if m.kind == 'cpu' else e.host):>8} {gib(e.device_peak):>8}  {mark:<4}  {e.time_cost:+.0%}{chosen}"
         )
     lines.append("")
-    lines.append("(saved activations by layer kind; re-run: the most one layer re-creates in backward)")
+    lines.append("(saved activations by layer kind; re-run: the most one layer re-creates in backward; heap: freed "
+                 "memory the C library keeps resident)")
     if plan.given:
         verdict = "fits" if first.fits else "does NOT fit"
         lines.append(f"the given set ({first.label}) {verdict}: peak {gib(first.device_peak)} of {gib(m.device_bytes)}")

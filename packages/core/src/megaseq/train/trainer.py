@@ -50,13 +50,15 @@ from megaseq.distributed.sharded import Split, local_optimizer_state, read_local
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
 from megaseq.memory import heap
+from megaseq.memory.machine import GiB
+from megaseq.memory.plan import planned_peak
 from megaseq.memory.plan_report import describe_memory_policy
 from megaseq.model import LanguageModel, build_model, chunked_token_losses, describe
 from megaseq.parallel import tp_chunk
 from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
 from megaseq.train.interrupt import Interrupted, StopRequests
-from megaseq.train.metrics import MetricsLogger
+from megaseq.train.metrics import MetricsLogger, peak_memory_gib
 from megaseq.train.optimizer import local_optimizer, make_optimizer
 from megaseq.train.step import OptimizerStep, apply_memory_policies
 from megaseq.train.totals import StepTotals
@@ -118,18 +120,20 @@ def lm_loss(
 
 
 MEMORY_NOTE = {
-    "cpu": "the progress bar's peak RSS is the whole process (libraries, data, the heap's freed pages unless trimmed); "
-    "megaseq plan predicts the training tensors alone",
-    "cuda": "the progress bar's peak mem is torch's allocator peak on the device; megaseq plan predicts the training "
-    "tensors alone",
+    "cpu": "the progress bar's peak RSS is the whole process (libraries, data, the heap's freed pages unless trimmed), "
+    "what the plan predicts",
+    "cuda": "the progress bar's peak mem is torch's allocator peak on the device; the plan also counts the CUDA "
+    "runtime's own memory",
 }
 
 
-def progress_line(metrics: dict[str, float], device: torch.device) -> str:
-    """The progress bar's postfix: the loss in bits per base (the unit of every result), labelled."""
+def progress_line(metrics: dict[str, float], device: torch.device, planned_gib: float | None = None) -> str:
+    """The progress bar's postfix: the loss in bits per base (the unit of every result), labelled, and the
+    measured peak beside the plan's."""
     peak = "peak mem" if device.type == "cuda" else "peak RSS"
+    plan = f" (plan {planned_gib:.2f} GiB)" if planned_gib is not None else ""
     return (f"loss {metrics['bits_per_base']:.4f} bits/base, {metrics['tokens_per_s']:.0f} tok/s, "
-            f"{peak} {metrics['peak_mem_gib']:.2f} GiB")
+            f"{peak} {metrics['peak_mem_gib']:.2f} GiB{plan}")
 
 
 class Trainer:
@@ -170,6 +174,9 @@ class Trainer:
 
             self.recipe, self.plan = choose_memory_policy(recipe, plugins, self.device)
             recipe = self.recipe
+        planned = self.plan.chosen if self.plan is not None else planned_peak(recipe, plugins, self.device)
+        self.planned_gib = planned.device_peak / GiB if not isinstance(planned, str) else None
+        self.planned_note = f"{self.planned_gib:.2f}G per device" if self.planned_gib is not None else planned
         configs = [(name, recipe.component("memory_policy", name)) for name in recipe.train.memory_policy]
         policies = apply_memory_policies(self.model, plugins, configs)
         tokens_per_device = recipe.data.seq_len // self.parallel.layout.cp
@@ -381,7 +388,7 @@ class Trainer:
             f"  plugins: {plugins}",
             f"  model: {self.describe_parameters()}",
             f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases; out: {self.out_dir}",
-            f"  memory: {describe_memory_policy(self.recipe, self.plan)}; heap: {self.heap}",
+            f"  memory: {describe_memory_policy(self.recipe, self.plan)}; heap: {self.heap}; plan: {self.planned_note}",
             f"  {MEMORY_NOTE[self.device.type]}",
             *(f"  {note}" for note in self.notes),
         ])
@@ -420,7 +427,7 @@ class Trainer:
                 metrics = self.train_step()
                 losses.append(metrics["loss"])
                 bar.update(1)
-                bar.set_postfix_str(progress_line(metrics, self.device), refresh=False)
+                bar.set_postfix_str(progress_line(metrics, self.device, self.planned_gib), refresh=False)
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(self.step, metrics)
                 if self.step == t.steps:
@@ -442,7 +449,17 @@ class Trainer:
             if p.is_main:
                 print(f"megaseq: the run was already at step {self.step} of {t.steps}; evaluating it", file=sys.stderr)
             result_eval = self.eval(baseline=True, write=True)
+        if p.is_main and losses:
+            print(f"megaseq: {self.peak_memory()}", file=sys.stderr)
         return TrainResult(self.out_dir, self.step, losses, result_eval)
+
+    def peak_memory(self) -> str:
+        """The process's peak so far (CPU: resident memory, what an out-of-memory killer sees; CUDA: allocated
+        device memory) beside the plan's prediction."""
+        measured = peak_memory_gib(self.device)
+        if self.planned_gib is None:
+            return f"peak memory {measured:.2f}G (plan: {self.planned_note})"
+        return f"peak memory {measured:.2f}G, plan {self.planned_gib:.2f}G ({self.planned_gib / measured - 1:+.1%})"
 
     def eval(self, baseline: bool, write: bool = False) -> dict[str, Any] | None:
         """Held-out evaluation of the whole model on rank 0 (``None`` on the other ranks, which wait)."""
