@@ -8,8 +8,9 @@ one window. A configuration whose prediction exceeds --max-gib is not run (the t
 
 Two measurements per row: with glibc's default allocator settings, and with allocations of 1 MiB or more
 served by their own memory maps (MALLOC_MMAP_THRESHOLD_=1048576, what the offload policy sets on CPU).
-The planner models live memory, which the second follows; the first adds what glibc's heap keeps
-resident after tensors are freed (see the offload package's README).
+The first is compared with the whole plan, which counts what glibc's heap keeps resident where the run does
+not trim it (the plan's heap term); the second, whose resident memory follows live memory, with the plan less
+that term.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_accuracy.py --seq-len 4096 16384       # minutes
     .venv/bin/python benchmarks/plan_accuracy.py --seq-len 4096 16384 65536 262144 --max-gib 22  # quiet machine
@@ -84,8 +85,9 @@ def measure(recipe: str, seq_len: int, steps: int, policies: list[dict], mapped:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def planned_sets(recipe_path: str, seq_len: int, budgets: list[float]) -> list[tuple[str, list[dict], int]]:
-    """(label, policies, predicted peak) for no policy and each distinct set proposed at the budgets."""
+def planned_sets(recipe_path: str, seq_len: int, budgets: list[float]) -> list[tuple[str, list[dict], int, int]]:
+    """(label, policies, predicted peak, its heap term) for no policy and each distinct set proposed at the
+    budgets."""
     from megaseq.config import load_recipe
     from megaseq.memory.machine import Machine
     from megaseq.memory.plan import plan
@@ -94,13 +96,13 @@ def planned_sets(recipe_path: str, seq_len: int, budgets: list[float]) -> list[t
     plugins = get_plugins()
     recipe = load_recipe(recipe_path, plugins, [f"data.seq_len={seq_len}", "train.batch_size=1", "run.device='cpu'"])
     none = plan(recipe, plugins, machine=Machine.detect("cpu"), policies="none").candidates[0]
-    rows = [("none", [], none.device_peak)]
+    rows = [("none", [], none.device_peak, none.heap)]
     machines = [Machine.detect("cpu")] + [Machine("cpu", int(none.device_peak * f), None) for f in budgets]
     for machine in machines:
         result = plan(recipe, plugins, machine=machine)
         if result.chosen is not None and result.chosen.policies and result.chosen.label not in [r[0] for r in rows]:
             policies = [{"name": p.name, "config": p.config} for p in result.chosen.policies]
-            rows.append((result.chosen.label, policies, result.chosen.device_peak))
+            rows.append((result.chosen.label, policies, result.chosen.device_peak, result.chosen.heap))
     return rows
 
 
@@ -125,7 +127,7 @@ def main() -> None:
           f"{'mapped':>8} {'error':>7} {'s/step':>7}", flush=True)
     for recipe in args.recipe:
         for seq_len in args.seq_len:
-            for label, policies, predicted in planned_sets(recipe, seq_len, args.budget)[args.no_baseline:]:
+            for label, policies, predicted, heap in planned_sets(recipe, seq_len, args.budget)[args.no_baseline:]:
                 row = {"recipe": Path(recipe).stem, "seq_len": seq_len, "policies": label, "predicted_bytes": predicted}
                 short = label if len(label) <= 50 else label[:47] + "..."
                 head = f"{row['recipe']:<16} {seq_len:>8} {short:<50} {predicted / GiB:>8.2f}G"
@@ -143,7 +145,7 @@ def main() -> None:
                     if "error" in result:
                         cells.append(f"failed: {result['error']}")
                         continue
-                    row[f"{key}_error"] = predicted / result["peak"] - 1
+                    row[f"{key}_error"] = (predicted - (heap if mapped else 0)) / result["peak"] - 1
                     cells.append(f"{result['peak'] / GiB:>7.2f}G {row[f'{key}_error']:>+7.1%}")
                 step = row.get("default", row.get("mapped", {})).get("s_per_step", float("nan"))
                 print(f"{head} {' '.join(cells)} {step:>7.1f}", flush=True)
