@@ -454,8 +454,8 @@ class Trainer:
         return TrainResult(self.out_dir, self.step, losses, result_eval)
 
     def peak_memory(self) -> str:
-        """The process's peak so far (CPU: resident memory, what an out-of-memory killer sees; CUDA: allocated
-        device memory) beside the plan's prediction."""
+        """The process's peak up to this call (CPU: resident memory, what an out-of-memory killer sees; CUDA:
+        allocated device memory) beside the plan's prediction."""
         measured = peak_memory_gib(self.device)
         if self.planned_gib is None:
             return f"peak memory {measured:.2f}G (plan: {self.planned_note})"
