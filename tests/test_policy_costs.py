@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megaseq.cli import main
 from megaseq.config import load_recipe
 from megaseq.distributed.layout import Layout
 from megaseq.memory.machine import GiB, Machine
@@ -74,3 +75,11 @@ def test_the_reported_layout_facts():
     assert at_256k.chosen is not None and at_256k.chosen.label == "recompute"
     assert labels["recompute"].device_peak - labels["offload + recompute"].device_peak > 43 * GiB
     assert labels["offload + recompute"].host == 45 * GiB
+
+
+def test_sharding_expert_parallel_parameters_is_refused_in_one_line(capsys):
+    args = ["plan", str(Path(__file__).resolve().parents[1] / "recipes" / "glm5-flash-1m.toml"), "--parallel", "dp=4,cp=2,ep=32", "--device-mem", "178",
+            "--set", "train.optimizer_shard=true"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.optimizer_shard cannot shard expert-parallel parameters (ep=32" in err[0]

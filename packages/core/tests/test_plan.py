@@ -269,14 +269,6 @@ def test_optimizer_state_in_host_memory_and_sharded():
                                                  machine=cuda, policies="none"))
 
 
-def test_sharding_expert_parallel_parameters_is_refused_in_one_line(capsys):
-    args = ["plan", str(REPO / "recipes" / "glm5-flash-1m.toml"), "--parallel", "dp=4,cp=2,ep=32", "--device-mem", "178",
-            "--set", "train.optimizer_shard=true"]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.optimizer_shard cannot shard expert-parallel parameters (ep=32" in err[0]
-
-
 class CostConfig(ComponentConfig):
     part: str = "block"
 
