@@ -129,7 +129,9 @@ def test_auto_trains_with_the_planners_choice(plugins, tmp_path, monkeypatch, ca
     from megaseq.memory import machine as machine_module
     from megaseq.memory import plan as plan_module
 
-    r = recipe(plugins, "auto", {}, tmp_path, steps=2, batch_size=1, log_every=1)
+    # this model's largest saved tensor is 12 kB: offloading (a candidate) needs a threshold below it to act
+    r = recipe(plugins, "auto", {"offload": {"min_bytes": 4096, "scratch_dir": str(tmp_path)}}, tmp_path, steps=2,
+               batch_size=1, log_every=1)
     candidates = plan_module.plan(r, plugins, machine=machine_module.Machine("cpu", 2**50, None)).candidates
     smallest = min(candidates, key=lambda e: e.device_peak)
     # a machine on which only the set with the smallest predicted peak fits
