@@ -352,6 +352,9 @@ def test_config_errors_are_one_line():
         DSAConfig(topk=2, index_pool=4)
     with pytest.raises(ValidationError, match="rope_dim"):
         DSAConfig(rope=True, rope_dim=5)
+    with pytest.raises(ValidationError, match="index_scores = 'bf16' has no triton kernel"):
+        DSAConfig(backend="triton", index_scores="bf16")
+    DSAConfig(backend="auto", index_scores="bf16")  # auto: torch's bf16 selection beside the kernel, logged
     with pytest.raises(ValidationError, match="mode"):
         DSAConfig(mode="dense")
 

@@ -2,8 +2,9 @@
 
 - ``torch``: ``megaseq_dsa.ops.select_topk`` and ``sparse_attention`` (anywhere; numpy's selection on CPU).
 - ``triton``: ``megaseq_dsa.ops.triton`` (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests); the
-  same arguments and results, pooled selection included. Its kernel scores in fp32: ``index_scores = "bf16"``
-  selects with torch's bf16 path on the same device.
+  same arguments and results, pooled selection included. Its kernel scores in fp32, so ``index_scores =
+  "bf16"`` with ``backend = "triton"`` is refused in the recipe; under ``auto`` the selection runs torch's bf16
+  path on the same device (logged once) and sparse attention runs the kernel.
 - ``auto``: triton where it is installed and runs on the tensors' device, else torch (logged).
 
 The rule is core's (``megaseq.backends``): a requested backend whose package is missing fails when the layer
@@ -12,6 +13,7 @@ is built, one that cannot run on the tensors' device fails at the call; nothing 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,8 +50,15 @@ def _triton() -> DSAOps:
     from megaseq_dsa.ops import select_topk
     from megaseq_dsa.ops.triton import select_topk_triton, sparse_attention_triton
 
+    logged = []
+
     def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores="fp32"):
         if scores != "fp32":  # the kernel scores in fp32; bf16 scores are torch's (on the same device)
+            if not logged:
+                logged.append(True)
+                logging.getLogger("megaseq.backends").info(
+                    "attention.dsa: index_scores = 'bf16' selects with torch's bf16 path (the triton kernel "
+                    "scores in fp32); sparse attention runs the triton kernel")
             return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, scores=scores)
         return select_topk_triton(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions)
 

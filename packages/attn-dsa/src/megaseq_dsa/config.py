@@ -54,4 +54,7 @@ class DSAConfig(ComponentConfig):
             raise ValueError(f"index_pool ({self.index_pool}) must not exceed topk ({self.topk})")
         if self.rope and self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even with rope = true, got {self.rope_dim}")
+        if self.backend == "triton" and self.index_scores == "bf16":  # a requested backend is what runs
+            raise ValueError("index_scores = 'bf16' has no triton kernel (it scores in fp32): use backend = 'auto' "
+                             "or 'torch', or index_scores = 'fp32'")
         return self
