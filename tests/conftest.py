@@ -49,3 +49,11 @@ def hybrid() -> dict[str, Any]:
 def recipe_toml():
     """``recipe_toml(raw) -> str``: a recipe dict as TOML text, for tests that run the CLI."""
     return to_toml
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """MEGASEQ_CACHE in a fresh directory for a whole module: its gloo ranks inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEGASEQ_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield

@@ -21,19 +21,14 @@ from megaseq.distributed.layout import Layout
 from megaseq.testing.distributed import run_gloo
 from megaseq.testing.layouts import assert_same_run, single_trainer, train_single, train_under_layouts
 
+pytestmark = pytest.mark.usefixtures("module_cache")  # tests/conftest.py
+
 RTOL = 1e-5
 # the MoE's busiest expert-parallel rank over the mean: 1 by definition with one rank
 EP_METRICS = frozenset({"moe/rank_max_over_mean"})
 # each MoE layer's load_stats() describe the last micro-batch the rank routed: how the batch is split decides them
 LOAD_METRICS = frozenset(f"moe/load/{key}" for key in LOAD_STAT_KEYS)
 
-
-
-@pytest.fixture(autouse=True, scope="module")
-def cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MEGASEQ_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")

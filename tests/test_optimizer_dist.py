@@ -26,6 +26,8 @@ from megaseq.testing.layouts import (
     train_under_layouts,
 )
 
+pytestmark = pytest.mark.usefixtures("module_cache")  # tests/conftest.py
+
 RTOL = 1e-6
 TINY = {
     "run": {"name": "t", "device": "cpu"},
@@ -39,13 +41,6 @@ TINY = {
 
 def _with(**train):
     return {**TINY, "train": {**TINY["train"], **train}}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MEGASEQ_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")

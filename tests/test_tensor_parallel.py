@@ -21,6 +21,8 @@ from megaseq.distributed.layout import Layout
 from megaseq.testing.distributed import run_gloo
 from megaseq.testing.layouts import assert_same_run, single_trainer, train_single, train_under_layouts
 
+pytestmark = pytest.mark.usefixtures("module_cache")  # tests/conftest.py
+
 RTOL = 1e-5
 
 DENSE: dict[str, Any] = {
@@ -32,13 +34,6 @@ DENSE: dict[str, Any] = {
     "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64},
     "eval": {"windows": 2, "batch_size": 2},
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MEGASEQ_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
