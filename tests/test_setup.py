@@ -16,8 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_dry_run(*args: str) -> subprocess.CompletedProcess:
-    # -B: print every recipe whether or not its stamp is up to date; -n: run nothing
-    return subprocess.run(["make", "-n", "-B", "-C", str(REPO), *args], capture_output=True, text=True, timeout=60)
+    # -B: print every recipe whether or not its stamp is up to date; -n: run nothing. Without the calling make's
+    # variables (under make test-fast its PYTEST_ARGS would reach this make through MAKEFLAGS).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ARGS")}
+    return subprocess.run(["make", "-n", "-B", "-C", str(REPO), *args], capture_output=True, text=True, timeout=60,
+                          env=env)
 
 
 @pytest.mark.parametrize("build", ["cpu", "cuda"])
