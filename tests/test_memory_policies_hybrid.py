@@ -144,3 +144,51 @@ def test_auto_trains_with_the_planners_choice(plugins, tmp_path, monkeypatch, ca
     assert "memory: " in header and "chosen by the planner" in header
     metrics = trainer.train_step()
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+def test_auto_never_proposes_an_offload_that_moves_nothing(plugins, tmp_path, monkeypatch):
+    """With offload's default min_bytes (1 MiB) every tensor this model saves (12 kB at most) stays, so a set
+    with offloading would stop the run at its first step (the policy refuses a step that moved nothing). Its
+    predicted peak is the smallest (mapping large allocations leaves no heap term), yet on a machine of that
+    size the planner proposes nothing, and on the smallest machine an acting set fits, `auto` trains with it."""
+    monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MEGASEQ_SCRATCH", str(tmp_path))
+    from megaseq.memory import machine as machine_module
+    from megaseq.memory import plan as plan_module
+
+    r = recipe(plugins, "auto", {}, tmp_path, steps=1, batch_size=1)
+    candidates = plan_module.plan(r, plugins, machine=machine_module.Machine("cpu", 2**50, None)).candidates
+    offloading = [e for e in candidates if any(p.name == "offload" for p in e.policies)]
+    acting = [e for e in candidates if e not in offloading]
+    smallest = min(e.device_peak for e in offloading)
+    assert smallest < min(e.device_peak for e in acting)
+    assert plan_module.plan(r, plugins, machine=machine_module.Machine("cpu", smallest, None)).chosen is None
+    assert all(e.idle and not e.fits and e.offloaded == 0 for e in offloading)
+
+    monkeypatch.setattr(machine_module, "total_ram", lambda: min(e.device_peak for e in acting))
+    trainer = Trainer(r, plugins, progress=False, tensorboard=False)
+    assert trainer.plan is not None and trainer.plan.chosen is not None
+    assert "offload" not in trainer.recipe.train.memory_policy
+    assert torch.isfinite(torch.tensor(trainer.train_step()["loss"]))
+
+
+def test_offload_is_planned_per_saved_tensor(plugins):
+    """A layer's tensors leave one by one: with the threshold between a 37-token tile's block input (4.6 kB)
+    and the whole sequence's (12 kB), the tiles' inputs stay while the MoE layers' whole inputs leave."""
+    from megaseq.distributed.layout import Layout
+    from megaseq.memory import machine as machine_module
+    from megaseq.memory import plan as plan_module
+
+    def planned(min_bytes: int) -> plan_module.Estimate:
+        r = recipe(plugins, ["recompute", "offload"],
+                   {"recompute": {"part": "block", "tile_tokens": 37}, "offload": {"min_bytes": min_bytes}}, batch_size=1)
+        return plan_module.plan(r, plugins, machine=machine_module.Machine("cpu", 2**50, None),
+                                policies=["recompute", "offload"], layout=Layout()).candidates[0]
+
+    everything, some, none = planned(4096), planned(8192), planned(16384)
+    assert not everything.idle and not some.idle and none.idle and none.offloaded == 0
+    kinds = ("kda+swiglu", "kda+chunked", "dsa+chunked")
+    assert all(everything.saved_by_kind[k] == 0 for k in kinds)
+    assert all(0 < some.saved_by_kind[k] < none.saved_by_kind[k] for k in kinds[1:])
+    assert some.saved_by_kind["kda+swiglu"] == none.saved_by_kind["kda+swiglu"] > 0
+    assert 0 < some.offloaded < everything.offloaded

@@ -127,6 +127,7 @@ class Estimate:
     disk: int = 0  # offloaded activations on CPU (a scratch file)
     offloaded: int = 0
     time_cost: float = 0.0
+    idle: str = ""  # why a policy of the set would act on nothing (such a set never fits: it would stop the run)
     fits: bool = False
 
     @property
@@ -258,7 +259,7 @@ def estimate(
     else:
         out.optimizer = 2 * params // shards  # AdamW: two fp32 moments per (fp32) parameter
 
-    offloaded, kept_so_far, backward_peak = 0, 0.0, 0.0
+    offloaded, kept_so_far, backward_peak, largest_input = 0, 0.0, 0.0, 0
     for i, c in enumerate(costs):
         attention, ffn = c.at("attention", length), c.at("ffn", length)
         a = act * attention.saved_per_token / layout.tp
@@ -267,6 +268,8 @@ def estimate(
         attention_temp, ffn_temp = attention.temporary / layout.tp * rows, ffn.temporary / ffn_split * rows
         temp = max(attention_temp, ffn_temp)
         part, tile = _combine(effects, i)
+        # what the layer keeps, in groups sized by the tensor the offload threshold is tested on (below)
+        groups: list[tuple[float, float]] = []
         if part is None:
             kept, work, unit_input = (a + f + norms) * tokens, temp, 0.0
         elif part == "ffn":
@@ -286,16 +289,25 @@ def estimate(
             tile_temp = tile_attention.temporary + attention.tiling.temporary
             work = (a + norms / 2) * tile * rows + tile_temp * rows / layout.tp + carry
             kept = x * tokens + carry
+            groups = [(kept, x * min(tile, length) * rows)]  # each tile's input slice and its carry
             if c.ffn_tiles:
                 work += (f + norms / 2) * tile * rows + c.at("ffn", tile).temporary * rows / ffn_split
                 unit_input = x * tile * rows
             else:  # an MoE layer runs whole after the attention tiles: its input h is kept too
                 kept += x * tokens
+                groups.append((x * tokens, x * tokens))
                 work = max(work, (f + norms / 2) * tokens + ffn.temporary * rows / ffn_split)
                 unit_input = x * tokens
-        if offload_min is not None and kept >= offload_min:
-            offloaded += int(kept)
-            kept = 0.0
+        # The offload hooks test each saved tensor against the threshold, not a layer's sum. Each group of what
+        # a layer keeps holds an input of x bytes per token (the block's or a part's, whole or a tile's slice):
+        # a group whose input is below the threshold is counted as staying, otherwise as leaving whole (its
+        # tensors narrower than d_model, a norm's rstd or a gate, counted as leaving too).
+        groups = groups or [(kept, x * tokens)]  # one input tensor of the whole micro-batch
+        largest_input = max(largest_input, *(size for _, size in groups))
+        moved = sum(nbytes for nbytes, size in groups if offload_min is not None and size >= offload_min)
+        if moved:
+            offloaded += int(moved)
+            kept -= moved
             # Backward brings back what each part saved while that part's backward runs, beside its temporary
             # (measured at 64k: the KDA part peaks at its saved bytes + its temporary). Recomputed parts bring
             # back only their input.
@@ -312,6 +324,9 @@ def estimate(
         if kept_so_far + work > backward_peak:
             backward_peak, out.recompute_peak = kept_so_far + work, int(work)
     out.offloaded = offloaded
+    if offload_min is not None and not offloaded:
+        out.idle = (f"moves nothing: every layer's block input (at most {_mib(largest_input)}) is below "
+                    f"the threshold of the policy that offloads ({_mib(offload_min)})")
     if machine.kind == "cpu":
         out.disk = offloaded
     else:
@@ -326,11 +341,16 @@ def estimate(
     if machine.kind == "cpu" and not heap_trimmed(recipe, length) and not any(e.maps_allocations_from for e in effects):
         out.heap = min(int(HEAP_RETAINED * (out.layers_peak + head + out.gradient_stream + out.temporary)), HEAP_RETAINED_MAX)
     out.fits = (
-        out.device_peak <= machine.device_bytes
+        not out.idle
+        and out.device_peak <= machine.device_bytes
         and (machine.host_bytes is None or out.host <= machine.host_bytes)
         and (machine.disk_bytes is None or out.disk <= machine.disk_bytes)
     )
     return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def policy_time_cost(choice: PolicyChoice, kind: str, time_costs: Mapping[str, float] | None = None) -> float:

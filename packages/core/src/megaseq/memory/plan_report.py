@@ -21,6 +21,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "host_optimizer_bytes": e.host_optimizer,
             "disk_bytes": e.disk,
             "fits": e.fits,
+            "idle": e.idle or None,
             "time_cost": e.time_cost,
             "weights_bytes": e.weights,
             "gradients_bytes": e.gradients,
@@ -73,7 +74,7 @@ def render_table(plan: Plan) -> str:
     for e in plan.candidates:
         # a space before every cell, so that a number wider than its column never runs into the next
         cells = "".join(f" {gib(e.saved_by_kind.get(k, 0)):>18}" for k in kinds)
-        mark = "yes" if e.fits else "no"
+        mark = "yes" if e.fits else "idle" if e.idle else "no"
         chosen = "  <- proposed" if e is plan.chosen and not plan.given else ""
         lines.append(
             f"{e.label:<{width}}{cells} {gib(e.recompute_peak):>8} {gib(e.temporary):>8} {gib(e.heap):>8}"
@@ -82,8 +83,10 @@ def render_table(plan: Plan) -> str:
     lines.append("")
     lines.append("(saved activations by layer kind; re-run: the most one layer re-creates in backward; heap: freed "
                  "memory the C library keeps resident)")
+    for reason in dict.fromkeys(e.idle for e in plan.candidates if e.idle):
+        lines.append(f"idle (never proposed: the run would stop at its first step): offloading {reason}")
     if plan.given:
-        verdict = "fits" if first.fits else "does NOT fit"
+        verdict = "fits" if first.fits else "is idle" if first.idle else "does NOT fit"
         lines.append(f"the given set ({first.label}) {verdict}: peak {gib(first.device_peak)} of {gib(m.device_bytes)}")
     elif plan.chosen is None:
         lines.append(f"nothing fits: the smallest peak is {gib(min(e.device_peak for e in plan.candidates))} "
