@@ -35,7 +35,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = [f"run.out_dir={json.dumps(args.out)}"] if args.out else []  # TOML reads a JSON string as a string
     recipe = load_recipe(args.recipe, plugins, [*args.set, *out, *memory_policy_override(args.memory_policy), *init_from])
     layout = resolve_layout(recipe, Layout.parse(args.parallel, base=Layout.of(recipe)), args.workers)
-    recipe = recipe.model_copy(update={"parallel": ParallelConfig(dp=layout.dp, cp=layout.cp, ep=layout.ep)})
+    parallel = {name: getattr(layout, name) for name in ParallelConfig.model_fields}
+    recipe = recipe.model_copy(update={"parallel": ParallelConfig(**parallel)})
+    if args.dry_run:
+        from megaseq.distributed.launch import dry_run
+
+        print(dry_run(recipe, plugins, layout, args.resume, args.address))
+        return 0
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     if layout.world_size == 1 and args.address is None and not in_torchrun():
         from megaseq.train.trainer import Trainer
@@ -305,6 +311,9 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
                    help="restarts of the worker group from the newest checkpoint after a worker dies (default 2)")
     t.add_argument("--memory-policy", metavar="auto|none|NAMES",
                    help="memory policies (train.memory_policy): auto = what `megaseq plan` proposes, none, or names")
+    t.add_argument("--dry-run", action="store_true",
+                   help="check the layout against the recipe and print every rank's groups and the memory plan, "
+                   "then stop: no worker starts, no device is used")
     t.add_argument("--init-from", metavar="DIR",
                    help="start from these weights (train.init_from): a run directory, e.g. one `megaseq import` wrote, "
                    "or a checkpoint; the recipe's data and schedule apply")

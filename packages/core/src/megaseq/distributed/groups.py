@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from megaseq.contracts import ContextParallel, ForwardContext, TensorParallel
 from megaseq.data.windows import Batch
-from megaseq.distributed.layout import Layout
+from megaseq.distributed.layout import Layout, LayoutError
 from megaseq.errors import UserError
 from megaseq.parallel import collectives, zigzag_shard
 from megaseq.records import ModelDims
@@ -201,6 +201,42 @@ def import_parallel_state() -> Any:
     return parallel_state
 
 
+def megatron_sizes(layout: Layout) -> dict[str, int]:
+    """The arguments of megatron-core's ``initialize_model_parallel`` for ``layout`` (pipeline parallelism 1):
+    what :func:`init_process_groups` creates and :func:`rank_groups` describes."""
+    return {"tensor_model_parallel_size": layout.tp, "context_parallel_size": layout.cp,
+            "expert_model_parallel_size": layout.ep, "expert_tensor_parallel_size": layout.etp}
+
+
+# The groups a run uses, by the name megaseq gives them: (megatron's rank generator, its group token).
+GROUP_TOKENS = {
+    "tp": ("decoder", "tp"),
+    "cp": ("decoder", "cp"),
+    "dp": ("decoder", "dp"),
+    "dp x cp": ("decoder", "dp-cp"),  # the ranks holding the same tensor-parallel block
+    "ep": ("expert", "ep"),
+    "etp": ("expert", "tp"),
+    "expert dp": ("expert", "dp"),  # the ranks holding the same experts
+}
+
+
+def rank_groups(layout: Layout, order: str = "tp-cp-ep-dp-pp") -> dict[str, list[list[int]]]:
+    """Every group of ``layout`` as lists of global ranks, computed as megatron-core's
+    ``initialize_model_parallel`` computes them (its ``RankGenerator``, default ``order``), without
+    ``torch.distributed``: what the launch prints before any worker starts."""
+    world = layout.world_size
+    if world % (layout.ep * layout.etp):
+        raise LayoutError(f"parallel ({layout}): ep x etp = {layout.ep * layout.etp} does not divide the "
+                          f"{world} ranks (dp x cp x tp)")
+    ps = import_parallel_state()
+    expert_dp = world // (layout.ep * layout.etp)
+    generators = {
+        "decoder": ps.RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=1, cp=layout.cp, order=order),
+        "expert": ps.RankGenerator(tp=layout.etp, ep=layout.ep, dp=expert_dp, pp=1, cp=1, order=order),
+    }
+    return {name: generators[which].get_ranks(token) for name, (which, token) in GROUP_TOKENS.items()}
+
+
 def init_process_groups(layout: Layout) -> Parallel:
     """Create the layout's groups with megatron-core's ``parallel_state`` on the running ``torch.distributed``."""
     import torch.distributed as dist
@@ -212,9 +248,7 @@ def init_process_groups(layout: Layout) -> Parallel:
             f"parallel {layout}: dp x cp x tp = {layout.world_size} ranks, but {dist.get_world_size()} processes were started"
         )
     ps = import_parallel_state()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep
-    )
+    ps.initialize_model_parallel(**megatron_sizes(layout))
     return Parallel(
         layout=layout,
         rank=dist.get_rank(),

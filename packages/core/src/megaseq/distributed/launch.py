@@ -40,7 +40,7 @@ from megaseq.capabilities import check_components
 from megaseq.config import Recipe, RunConfig, validate_recipe
 from megaseq.devices import device_type, join_torchrun
 from megaseq.distributed.experts import layout_expert_dims, layout_tp_dims
-from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups
+from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups, rank_groups
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
 from megaseq.plugins import Plugins, get_plugins
@@ -67,6 +67,64 @@ def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, ad
     layout_tp_dims(recipe, plugins, layout.tp)
     if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
         check_resharding(path, recipe, plugins)
+
+
+def dry_run(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, address: str | None = None) -> str:
+    """``megaseq train --dry-run``: the launch's pre-flight (:func:`preflight`), then what the launch would
+    create, without starting a worker or touching a device: every rank's groups as megatron-core's
+    ``parallel_state`` forms them (:func:`megaseq.distributed.groups.rank_groups`) and the memory plan of one
+    device under the recipe's memory policies."""
+    preflight(recipe, plugins, layout, resume, address)
+    lines = [f"{recipe.source}: parallel {layout}: {layout.world_size} rank(s); the layout, the components' "
+             f"capabilities and their splits check out (nothing was started)", ""]
+    if layout.world_size > 1:
+        lines += [*describe_groups(rank_groups(layout)), ""]
+    lines.append(describe_plan(recipe, plugins, layout))
+    return "\n".join(lines)
+
+
+def describe_groups(groups: dict[str, list[list[int]]]) -> list[str]:
+    """The groups of each kind (ranks of a group as ``a-b`` when consecutive), then each rank's group of each kind
+    (its index in the list above it)."""
+
+    def ranks(group: list[int]) -> str:
+        consecutive = len(group) > 2 and group == list(range(group[0], group[-1] + 1))
+        return f"{group[0]}-{group[-1]}" if consecutive else ",".join(map(str, group))
+
+    world = sum(len(g) for g in groups["tp"])
+    lines = [f"groups (megatron-core parallel_state, {world} ranks):"]
+    for name, members in groups.items():
+        lines.append(f"  {name:<10} {len(members)} of {len(members[0])}: " + "  ".join(ranks(g) for g in members))
+    index = {name: {r: i for i, g in enumerate(members) for r in g} for name, members in groups.items()}
+    lines += ["", "rank -> group (index in each list above):", "  rank" + "".join(f"{n:>11}" for n in groups)]
+    lines += [f"  {r:>4}" + "".join(f"{index[n][r]:>11}" for n in groups) for r in range(world)]
+    return lines
+
+
+def describe_plan(recipe: Recipe, plugins: Plugins, layout: Layout) -> str:
+    """The memory plan of one device of ``layout`` under the recipe's memory policies: the fit against this
+    machine's device where it has the recipe's kind, else the predicted peaks alone."""
+    from megaseq.memory.machine import Machine, gib
+    from megaseq.memory.plan import plan
+    from megaseq.memory.plan_report import render_table
+
+    names = recipe.train.memory_policy
+    policies = names if names == "auto" else list(names) or "none"
+    kind = device_type(recipe.run.device)
+    try:
+        machine = Machine.detect(kind)
+    except UserError:  # a cuda recipe planned on a machine without one: nothing to fit against
+        machine = None
+    if machine is not None:
+        return render_table(plan(recipe, plugins, layout=layout, machine=machine, policies=policies))
+    result = plan(recipe, plugins, layout=layout, machine=Machine(kind, 2**62, None), policies=policies)
+    lines = [f"memory plan per {kind} device ({result.tokens} tokens per device per micro-batch); no {kind} device "
+             f"here to fit against (megaseq plan {recipe.source} --parallel {layout} --device-mem GiB checks the fit):"]
+    for e in result.candidates:
+        host = f", host {gib(e.host + e.host_optimizer)}" if e.host or e.host_optimizer else ""
+        lines.append(f"  {e.label}: peak {gib(e.device_peak)} (weights {gib(e.weights)}, gradients "
+                     f"{gib(e.gradients)}){host}")
+    return "\n".join(lines)
 
 
 def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:
@@ -359,5 +417,5 @@ class WorkerFailed(RuntimeError):
         super().__init__(f"training workers failed: {first or (lines[-1] if lines else type(error).__name__)}")
 
 
-__all__ = ["QUIET_RAY", "STOP_FILE", "WORKER_RECORDS", "WorkerFailed", "first_failure", "in_torchrun", "preflight", "run_torchrun", "run_with_ray", "run_worker", "with_absolute_paths",
+__all__ = ["QUIET_RAY", "STOP_FILE", "WORKER_RECORDS", "WorkerFailed", "dry_run", "first_failure", "in_torchrun", "preflight", "run_torchrun", "run_with_ray", "run_worker", "with_absolute_paths",
            "worker_environment"]
