@@ -4,8 +4,8 @@ Layouts: ``kda``, fla's ``KimiDeltaAttention`` (``fla.models.KDAConfig``: q/k/v 
 convolution each, ``f_proj`` and ``g_proj`` as two-layer sequences, a bias on the output gate), and
 ``kimi_linear``, Kimi-Linear's published names for the same layer (``f_a_proj``/``f_b_proj``,
 ``g_a_proj``/``g_b_proj`` without a bias, ``A_log`` stored as ``[1, 1, H, 1]``, sizes in
-``linear_attn_config``). megaseq keeps q, k and v in one projection and one convolution weight: import
-concatenates, export splits, so export of an import gives back the same tensors.
+``linear_attn_config``). megaseq keeps q, k and v in one projection and one convolution weight, stacked
+``[3, H * D, ...]``: import stacks, export splits, so export of an import gives back the same tensors.
 
 Refused in one line, since megaseq's layer cannot compute them: grouped value heads (``num_v_heads`` other
 than ``num_heads``), ``expand_v`` other than 1, no short convolution, negative eigenvalues
@@ -102,9 +102,9 @@ class KDAMapping:
         theirs = 1 if layout == "kda" else 2
         shapes = _shapes(config, d)
         state = {names[0]: tensors.take(names[theirs], shapes[names[0]]) for names in _SAME}
-        state["qkv_proj.weight"] = torch.cat([tensors.take(f"{p}_proj.weight", (width, d)) for p in "qkv"])
+        state["qkv_weight"] = torch.stack([tensors.take(f"{p}_proj.weight", (width, d)) for p in "qkv"])
         conv = [tensors.take(f"{p}_conv1d.weight", (width, 1, config.conv_size)) for p in "qkv"]
-        state["conv_weight"] = torch.cat(conv).squeeze(1)
+        state["conv_weight"] = torch.stack(conv).squeeze(2)
         state["A_log"] = tensors.take("A_log", (h,) if layout == "kda" else (1, 1, h, 1)).reshape(h)
         if layout == "kda":
             state["out_gate_up.bias"] = tensors.take("g_proj.1.bias", (width,))
@@ -115,8 +115,8 @@ class KDAMapping:
             raise unknown_layout("attention 'kda'", layout, LAYOUTS)
         h, theirs = config.n_heads, 1 if layout == "kda" else 2
         out = {names[theirs]: state[names[0]] for names in _SAME}
-        out.update({f"{p}_proj.weight": w for p, w in zip("qkv", state["qkv_proj.weight"].chunk(3), strict=True)})
-        out.update({f"{p}_conv1d.weight": w.unsqueeze(1) for p, w in zip("qkv", state["conv_weight"].chunk(3), strict=True)})
+        out.update({f"{p}_proj.weight": w for p, w in zip("qkv", state["qkv_weight"].unbind(0), strict=True)})
+        out.update({f"{p}_conv1d.weight": w.unsqueeze(1) for p, w in zip("qkv", state["conv_weight"].unbind(0), strict=True)})
         out["A_log"] = state["A_log"] if layout == "kda" else state["A_log"].reshape(1, 1, h, 1)
         if layout == "kda":  # fla's output gate always has a bias: zeros stand for none
             out["g_proj.1.bias"] = state.get("out_gate_up.bias", torch.zeros(h * config.head_dim))

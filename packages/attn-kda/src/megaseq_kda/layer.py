@@ -15,6 +15,14 @@ ShortConv is a causal depthwise convolution over time; it restarts at document b
 history from the cache (decoding) or from the preceding segment on another rank (context parallelism,
 ``megaseq_kda.parallel``). Gates, beta, the state and the output norm are computed in fp32.
 
+Tensor parallelism (``megaseq.contracts.TensorParallel``): a rank holds ``n_heads / tp`` heads, a contiguous
+block: its rows of q, k and v in the projection and the convolution (both stored ``[3, H * D, ...]``, so that
+one block along the head dimension carries each head's q, k and v), of beta, of the gates' up-projections,
+``A_log`` and ``dt_bias``, and its columns of the output projection. The gates' down-projections and the
+output norm's weight serve every head and stay whole (their gradients are summed over the ranks). A rank
+gathers the sequence chunks (with context parallelism: its context-parallel share), runs its heads over all
+of it and reduce-scatters its partial output.
+
 Memory: backward keeps the input, q, k, v, g, beta, the op's output and one state per chunk (the op keeps its
 inputs and recomputes its intra-chunk tensors: ``ops/chunk.py``). The front (projections, convolution, SiLU,
 L2 norm, gates) and the tail (norm, output gate, output projection) are cheap per token and would otherwise
@@ -36,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from megaseq.contracts import ForwardContext, Tile
 from megaseq.documents import Documents, as_documents
 from megaseq.dtypes import compute_dtype
+from megaseq.parallel import tp_gather, tp_reduce_scatter
 from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq_kda.backends import BACKENDS
 from megaseq_kda.config import KDAConfig
@@ -76,17 +85,19 @@ def causal_conv(x: Tensor, weight: Tensor, history: Tensor, position_in_doc: Ten
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, d_model: int, config: KDAConfig, n_layers: int) -> None:
+    def __init__(self, d_model: int, config: KDAConfig, n_layers: int, tp_size: int = 1) -> None:
         super().__init__()
         BACKENDS.check(config.backend)
+        if config.n_heads % tp_size:
+            raise ValueError(f"attention.kda: n_heads {config.n_heads} is not a multiple of tp {tp_size}")
         self.backend = config.backend
-        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.n_heads, self.head_dim = config.n_heads // tp_size, config.head_dim  # this rank's heads
         self.gate, self.gate_lower_bound = config.gate, config.gate_lower_bound
         self.norm_eps = config.norm_eps
         width = self.n_heads * self.head_dim
         rank = config.gate_rank or self.head_dim
-        self.qkv_proj = nn.Linear(d_model, 3 * width, bias=False)
-        self.conv_weight = nn.Parameter(torch.empty(3 * width, config.conv_size))
+        self.qkv_weight = nn.Parameter(torch.empty(3, width, d_model))  # q, k, v rows, each [H * D, d_model]
+        self.conv_weight = nn.Parameter(torch.empty(3, width, config.conv_size))
         self.beta_proj = nn.Linear(d_model, self.n_heads, bias=False)
         self.gate_down = nn.Linear(d_model, rank, bias=False)
         self.gate_up = nn.Linear(rank, width, bias=False)
@@ -99,8 +110,8 @@ class KimiDeltaAttention(nn.Module):
         self._init_parameters(n_layers)
 
     def _init_parameters(self, n_layers: int) -> None:
+        nn.init.normal_(self.qkv_weight, std=0.02)
         for linear in (
-            self.qkv_proj,
             self.beta_proj,
             self.gate_down,
             self.gate_up,
@@ -112,7 +123,7 @@ class KimiDeltaAttention(nn.Module):
             nn.init.zeros_(self.out_gate_up.bias)
         nn.init.normal_(self.out_proj.weight, std=0.02 / (2 * n_layers) ** 0.5)
         # PyTorch's default for a depthwise Conv1d (fan-in = kernel size)
-        bound = self.conv_weight.shape[1] ** -0.5
+        bound = self.conv_weight.shape[-1] ** -0.5
         nn.init.uniform_(self.conv_weight, -bound, bound)
         # fla's: decay rates A ~ U(1, 16); dt ~ logU(1e-3, 0.1), so that a token with f = 0 starts with the
         # log-decay g = -A dt of the softplus gate. The softplus gate stores dt_bias = softplus^-1(dt). The
@@ -131,11 +142,19 @@ class KimiDeltaAttention(nn.Module):
                 self.dt_bias.copy_(torch.logit((rate * dt / -self.gate_lower_bound).clamp(max=0.5)) / rate)
 
     def init_cache(self, batch_size: int, *, device: torch.device, dtype: torch.dtype) -> KDACache:
-        channels, width = self.conv_weight.shape
         return KDACache(
-            conv=torch.zeros(batch_size, width - 1, channels, device=device, dtype=dtype),
+            conv=torch.zeros(batch_size, self.history_len, self.conv_weight[..., 0].numel(), device=device, dtype=dtype),
             state=torch.zeros(batch_size, self.n_heads, self.head_dim, self.head_dim, device=device),
         )
+
+    @property
+    def history_len(self) -> int:
+        """How many inputs before a token the convolution reads: ``conv_size - 1``."""
+        return self.conv_weight.shape[-1] - 1
+
+    def project(self, x: Tensor) -> Tensor:
+        """The q, k, v projection ``[B, T, 3 * H * D]`` (q's channels, then k's, then v's)."""
+        return F.linear(x, self.qkv_weight.flatten(0, 1))
 
     def forget_gate(self, x: Tensor) -> Tensor:
         """Per-channel log-decay g <= 0, ``[B, T, H, K]`` in ``compute_dtype`` (fp32; float64 for float64)."""
@@ -148,10 +167,15 @@ class KimiDeltaAttention(nn.Module):
         return self.gate_lower_bound * torch.sigmoid(rate * f)
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: KDACache | None = None) -> Tensor:
-        if cache is not None and (ctx.cu_seqlens is not None or ctx.cp is not None):
+        if cache is not None and (ctx.cu_seqlens is not None or ctx.cp is not None or ctx.tp is not None):
             raise ValueError(
-                "attention.kda: a decoding cache cannot be combined with packing or context parallelism"
+                "attention.kda: a decoding cache cannot be combined with packing or context or tensor parallelism"
             )
+        if ctx.tp is None:
+            return self._forward(x, ctx, cache)
+        return tp_reduce_scatter(self._forward(tp_gather(x, ctx.tp), ctx, cache), ctx.tp)
+
+    def _forward(self, x: Tensor, ctx: ForwardContext, cache: KDACache | None) -> Tensor:
         if ctx.cp is not None and x.shape[1] != 2 * ctx.cp.segment_len:
             raise ValueError(
                 f"attention.kda: context parallel input has {x.shape[1]} tokens, expected this rank's two "
@@ -159,10 +183,10 @@ class KimiDeltaAttention(nn.Module):
             )
         op = BACKENDS.load(self.backend, x.device)
         if cache is not None:
-            projected = self.qkv_proj(x)
+            projected = self.project(x)
             q, k, v = self._qkv(projected, cache.conv, 0, None)
             g, beta = self._gates(x)
-            cache.conv = torch.cat([cache.conv, projected], 1)[:, -(self.conv_weight.shape[1] - 1) :]
+            cache.conv = torch.cat([cache.conv, projected], 1)[:, -self.history_len :]
             step = naive_recurrent_kda if x.shape[1] == 1 else op  # one token: the recurrence is cheapest
             o, cache.state = step(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
             return self._tail(o, x)
@@ -173,9 +197,8 @@ class KimiDeltaAttention(nn.Module):
         spans: list[tuple[int, int]] = [(0, x.shape[1])]
         histories: list[Tensor | None] = [None]
         if ctx.cp is not None:  # the projected tails of the segments before each of this rank's two (only the tails projected)
-            history_len = self.conv_weight.shape[1] - 1
-            tails = [self.qkv_proj(segment[:, -history_len:]) for segment in x.chunk(2, dim=1)]
-            spans, histories = ctx.cp.segments(), conv_histories(tails, ctx.cp, history_len)
+            tails = [self.project(segment[:, -self.history_len :]) for segment in x.chunk(2, dim=1)]
+            spans, histories = ctx.cp.segments(), conv_histories(tails, ctx.cp, self.history_len)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
             if ctx.cp is not None:
@@ -191,11 +214,10 @@ class KimiDeltaAttention(nn.Module):
         decoding cache holds, the convolution's last inputs and the recurrent state after the tile; with
         packing, the tile's first document piece starts from that state only if it continues a document.
         Inside the tile, front and tail run in blocks recomputed in backward, as in :meth:`forward`."""
-        if ctx.cp is not None:
-            raise ValueError("attention.kda: sequence tiles run without context parallelism")
+        if ctx.cp is not None or ctx.tp is not None:
+            raise ValueError("attention.kda: sequence tiles run without context parallelism or tensor parallelism")
         op = BACKENDS.load(self.backend, x.device)
         batch = x.shape[0]
-        channels, width = self.conv_weight.shape
         conv_history, state = history[-1] if history else (None, None)
         documents, pieces, continues = None, None, True
         if ctx.documents is not None:
@@ -217,9 +239,10 @@ class KimiDeltaAttention(nn.Module):
 
         out = self._blockwise(x, [(tile.start, tile.stop)], [conv_history], documents, attend)
         # the convolution's last inputs: only the tile's last few tokens are projected again
+        history_len = self.history_len
         if conv_history is None:
-            conv_history = x.new_zeros(batch, width - 1, channels)
-        conv_tail = torch.cat([conv_history, self.qkv_proj(x[:, -(width - 1) :])], 1)[:, -(width - 1) :]
+            conv_history = x.new_zeros(batch, history_len, self.conv_weight[..., 0].numel())
+        conv_tail = torch.cat([conv_history, self.project(x[:, -history_len:])], 1)[:, -history_len:]
         # copies: both are views of larger tensors (the concatenation, every piece's state), which the carry
         # would keep alive until the backward
         return out, (conv_tail.clone(), final[0].clone())
@@ -255,13 +278,13 @@ class KimiDeltaAttention(nn.Module):
         position of its first token, and the ``conv_size - 1`` projected inputs before it. Blocks never cross
         a piece of x (a context-parallel segment); a block's history inside a piece is the projected tail of
         the block before it (recomputed here for those few tokens), the first block's the piece's history."""
-        history_len = self.conv_weight.shape[1] - 1
+        history_len = self.history_len
         blocks, offset = [], 0
         for (start, end), history in zip(spans, histories, strict=True):
             for a in range(0, max(end - start, 1), BLOCK_TOKENS):  # an empty piece is one empty block
                 b = min(a + BLOCK_TOKENS, end - start)
                 if a:
-                    history = self.qkv_proj(x[:, offset + a - history_len : offset + a])
+                    history = self.project(x[:, offset + a - history_len : offset + a])
                 blocks.append((offset + a, offset + b, start + a, history))
             offset += end - start
         return blocks
@@ -271,7 +294,7 @@ class KimiDeltaAttention(nn.Module):
     ) -> tuple[Tensor, ...]:
         """x (global tokens from ``start``) -> q, k, v, g, beta; ``history``: the ``conv_size - 1`` projected
         inputs before x (None: zeros, the sequence starts with x)."""
-        return *self._qkv(self.qkv_proj(x), history, start, documents), *self._gates(x)
+        return *self._qkv(self.project(x), history, start, documents), *self._gates(x)
 
     def _qkv(
         self, projected: Tensor, history: Tensor | None, start: int, documents: Documents | None
@@ -279,11 +302,11 @@ class KimiDeltaAttention(nn.Module):
         """Convolution (restarting at document starts), SiLU and L2 norm in ``compute_dtype``: q, k, v as
         views of one tensor (so that what the op keeps of them is one 3 x width buffer)."""
         if history is None:  # made here, not by the caller: a block's inputs are what backward keeps
-            history = projected.new_zeros(projected.shape[0], self.conv_weight.shape[1] - 1, projected.shape[2])
+            history = projected.new_zeros(projected.shape[0], self.history_len, projected.shape[2])
         doc_positions = None
         if documents is not None:
             doc_positions = documents.positions_in_doc(projected.device)[start : start + projected.shape[1]]
-        convolved = causal_conv(projected, self.conv_weight.to(projected.dtype), history, doc_positions)
+        convolved = causal_conv(projected, self.conv_weight.flatten(0, 1).to(projected.dtype), history, doc_positions)
         qkv = F.silu(convolved).unflatten(-1, (3, self.n_heads, self.head_dim))
         dtype = compute_dtype(qkv.dtype)
         inv_norms = torch.rsqrt(qkv[:, :, :2].to(dtype).square().sum(-1, keepdim=True) + L2_EPS).to(qkv.dtype)
@@ -306,7 +329,7 @@ class KimiDeltaAttention(nn.Module):
 
 
 def build(config: KDAConfig, dims: ModelDims, layer_idx: int) -> KimiDeltaAttention:
-    return KimiDeltaAttention(dims.d_model, config, dims.n_layers)
+    return KimiDeltaAttention(dims.d_model, config, dims.n_layers, dims.tp_size)
 
 
 def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:

@@ -15,9 +15,9 @@ def megaseq_attention() -> list[AttentionSpec]:
             target="megaseq_kda.layer:build",
             config=KDAConfig,
             summary="Kimi Delta Attention: gated delta-rule linear attention, O(T) memory; packing, "
-            "decoding and exact context parallelism",
+            "decoding, exact context parallelism and tensor parallelism over heads",
             memory="megaseq_kda.layer:memory_estimate",
-            capabilities=frozenset({"context_parallel", "sequence_tiling"}),
+            capabilities=frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),
             mapping="megaseq_kda.hf:MAPPING",
         )
     ]
