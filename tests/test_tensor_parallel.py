@@ -4,7 +4,8 @@ A dense recipe (core's sdpa attention and SwiGLU FFN, the 5-id vocabulary split 
 steps under tp=2 and under tp=2 x cp=2 and must log the same loss, tokens, gradient norm and metrics and
 reach the same weights as one process (fp32, 1e-5 relative). Each tp=2 rank holds half of every split
 tensor's bytes. The tp=2 checkpoint, written per tensor-parallel block, resumes in one process. Layouts the
-recipe's components cannot run are one line, exit 2, before any worker starts.
+recipe's components cannot run (core's and the plugins' heads or widths that tp does not divide, a component
+without tensor parallelism) are one line, exit 2, before any worker starts.
 """
 
 from __future__ import annotations
@@ -90,11 +91,32 @@ def test_impossible_tensor_parallel_layouts_are_one_line_exit_2(tmp_path, recipe
     assert not (tmp_path / "run").exists()
 
 
-def test_a_component_without_tensor_parallelism_refuses_tp(tmp_path, hybrid, recipe_toml, capsys):
-    recipe = tmp_path / "hybrid.toml"
-    raw = {**hybrid, "run": {**hybrid["run"], "out_dir": str(tmp_path / "run")}}
+# The plugins' attentions under tp=2 with heads that tp does not divide (on the dense recipe's SwiGLU).
+PLUGIN_HEADS = [
+    ("kda", {"n_heads": 3, "head_dim": 8}, "attention.kda: n_heads 3 is not a multiple of tp 2"),
+    ("dsa", {"n_heads": 2, "head_dim": 8, "index_heads": 3, "index_dim": 8}, "attention.dsa: index_heads 3 is not a multiple of tp 2"),
+]
+
+
+@pytest.mark.parametrize(("attention", "config", "message"), PLUGIN_HEADS)
+def test_plugin_heads_that_tp_does_not_divide_are_one_line_exit_2(tmp_path, recipe_toml, capsys, attention, config, message):
+    recipe = tmp_path / "plugin.toml"
+    raw = {**DENSE, "run": {**DENSE["run"], "out_dir": str(tmp_path / "run")},
+           "model": {**DENSE["model"], "layer_pattern": [attention]}, "attention": {attention: config}}
     recipe.write_text(recipe_toml(raw))
     assert main(["train", str(recipe), "--parallel", "tp=2"]) == 2
     err = capsys.readouterr().err
-    assert "attention 'dsa' (megaseq-attn-dsa" in err and "does not declare tensor_parallel; use tp=1" in err, err
-    assert err.count("\n") == 1, err
+    assert f"parallel ep=1,tp=2: {message}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_component_without_tensor_parallelism_refuses_tp(tmp_path, recipe_toml, capsys):
+    recipe = tmp_path / "window.toml"
+    raw = {**DENSE, "run": {**DENSE["run"], "out_dir": str(tmp_path / "run")},
+           "model": {**DENSE["model"], "layer_pattern": ["sliding-window"]},
+           "attention": {"sliding-window": {"n_heads": 2, "window": 16}}}
+    recipe.write_text(recipe_toml(raw))
+    assert main(["train", str(recipe), "--parallel", "tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "attention 'sliding-window' (megaseq-sliding-window" in err, err
+    assert "does not declare tensor_parallel; use tp=1" in err and err.count("\n") == 1, err

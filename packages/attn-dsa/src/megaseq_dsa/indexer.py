@@ -19,14 +19,26 @@ head weights and the relu), and backward only scales it. So nothing is recompute
 gradient per input (index queries, keys and head weights), not the inputs and the main queries and keys.
 Selected keys are gathered as flat rows (``index_select``) with the main key and the index key of a token
 side by side, and their gradients scattered back with one ``index_add_`` per chunk.
+
+Tensor parallelism (``tp``): a rank holds a block of the indexer heads (rows of the query and head-weight
+projections; the index key is shared and whole) and a block of the main heads. Both the target (a mean over
+all main heads) and I (a sum over all indexer heads) are then sums of per-rank parts: each chunk's parts are
+added over the ranks before the softmaxes, so every rank computes the whole KL and dKL/dI. Each rank's
+gradients through its own heads are then the whole loss's for those heads (the index key's are its heads'
+part, summed over ranks by the trainer), provided the scalar that scales them is the sum of every rank's
+incoming one: backward adds those over the ranks (the backward of an all-reduce).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from megaseq.contracts import TensorParallel
+from megaseq.parallel import collectives
 
 # One chunk's largest score tile takes about this many bytes (dense warm-up).
 CHUNK_BYTES = 64 * 2**20
@@ -36,14 +48,16 @@ GATHER_BYTES = 4 * 2**20
 
 
 class LightningIndexer(nn.Module):
-    """x [B, T, d_model] and c_q [B, T, q_lora_rank] -> index queries, index keys and head weights."""
+    """x [B, T, d_model] and c_q [B, T, q_lora_rank] -> index queries, index keys and head weights. With
+    ``tp_size`` ranks it holds ``heads / tp_size`` heads (the caller checks that tp divides them); the scale
+    stays the whole indexer's."""
 
-    def __init__(self, d_model: int, q_lora_rank: int, heads: int, dim: int) -> None:
+    def __init__(self, d_model: int, q_lora_rank: int, heads: int, dim: int, tp_size: int = 1) -> None:
         super().__init__()
-        self.heads, self.dim = heads, dim
-        self.query = nn.Linear(q_lora_rank, heads * dim, bias=False)
+        self.heads, self.dim = heads // tp_size, dim
+        self.query = nn.Linear(q_lora_rank, self.heads * dim, bias=False)
         self.key = nn.Linear(d_model, dim, bias=False)
-        self.head_weights = nn.Linear(d_model, heads, bias=False)
+        self.head_weights = nn.Linear(d_model, self.heads, bias=False)
         self.weight_scale = (heads * dim) ** -0.5
         for linear in (self.query, self.key, self.head_weights):
             nn.init.normal_(linear.weight, std=linear.in_features**-0.5)
@@ -66,13 +80,16 @@ def indexer_kl(
     doc_start: Tensor,
     indices: Tensor | None = None,
     chunk: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> Tensor:
     """Sum over query rows of KL(p_attn || softmax(I)), differentiable in the indexer inputs only.
 
     Queries (rows): q_idx [B, Tq, Hi, Di], weights [B, Tq, Hi], main queries q [B, Tq, H, D] at global
     positions query_pos [Tq]. Keys: k_idx [B, Tk, Di], main keys key [B, Tk, D], document start of every key
     doc_start [Tk]. indices [B, Tq, S] (-1 = padding): KL over those keys (sparse training); None: over every
-    visible key (dense warm-up). The main attention is softmax(scale q . key) over the same keys.
+    visible key (dense warm-up). The main attention is softmax(scale q . key) over the same keys. ``tp``: the
+    heads of q, q_idx and weights are this rank's block; the KL is the whole one on every rank (module
+    docstring).
     """
     batch, _, heads, _ = q.shape
     if chunk is None and indices is None:
@@ -81,13 +98,13 @@ def indexer_kl(
         chunk = max(1, GATHER_BYTES // (4 * batch * indices.shape[-1] * (key.shape[-1] + k_idx.shape[-1])))
     with torch.autocast(q.device.type, enabled=False):  # fp32 softmaxes and products under any autocast
         return _IndexerKL.apply(
-            q_idx, k_idx, weights, q.detach(), key.detach(), scale, query_pos, doc_start, indices, chunk
+            q_idx, k_idx, weights, q.detach(), key.detach(), scale, query_pos, doc_start, indices, chunk, tp
         )
 
 
 class _IndexerKL(torch.autograd.Function):
     """The summed KL; its gradients with respect to (q_idx, k_idx, weights) are formed in forward (module
-    docstring) and scaled by the incoming scalar in backward."""
+    docstring) and scaled by the incoming scalar in backward (summed over the tensor-parallel ranks)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -102,8 +119,12 @@ class _IndexerKL(torch.autograd.Function):
         doc_start: Tensor,
         indices: Tensor | None,
         chunk: int,
+        tp: TensorParallel | None,
     ) -> Tensor:
         batch, rows, heads, dim = q.shape
+        ctx.tp = tp
+        add = None if tp is None else (lambda part: collectives.all_reduce(part, tp.group))
+        all_heads = heads * (1 if tp is None else tp.world_size)
         dtype = torch.promote_types(q_idx.dtype, torch.float32)
         want_grads = any(ctx.needs_input_grad[:3])
         total = torch.zeros((), dtype=dtype, device=q.device)
@@ -127,9 +148,9 @@ class _IndexerKL(torch.autograd.Function):
                 key_ids = torch.arange(k0, k1, device=pos.device)
                 visible = (key_ids >= doc_start[pos][:, None]) & (key_ids <= pos[:, None])
                 visible = visible.expand(batch, -1, -1)
-                target = attention_target(q[:, c0:c1], key[:, k0:k1], visible, scale, dtype)
+                target = attention_target(q[:, c0:c1], key[:, k0:k1], visible, scale, dtype, add, all_heads)
                 kl, grads = kl_and_grads(
-                    target, q_idx[:, c0:c1], weights[:, c0:c1], k_idx[:, k0:k1], visible, want_grads
+                    target, q_idx[:, c0:c1], weights[:, c0:c1], k_idx[:, k0:k1], visible, want_grads, add
                 )
             else:
                 # Sparse: each query has its own keys; one group per (batch row, query).
@@ -138,7 +159,8 @@ class _IndexerKL(torch.autograd.Function):
                 gathered = torch.index_select(table, 0, flat, out=buffer[: len(flat)]).view(batch * n, -1, table.shape[1])
                 visible = (ids >= 0).view(batch * n, 1, -1)
                 target = attention_target(
-                    q[:, c0:c1].reshape(batch * n, 1, heads, dim), gathered[..., :dim], visible, scale, dtype
+                    q[:, c0:c1].reshape(batch * n, 1, heads, dim), gathered[..., :dim], visible, scale, dtype, add,
+                    all_heads,
                 )
                 kl, grads = kl_and_grads(
                     target,
@@ -147,6 +169,7 @@ class _IndexerKL(torch.autograd.Function):
                     gathered[..., dim:],
                     visible,
                     want_grads,
+                    add,
                 )
             total += kl
             if grads is None:
@@ -165,30 +188,43 @@ class _IndexerKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if ctx.tp is not None:  # every rank's loss holds the whole KL: its inputs' gradients scale with the sum
+            grad = collectives.all_reduce(grad.clone(), ctx.tp.group)
         grads = [(grad * g).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
-def attention_target(q: Tensor, key: Tensor, visible: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+def attention_target(
+    q: Tensor, key: Tensor, visible: Tensor, scale: float, dtype: torch.dtype, add: Callable[[Tensor], Tensor] | None = None,
+    all_heads: int | None = None,
+) -> Tensor:
     """The KL's fixed target for G groups of n queries over their S keys: the main attention distribution
-    softmax(scale q . key) averaged over heads. q [G, n, H, D], key [G, S, D], visible [G, n, S] -> [G, n, S]."""
+    softmax(scale q . key) averaged over heads. q [G, n, H, D], key [G, S, D], visible [G, n, S] -> [G, n, S].
+    ``add``: sums the other tensor-parallel ranks' parts (their heads' summed distributions) into this rank's,
+    in place; ``all_heads``: the heads of all ranks."""
     groups, n, heads, _ = q.shape
     with torch.no_grad():
         scores = torch.bmm(q.to(dtype).reshape(groups, n * heads, -1), key.to(dtype).transpose(1, 2)).mul_(scale)
         scores = scores.view(groups, n, heads, -1).masked_fill_(~visible[:, :, None], float("-inf"))
+        if add is None:
+            mean = scores.softmax(-1).mean(2)
+        else:
+            mean = add(scores.softmax(-1).sum(2)).div_(all_heads)
         # a query that sees no key (padding only) has no distribution: 0, not softmax's 0 / 0
-        return scores.softmax(-1).mean(2).masked_fill_(~visible.any(-1, keepdim=True), 0.0)
+        return mean.masked_fill_(~visible.any(-1, keepdim=True), 0.0)
 
 
 def kl_and_grads(
-    target: Tensor, q_idx: Tensor, weights: Tensor, k_idx: Tensor, visible: Tensor, want_grads: bool
+    target: Tensor, q_idx: Tensor, weights: Tensor, k_idx: Tensor, visible: Tensor, want_grads: bool,
+    add: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
     """Summed KL(target || softmax(I)) of G groups of n queries, each group over its own S keys, and (if wanted)
     its gradients, all in target's dtype.
 
     target [G, n, S] (rows sum to 1 over the visible keys), q_idx [G, n, Hi, Di], weights [G, n, Hi],
     k_idx [G, S, Di], visible [G, n, S] -> KL, (dKL/dq_idx [G, n, Hi, Di], dKL/dweights [G, n, Hi],
-    dKL/dk_idx [G, S, Di]).
+    dKL/dk_idx [G, S, Di]). ``add``: sums the other tensor-parallel ranks' partial I (their indexer heads')
+    into this rank's, in place; the gradients are then this rank's heads' (dKL/dk_idx: their part).
     """
     groups, n, heads_idx, dim_idx = q_idx.shape
     slots = k_idx.shape[1]
@@ -197,6 +233,8 @@ def kl_and_grads(
     per_head = torch.bmm(q_idx.reshape(groups, n * heads_idx, dim_idx), k_idx.transpose(1, 2)).relu_()
     per_head = per_head.view(groups * n, heads_idx, slots)
     index = torch.bmm(weights.reshape(groups * n, 1, heads_idx), per_head).view(groups, n, slots)
+    if add is not None:
+        add(index)
     log_q = index.masked_fill_(hidden, float("-inf")).log_softmax(-1).masked_fill_(hidden, 0.0)
     kl = (torch.xlogy(target, target) - target * log_q).sum()
     if not want_grads:

@@ -29,6 +29,16 @@ keys are all-gathered (core's ``megaseq.parallel.gather_sequence``), queries are
 positions, so a rank's work is O(T_local x T). Decoding: keys are the cache plus the new tokens, queries the
 new tokens, so a step costs O(cache length). The dense warm-up attends each run of consecutive query
 positions inside a document to that document's keys up to the run's end (causal aligned to the last key).
+
+Tensor parallelism (``megaseq.contracts.TensorParallel``), as megatron-core's MLA splits it: a rank holds a
+contiguous block of the query heads (their rows of ``q_up`` and ``q_rope``, their ``k_up`` and ``v_up``, their
+columns of ``out``) and of the indexer heads (their rows of the indexer's query and head-weight
+projections). What every head reads stays whole on every rank: the query and latent down-projections and
+norms, the rotary key and the indexer's key (their gradients are summed over the ranks). A rank gathers the
+sequence chunks (with context parallelism: its context-parallel share), runs its heads over all of it and
+reduce-scatters its partial output. Its indexer scores are partial sums over the indexer heads: they are
+added over the ranks before the top-k (``megaseq_dsa.ops.indexer``), so every rank selects the same keys,
+and the indexer loss is computed whole on every rank (``megaseq_dsa.indexer``), each adding ``1/tp`` of it.
 """
 
 from __future__ import annotations
@@ -40,10 +50,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megaseq.contracts import ForwardContext, Tile
+from megaseq.contracts import ForwardContext, TensorParallel, Tile
 from megaseq.documents import Documents, as_documents
 from megaseq.model import RMSNorm
-from megaseq.parallel import gather_sequence
+from megaseq.parallel import collectives, gather_sequence, tp_gather, tp_reduce_scatter
 from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq.rotary import rotary
 from megaseq_dsa.backends import BACKENDS, DSAOps
@@ -99,11 +109,15 @@ def _regrown(buffer: Tensor, capacity: int, used: int) -> Tensor:
 
 
 class DeepSeekSparseAttention(nn.Module):
-    def __init__(self, d_model: int, config: DSAConfig, n_layers: int) -> None:
+    def __init__(self, d_model: int, config: DSAConfig, n_layers: int, tp_size: int = 1) -> None:
         super().__init__()
         BACKENDS.check(config.backend)
+        for key in ("n_heads", "index_heads"):
+            if getattr(config, key) % tp_size:
+                raise ValueError(f"attention.dsa: {key} {getattr(config, key)} is not a multiple of tp {tp_size}")
         self.config = config
-        heads, head_dim, latent = config.n_heads, config.head_dim, config.kv_lora_rank
+        self.n_heads = config.n_heads // tp_size  # this rank's query heads
+        heads, head_dim, latent = self.n_heads, config.head_dim, config.kv_lora_rank
         self.rope_dim = config.rope_dim if config.rope else 0
         self.scale = (head_dim + self.rope_dim) ** -0.5
         self.q_down = nn.Linear(d_model, config.q_lora_rank, bias=False)
@@ -117,7 +131,7 @@ class DeepSeekSparseAttention(nn.Module):
         if config.rope:
             self.q_rope = nn.Linear(config.q_lora_rank, heads * self.rope_dim, bias=False)
             self.k_rope = nn.Linear(d_model, self.rope_dim, bias=False)
-        self.indexer = LightningIndexer(d_model, config.q_lora_rank, config.index_heads, config.index_dim)
+        self.indexer = LightningIndexer(d_model, config.q_lora_rank, config.index_heads, config.index_dim, tp_size)
         for name, p in self.named_parameters():
             if name.endswith("weight") and p.dim() == 2 and not name.startswith("indexer."):
                 nn.init.normal_(p, std=p.shape[1] ** -0.5)  # unit-scale outputs from unit-scale inputs
@@ -137,7 +151,11 @@ class DeepSeekSparseAttention(nn.Module):
         )
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: DSACache | None = None) -> Tensor:
-        return self._forward(x, ctx, cache)[0]
+        if ctx.tp is None:
+            return self._forward(x, ctx, cache)[0]
+        if cache is not None:
+            raise ValueError("attention.dsa: a decoding cache cannot be combined with tensor parallelism")
+        return tp_reduce_scatter(self._forward(tp_gather(x, ctx.tp), ctx, cache)[0], ctx.tp)
 
     def forward_tile(
         self, x: Tensor, ctx: ForwardContext, tile: Tile, history: list[tuple[Tensor, ...]]
@@ -145,8 +163,8 @@ class DeepSeekSparseAttention(nn.Module):
         """Tokens ``[tile.start, tile.stop)`` (``megaseq.contracts.SequenceTiling``): the tile's queries select
         among and attend to the keys of every earlier tile (the carry: each tile's key and index key) and its
         own, as context-parallel queries do over gathered keys."""
-        if ctx.cp is not None:
-            raise ValueError("attention.dsa: sequence tiles run without context parallelism")
+        if ctx.cp is not None or ctx.tp is not None:
+            raise ValueError("attention.dsa: sequence tiles run without context parallelism or tensor parallelism")
         return self._forward(x, ctx, None, tile, history)
 
     def _forward(
@@ -171,11 +189,11 @@ class DeepSeekSparseAttention(nn.Module):
         # Absorbed query, all heads in one product: c_q (W_uq^T blockdiag_h(W_uk,h)) = [W_uk,h^T W_uq,h c_q]_h.
         # Folding the two matrices first keeps no per-token up-projected query for backward.
         absorb = self.q_up.weight.t() @ torch.block_diag(*self.k_up)
-        q = (c_q @ absorb.to(c_q.dtype)).view(b, t, self.config.n_heads, -1)
+        q = (c_q @ absorb.to(c_q.dtype)).view(b, t, self.n_heads, -1)
         key = latent
         if self.rope_dim:
             pos = self._rope_positions(t, ctx, cache, documents, x.device, tile)
-            q_rot = rotary(self.q_rope(c_q).view(b, t, self.config.n_heads, -1), pos, self.config.rope_theta)
+            q_rot = rotary(self.q_rope(c_q).view(b, t, self.n_heads, -1), pos, self.config.rope_theta)
             k_rot = rotary(self.k_rope(x)[:, :, None], pos, self.config.rope_theta)[:, :, 0]
             q, key = torch.cat([q, q_rot], dim=-1), torch.cat([latent, k_rot], dim=-1)
         q_idx, k_idx, idx_weights = self.indexer(x.detach(), c_q.detach())
@@ -207,9 +225,10 @@ class DeepSeekSparseAttention(nn.Module):
         kl = None
         if self.config.mode == "sparse":
             ops = BACKENDS.load(self.config.backend, x.device)
-            indices = self._select(ops, q_idx, k_idx, idx_weights, query_pos, documents)
+            indices = self._select(ops, q_idx, k_idx, idx_weights, query_pos, documents, ctx.tp)
             value = key[..., : self.config.kv_lora_rank]
-            if with_kl and ops.sparse_attention_with_indexer_kl is not None:
+            # the fused pass sees only this rank's heads: under tensor parallelism the loss is indexer_kl's
+            if with_kl and ops.sparse_attention_with_indexer_kl is not None and ctx.tp is None:
                 # one pass over the selected keys for both (the KL's target is the attention itself)
                 o, kl = ops.sparse_attention_with_indexer_kl(
                     q, key, value, indices, self.scale, q_idx, k_idx, idx_weights, self.config.query_chunk
@@ -224,11 +243,12 @@ class DeepSeekSparseAttention(nn.Module):
                 doc_start = document_starts(documents, key.shape[1], x.device)
                 kl = indexer_kl(
                     q_idx, k_idx, idx_weights, q, key, self.scale, query_pos, doc_start, indices,
-                    self.config.query_chunk,
+                    self.config.query_chunk, ctx.tp,
                 )
             # Divided by the global token count: the shares of context-parallel ranks and of sequence tiles add
-            # up to the one-rank mean.
+            # up to the one-rank mean. Tensor-parallel ranks each hold the whole KL and add 1/tp of it.
             tokens = b * (ctx.cp.seq_len if ctx.cp is not None else tile.seq_len if tile is not None else t)
+            tokens *= 1 if ctx.tp is None else ctx.tp.world_size
             # The trainer logs it as aux/dsa_indexer; a separate KL metric would repeat that number.
             ctx.add_loss("dsa_indexer", self.config.indexer_loss_coef * kl / tokens)
         # W_o concat_h(W_uv,h o_h) as one product with the folded blockdiag_h(W_uv,h) W_o^T: backward keeps only o
@@ -258,12 +278,15 @@ class DeepSeekSparseAttention(nn.Module):
         weights: Tensor,
         query_pos: Tensor,
         documents: Documents | None,
+        tp: TensorParallel | None,
     ) -> Tensor:
-        """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice)."""
+        """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice); under
+        tensor parallelism by the scores summed over every rank's indexer heads."""
         config = self.config
+        sum_scores = None if tp is None else (lambda part: collectives.all_reduce(part, tp.group))
         return ops.select_topk(
             q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos, config.query_chunk,
-            config.index_scores,
+            config.index_scores, sum_scores,
         )
 
     def _dense(
@@ -332,7 +355,7 @@ def _masked_tail(q: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
 
 
 def build(config: DSAConfig, dims: ModelDims, layer_idx: int) -> DeepSeekSparseAttention:
-    return DeepSeekSparseAttention(dims.d_model, config, dims.n_layers)
+    return DeepSeekSparseAttention(dims.d_model, config, dims.n_layers, dims.tp_size)
 
 
 def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:

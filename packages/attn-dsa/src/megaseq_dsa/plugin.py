@@ -15,8 +15,8 @@ def megaseq_attention() -> list[AttentionSpec]:
             target="megaseq_dsa.layer:build",
             config=DSAConfig,
             summary="DeepSeek Sparse Attention: MLA (MQA over one latent per token) attending to the lightning "
-            "indexer's top-k keys; dense warm-up and sparse training, packing, decoding, context parallelism",
+            "indexer's top-k keys; dense warm-up and sparse training, packing, decoding, context and tensor parallelism",
             memory="megaseq_dsa.layer:memory_estimate",
-            capabilities=frozenset({"context_parallel", "sequence_tiling"}),
+            capabilities=frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),
         )
     ]

@@ -10,9 +10,14 @@ import torch
 from torch import Tensor, nn
 
 import megaseq_dsa.ops
+from megaseq.contracts import TensorParallel
+from megaseq.documents import Documents
 from megaseq.records import ModelDims
 from megaseq.testing import build_component
 from megaseq.testing.attention import cp_rank_step
+from megaseq_dsa.backends import DSAOps
+from megaseq_dsa.config import DSAConfig
+from megaseq_dsa.layer import DeepSeekSparseAttention
 
 
 def build_layer(config: dict[str, Any], d_model: int, seed: int = 0) -> nn.Module:
@@ -49,3 +54,16 @@ def context_parallel_cases(
             result = cp_rank_step(build_layer(config, x.shape[-1]), x, grad_out, cu_seqlens, rank, world)
         results.append({**result, "selections": selections})
     return results
+
+
+class _RankLocalSelection(DeepSeekSparseAttention):
+    """A wrong tensor-parallel DSA: each rank selects keys by its own indexer heads' scores, never summed over
+    the ranks (tests/test_tensor_parallel.py shows that the conformance check catches it)."""
+
+    def _select(self, ops: DSAOps, q_idx: Tensor, k_idx: Tensor, weights: Tensor, query_pos: Tensor,
+                documents: Documents | None, tp: TensorParallel | None) -> Tensor:
+        return super()._select(ops, q_idx, k_idx, weights, query_pos, documents, None)
+
+
+def build_rank_local_selection(config: dict[str, Any], dims: ModelDims, layer_idx: int) -> nn.Module:
+    return _RankLocalSelection(dims.d_model, DSAConfig(**config), dims.n_layers, dims.tp_size)

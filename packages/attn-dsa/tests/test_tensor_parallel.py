@@ -1,0 +1,25 @@
+"""Tensor parallelism of the DSA layer: the check the conformance suite runs (test_conformance.py) catches a
+layer whose ranks select keys by their own indexer heads only, and heads that tp does not divide are refused
+when the layer is built, in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from megaseq.records import ModelDims
+from megaseq.testing import build_component
+from megaseq.testing.tensor_parallel import check_tensor_parallel
+
+CONFIG = {"n_heads": 4, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 4, "index_dim": 8,
+          "topk": 8}
+
+
+def test_the_check_catches_ranks_that_select_by_their_own_indexer_heads():
+    with pytest.raises(AssertionError, match="under tp=2 rank 0 output"):
+        check_tensor_parallel("attention", "dsa", CONFIG, factory="megaseq_dsa.testing:build_rank_local_selection")
+
+
+@pytest.mark.parametrize(("key", "value"), [("n_heads", 3), ("index_heads", 3)])
+def test_heads_that_tp_does_not_divide_are_refused(key, value):
+    with pytest.raises(ValueError, match=rf"^attention.dsa: {key} 3 is not a multiple of tp 2$"):
+        build_component("attention", "dsa", {**CONFIG, key: value}, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=2))
