@@ -55,11 +55,11 @@ batch_size = 4
     [
         (["--parallel", "dp=3"], "train.batch_size 4 is not a multiple of dp 3"),
         (["--parallel", "cp=3"], "data.seq_len 64 is not a multiple of 2 x cp = 6"),
-        (["--parallel", "dp=2,ep=3"], "ep 3 does not divide dp x cp = 2"),
+        (["--parallel", "dp=2,ep=3"], "ep x etp = 3 x 1 does not divide the 2 workers"),
         (["--parallel", "dp=2,ep=2"], "ep 2 > 1 but model.moe is not set"),
         (["--parallel", "dp=2", "--workers", "4"], "dp x cp x tp = 2 x 1 x 1 = 2 ranks, but --workers is 4"),
         (["--parallel", "xp=2"], "NAME one of dp, cp, ep, tp, etp"),
-        (["--parallel", "etp=2"], "etp is for planning (megaseq plan)"),
+        (["--parallel", "dp=2,etp=2"], "etp 2 > 1 but model.moe is not set"),
         (["--parallel", "tp=4"], "attention.sdpa: n_heads 2 is not a multiple of tp 4"),
         (["--parallel", "tp=3"], "data.seq_len 64 / cp 1 is not a multiple of tp 3"),
         (["--parallel", "dp=0"], "dp must be a positive integer"),

@@ -1,7 +1,8 @@
 """The ``chunked`` strategy passes core's MoE conformance suite, built through the installed entry point.
 
 Two configs: one whose widths suit ``grouped_mm`` (fp32 rows of 16-byte multiples), one with awkward widths
-(the per-expert loop), a SwiGLU clamp that is active at the suite's input scale, and two shared experts.
+(the per-expert loop), a SwiGLU clamp that is active at the suite's input scale, two shared experts and the
+balance loss (whose counts the tensor-parallel check needs summed over the ranks).
 """
 
 import torch
@@ -30,11 +31,12 @@ class TestChunkedLoopClampShared(ChunkedSuite):
     config = {
         "n_experts": 5,
         "top_k": 3,
-        "expert_hidden": 7,
+        "expert_hidden": 10,
         "n_shared_experts": 2,
         "shared_hidden": 5,
         "swiglu_limit": 0.5,
         "routed_scaling_factor": 2.5,
         "chunk_tokens": 4,
         "init_std": 0.3,
+        "aux_loss_coef": 0.1,
     }

@@ -179,6 +179,7 @@ def largest_chunk_sized_tensor(module: ChunkedMoE, n_tokens: int) -> int:
         (module(x, ForwardContext()) * torch.randn(1, n_tokens, D)).sum().backward()
     full_length = {(n_tokens, D), (1, n_tokens, D), (n_tokens, module.top_k), (n_tokens * module.top_k,)}
     params = {tuple(p.shape) for p in module.parameters()}
+    params |= {(*s[:2], s[2] * s[3]) for s in params if len(s) == 4}  # [E, d, 2, h] is multiplied as [E, d, 2h]
     params |= {(*s[:-2], s[-1], s[-2]) for s in params}  # weight gradients are also formed transposed
     return max(torch.Size(s).numel() for s in sizes.shapes if s not in full_length and s not in params)
 

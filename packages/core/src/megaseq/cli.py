@@ -117,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if isinstance(policies, list):
         overrides += memory_policy_override(args.memory_policy)
     recipe = load_recipe(args.recipe, plugins, overrides)
-    # the recipe's [parallel] layout, with --parallel's dimensions (also tp and etp, for planning) on top
+    # the recipe's [parallel] layout, with --parallel's dimensions on top
     layout = Layout.parse(args.parallel, base=Layout.of(recipe))
     machine = Machine.detect(device_type(recipe.run.device), args.device_mem, args.host_mem)
     seq_len = None if args.seq_len is None else seq_len_argument(args.seq_len)
@@ -303,8 +303,9 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
     t.add_argument("--out", metavar="DIR", help="the run directory (as --set run.out_dir=DIR; default runs/{run.name})")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--parallel", metavar="dp=N,cp=N,ep=N", help="process layout (overrides the recipe's [parallel]): "
-                   "dp x cp workers; ep (dividing dp x cp) shares each MoE layer's experts")
+    t.add_argument("--parallel", metavar="dp=N,cp=N,tp=N,ep=N,etp=N", help="process layout (overrides the recipe's "
+                   "[parallel]): dp x cp x tp workers; ep x etp of them (dividing the workers) share each MoE layer's "
+                   "experts, etp splitting each expert's hidden width")
     t.add_argument("--workers", type=int, metavar="N", help="start N workers with Ray Train (alone: dp=N)")
     t.add_argument("--address", metavar="HOST:PORT", help="run the workers on this existing Ray cluster")
     t.add_argument("--max-failures", type=int, default=2, metavar="K",
@@ -324,8 +325,8 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
                         "propose the cheapest set that fits.")
     mp.add_argument("recipe", help="path to a TOML recipe")
     mp.add_argument("--seq-len", metavar="N", help="tokens per sequence, read as --set data.seq_len=N is (default: the recipe's)")
-    mp.add_argument("--parallel", metavar="dp=..,cp=..,ep=..,tp=..",
-                    help="ranks per dimension, over the recipe's [parallel] (also tp and etp, planned only)")
+    mp.add_argument("--parallel", metavar="dp=..,cp=..,ep=..,tp=..,etp=..",
+                    help="ranks per dimension, over the recipe's [parallel]")
     mp.add_argument("--device-mem", type=float, metavar="GiB", help="memory per device (default: this machine's RAM or GPU)")
     mp.add_argument("--host-mem", type=float, metavar="GiB", help="host memory per device for offloading (default: unlimited)")
     mp.add_argument("--memory-policy", default="auto", metavar="auto|none|NAMES",

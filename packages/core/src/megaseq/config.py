@@ -168,13 +168,14 @@ class EvalConfig(Section):
 
 
 class ParallelConfig(Section):
-    """The process layout (``megaseq.distributed.layout``): workers = dp x cp x tp; ep divides dp x cp."""
+    """The process layout (``megaseq.distributed.layout``): workers = dp x cp x tp; ep x etp divides the workers."""
 
     dp: int = Field(1, ge=1, description="data-parallel replicas, each reading its share of train.batch_size")
     cp: int = Field(1, ge=1, description="context-parallel ranks sharing each window (zig-zag shards)")
     ep: int = Field(1, ge=1, description="expert-parallel ranks sharing each MoE layer's experts")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks splitting heads, hidden widths and the vocabulary "
                     "(with sequence parallelism between those regions)")
+    etp: int = Field(1, ge=1, description="expert-tensor-parallel ranks splitting each routed expert's hidden width")
 
 
 class Recipe(Section):

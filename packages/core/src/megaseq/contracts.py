@@ -140,6 +140,8 @@ class ForwardContext:
     ``routing``: MoE routing record/replay, or ``None``.
     ``ep_group``: the expert-parallel process group (experts sharded as ``ModelDims.ep_rank/ep_size``), or ``None``.
     ``tp``: the tensor-parallel group (:class:`TensorParallel`: inputs are this rank's sequence chunk), or ``None``.
+    ``etp_group``: the expert-tensor-parallel group (each routed expert's hidden width split as
+    ``ModelDims.etp_rank/etp_size``; its ranks hold the same experts), or ``None``.
     ``losses``: auxiliary losses (already weighted) that the trainer adds to the LM loss and logs by name.
     ``metrics``: scalars a component wants logged for this step (``log``); ``metric_counts``: how many values
     each holds the mean of.
@@ -156,6 +158,7 @@ class ForwardContext:
     routing: RoutingReplay | None = None
     ep_group: Any | None = None
     tp: TensorParallel | None = None
+    etp_group: Any | None = None
     losses: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     metric_counts: dict[str, int] = field(default_factory=dict)

@@ -102,6 +102,8 @@ class ModelDims:
     builds only its local experts (the group itself arrives in ``ForwardContext.ep_group``).
     ``tp_rank`` / ``tp_size``: this process's place in the tensor-parallel group, so a component that
     supports tensor parallelism builds only its block of heads or hidden width (``ForwardContext.tp``).
+    ``etp_rank`` / ``etp_size``: this process's place in the expert-tensor-parallel group, so an MoE
+    component builds only its block of each routed expert's hidden width (``ForwardContext.etp_group``).
     """
 
     d_model: int
@@ -111,6 +113,8 @@ class ModelDims:
     ep_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
 
 
 def load_target(target: str) -> Any:
@@ -134,8 +138,9 @@ def load_target(target: str) -> Any:
 #                     ``MemoryEstimate.tiling``
 #   expert_parallel   moe: builds only its ``ModelDims.ep_rank`` share of the experts, stacked along one
 #                     dimension of each expert tensor
-#   tensor_parallel   attention, ffn, moe: builds its ``ModelDims.tp_rank`` block of heads or hidden width and
-#                     runs on its sequence chunk (``ctx.tp``, ``megaseq.contracts.TensorParallel``)
+#   tensor_parallel   attention, ffn, moe: builds its ``ModelDims.tp_rank`` block of heads or hidden width (an
+#                     moe: its ``ModelDims.etp_rank`` block of each expert's) and runs on its sequence chunk
+#                     (``ctx.tp``, ``megaseq.contracts.TensorParallel``)
 #   pool_sizing       memory policy: has a ``pool_bytes`` option that the planner sets to the bytes it moves
 CAPABILITIES: dict[str, frozenset[str]] = {
     "attention": frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),

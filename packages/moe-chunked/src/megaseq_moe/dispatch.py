@@ -5,6 +5,12 @@ sorted by expert id (stable), which also sorts them by destination rank; each ra
 ordered by (source rank, local expert) and regroups them by local expert with one more stable sort, so the
 experts see contiguous row blocks. Nothing is sized in advance: however skewed the routing, every pair is
 sent (the receive buffer of a chunk is at most ``ranks * n * k`` rows).
+
+Under expert tensor parallelism the ranks of an expert-tensor-parallel group hold the same experts, each a
+block of their hidden width (megatron-core's layout). After the dispatch, :class:`TensorGather` gives every
+rank of the group the rows all of them received (an all-gather), each computes its block's partial outputs
+for all those rows, and the partial outputs of each row are summed on the rank that received it (a
+reduce-scatter); the exchange with the origin ranks is unchanged.
 """
 
 from __future__ import annotations
@@ -13,8 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from megaseq.dtypes import compute_dtype
+from megaseq.parallel import collectives
 from megaseq_moe.ep import exchange_counts, exchange_rows, group_size
 
 
@@ -68,5 +77,43 @@ def plan_dispatch(indices: Tensor, n_experts: int, group: Any | None) -> Dispatc
         recv_counts=received.sum(1).tolist(),
         grouping=torch.argsort(row_expert, stable=True),
         expert_counts=received.sum(0),
+        group=group,
+    )
+
+
+@dataclass(frozen=True)
+class TensorGather:
+    """Rows grouped by local expert, shared over an expert-tensor-parallel group (module docstring).
+
+    ``sizes``: rows of each rank of the group; ``grouping``: permutation that groups the gathered rows (in
+    rank order) by local expert; ``expert_counts``: gathered rows per local expert."""
+
+    sizes: list[int]
+    grouping: Tensor
+    expert_counts: Tensor
+    group: Any
+
+    def gather(self, rows: Tensor) -> Tensor:
+        """This rank's rows -> the rows of every rank of the group, grouped by local expert."""
+        n, mine = len(self.sizes), rows.shape[0]
+        return exchange_rows(rows.repeat(n, 1), [mine] * n, self.sizes, self.group)[self.grouping]
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """Partial outputs of the gathered rows (same order) -> this rank's rows, summed over the group."""
+        n, mine = len(self.sizes), self.sizes[dist.get_rank(self.group)]
+        by_rank = torch.empty_like(partial)
+        by_rank[self.grouping] = partial
+        back = exchange_rows(by_rank, self.sizes, [mine] * n, self.group)
+        return back.view(n, mine, -1).to(compute_dtype(partial.dtype)).sum(0).to(partial.dtype)
+
+
+def plan_tensor_gather(expert_counts: Tensor, group: Any) -> TensorGather:
+    """Plan :class:`TensorGather` for this rank's received rows, ``expert_counts[e]`` of them for local expert e."""
+    every = collectives.all_gather_tensor(expert_counts, group)
+    row_expert = torch.cat([torch.arange(len(c), device=c.device).repeat_interleave(c) for c in every])
+    return TensorGather(
+        sizes=[int(c.sum()) for c in every],
+        grouping=torch.argsort(row_expert, stable=True),
+        expert_counts=torch.stack(every).sum(0),
         group=group,
     )

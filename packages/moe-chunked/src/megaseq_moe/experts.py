@@ -49,25 +49,26 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, use_grouped_mm: bo
 
 
 class GroupedExperts(nn.Module):
-    """This rank's routed experts: ``w_gate_up [E_local, d, 2h]`` and ``w_down [E_local, h, d]``."""
+    """This rank's routed experts: ``w_gate_up [E_local, d, 2, h]`` (the gate projection, then the up one) and
+    ``w_down [E_local, h, d]``. The hidden width has a dimension of its own in each tensor, so that under expert
+    tensor parallelism a rank's block of it (``h = expert_hidden / etp``) is one contiguous block of each."""
 
     def __init__(self, n_local: int, d_model: int, hidden: int, limit: float | None, init_std: float) -> None:
         super().__init__()
         self.limit = limit
-        self.w_gate_up = nn.Parameter(torch.randn(n_local, d_model, 2 * hidden) * init_std)
+        self.w_gate_up = nn.Parameter(torch.randn(n_local, d_model, 2, hidden) * init_std)
         self.w_down = nn.Parameter(torch.randn(n_local, hidden, d_model) * init_std)
 
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
         """Rows grouped by local expert (``counts[e]`` rows for expert e) -> expert outputs, same order."""
-        use_grouped_mm = grouped_mm_supported(rows, self.w_gate_up) and grouped_mm_supported(
-            rows, self.w_down
-        )
-        hidden = swiglu(grouped_linear(rows, self.w_gate_up, counts, use_grouped_mm), self.limit)
+        gate_up = self.w_gate_up.flatten(2)  # [E, d, gate | up]: one product for both
+        use_grouped_mm = grouped_mm_supported(rows, gate_up) and grouped_mm_supported(rows, self.w_down)
+        hidden = swiglu(grouped_linear(rows, gate_up, counts, use_grouped_mm), self.limit)
         return grouped_linear(hidden, self.w_down, counts, use_grouped_mm)
 
     def one(self, local: int, x: Tensor) -> Tensor:
         """Expert ``local`` applied to each row of ``x``: the definition the grouped path must match."""
-        return swiglu(x @ self.w_gate_up[local], self.limit) @ self.w_down[local]
+        return swiglu(x @ self.w_gate_up[local].flatten(1), self.limit) @ self.w_down[local]
 
 
 class SharedExpert(nn.Module):

@@ -5,7 +5,7 @@ Kimi-Linear's MoE layers (``block_sparse_moe``): a sigmoid router ``gate.weight`
 ``routed_scaling_factor`` (megaseq's router, with the bias in ``router.expert_bias``); routed experts
 ``experts.{j}.w1`` (gate), ``w3`` (up), ``w2`` (down); one fused shared expert ``shared_experts.gate_proj``,
 ``up_proj``, ``down_proj`` of width ``moe_intermediate_size * num_shared_experts``. megaseq stores every
-routed expert in one ``[E, d, 2h]`` / ``[E, h, d]`` pair (inputs on the left): import transposes and stacks,
+routed expert in one ``[E, d, 2, h]`` / ``[E, h, d]`` pair (inputs on the left): import transposes and stacks,
 export splits. Refused: another router activation, no renormalisation, grouped top-k with more than one group.
 """
 
@@ -67,7 +67,7 @@ class ChunkedMoEMapping:
         gate_up, down = [], []
         for j in range(e):
             gate, up = (tensors.take(f"experts.{j}.{w}.weight", (h, d)) for w in ("w1", "w3"))
-            gate_up.append(torch.cat([gate.t(), up.t()], 1))
+            gate_up.append(torch.stack([gate.t(), up.t()], 1))
             down.append(tensors.take(f"experts.{j}.w2.weight", (d, h)).t())
         state["experts.w_gate_up"], state["experts.w_down"] = torch.stack(gate_up), torch.stack(down)
         if config.shared_width:
@@ -80,7 +80,7 @@ class ChunkedMoEMapping:
         _check_layout(layout)
         out = {"gate.weight": state["router.weight"], "gate.e_score_correction_bias": state["router.expert_bias"]}
         for j, (gate_up, down) in enumerate(zip(state["experts.w_gate_up"], state["experts.w_down"], strict=True)):
-            gate, up = gate_up.chunk(2, 1)
+            gate, up = gate_up.unbind(1)
             out.update({f"experts.{j}.w1.weight": gate.t(), f"experts.{j}.w3.weight": up.t(), f"experts.{j}.w2.weight": down.t()})
         if "shared.w_gate_up" in state:
             gate, up = state["shared.w_gate_up"].chunk(2, 1)

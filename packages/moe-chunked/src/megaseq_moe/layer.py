@@ -12,6 +12,13 @@ weights and the row, and returns ``[dL/dx_row | <dL/dy, h>]``, the latter being 
 shared expert are differentiated locally. So autograd keeps only the layer input and the indices between
 forward and backward, and the peak of both passes is bounded by the chunk (times the number of
 expert-parallel ranks under the worst skew), not by the sequence. The price is one recomputed forward.
+
+Tensor parallelism (megatron-core's layout, with sequence parallelism): each rank routes the tokens of its
+sequence chunk, with the router and shared expert whole on every rank. The routed experts are split by
+expert tensor parallelism (``ModelDims.etp_size``, ``ctx.etp_group``): each rank of an expert-tensor-parallel
+group holds a block of every local expert's hidden width and runs it on the rows the whole group received
+(``megaseq_moe.dispatch.TensorGather``); with ``etp = 1`` every rank holds its experts whole. The balance
+loss counts each sequence over the context- and tensor-parallel ranks that hold its tokens.
 """
 
 from __future__ import annotations
@@ -26,10 +33,10 @@ from torch import Tensor, nn
 from megaseq.contracts import ForwardContext, iter_modules
 from megaseq.documents import as_documents
 from megaseq.dtypes import compute_dtype
-from megaseq.parallel import collectives
+from megaseq.parallel import collectives, tp_chunk
 from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_moe.config import ChunkedMoEConfig
-from megaseq_moe.dispatch import plan_dispatch
+from megaseq_moe.dispatch import plan_dispatch, plan_tensor_gather
 from megaseq_moe.ep import agree_max, group_size, sum_over
 from megaseq_moe.experts import GroupedExperts, SharedExpert
 from megaseq_moe.router import Router
@@ -50,12 +57,13 @@ class ChunkedMoE(nn.Module):
         self.aux_loss_coef = config.aux_loss_coef
         self.routing_key = f"layer{layer_idx}"
         self.ep_rank, self.ep_size = dims.ep_rank, dims.ep_size
+        self.etp_rank, self.etp_size = dims.etp_rank, dims.etp_size
         self.n_local = config.n_experts // dims.ep_size
         self.first_expert = dims.ep_rank * self.n_local
         d = dims.d_model
         self.router = Router(d, config.n_experts, config.top_k, config.routed_scaling_factor, config.init_std)
         self.experts = GroupedExperts(
-            self.n_local, d, config.expert_hidden, config.swiglu_limit, config.init_std
+            self.n_local, d, config.expert_hidden // dims.etp_size, config.swiglu_limit, config.init_std
         )
         self.shared = (
             SharedExpert(d, config.shared_width, config.swiglu_limit, config.init_std)
@@ -101,7 +109,7 @@ class ChunkedMoE(nn.Module):
     def _forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         batch, length, d = x.shape
         tokens = x.reshape(-1, d)
-        group = self._ep_group(ctx)
+        group, etp_group = self._ep_group(ctx), self._etp_group(ctx)
         indices = self._select(tokens)
         if ctx.routing is not None:
             indices = ctx.routing.route(self.routing_key, indices)
@@ -111,11 +119,11 @@ class ChunkedMoE(nn.Module):
         with_aux = self.training and self.aux_loss_coef > 0
         segments, n_segments = self._segments(batch, length, ctx, x.device) if with_aux else (None, 0)
         out, affinity_sums = _ChunkedMoEFunction.apply(
-            self, tokens, indices, segments, n_segments, group, *self._params()
+            self, tokens, indices, segments, n_segments, group, etp_group, *self._params()
         )
         if with_aux:
-            cp_group = ctx.cp.group if ctx.cp is not None else None
-            ctx.add_loss(AUX_LOSS_NAME, self._aux_loss(indices, segments, n_segments, affinity_sums, cp_group))
+            sharing = [part.group for part in (ctx.cp, ctx.tp) if part is not None]  # ranks holding a sequence's tokens
+            ctx.add_loss(AUX_LOSS_NAME, self._aux_loss(indices, segments, n_segments, affinity_sums, sharing))
         return out.view(batch, length, d)
 
     def _params(self) -> list[nn.Parameter]:
@@ -138,6 +146,21 @@ class ChunkedMoE(nn.Module):
             )
         return ctx.ep_group
 
+    def _etp_group(self, ctx: ForwardContext) -> Any | None:
+        size = group_size(ctx.etp_group)
+        if size != self.etp_size:
+            raise ValueError(
+                f"{self.routing_key}: built for {self.etp_size} expert-tensor-parallel ranks, ctx.etp_group has {size}"
+            )
+        if size == 1:
+            return None
+        if dist.get_rank(ctx.etp_group) != self.etp_rank:
+            raise ValueError(
+                f"{self.routing_key}: built as expert-tensor-parallel rank {self.etp_rank}, "
+                f"running as rank {dist.get_rank(ctx.etp_group)} of ctx.etp_group"
+            )
+        return ctx.etp_group
+
     def _chunk_size(self, n_tokens: int) -> int:
         return self.chunk_tokens or max(1, n_tokens)
 
@@ -147,10 +170,14 @@ class ChunkedMoE(nn.Module):
         chunks = tokens.split(self._chunk_size(tokens.shape[0]))
         return torch.cat([self.router.select(self.router.affinities(c)) for c in chunks])
 
-    def _chunk_bounds(self, n_tokens: int, group: Any | None, device: torch.device) -> list[tuple[int, int]]:
-        """``[start, end)`` of each chunk; every rank of the group runs the same number (some maybe empty)."""
+    def _chunk_bounds(
+        self, n_tokens: int, group: Any | None, etp_group: Any | None, device: torch.device
+    ) -> list[tuple[int, int]]:
+        """``[start, end)`` of each chunk; every rank of the expert-parallel and expert-tensor-parallel groups runs
+        the same number (some maybe empty): the largest over the first, then over the second, is the largest over
+        every rank they connect."""
         size = self._chunk_size(n_tokens)
-        n_chunks = agree_max(math.ceil(n_tokens / size), group, device)
+        n_chunks = agree_max(agree_max(math.ceil(n_tokens / size), group, device), etp_group, device)
         return [(min(i * size, n_tokens), min((i + 1) * size, n_tokens)) for i in range(n_chunks)]
 
     def _segments(
@@ -159,21 +186,25 @@ class ChunkedMoE(nn.Module):
         """Sequence id of each token for the balance loss: the document under packing, else the batch row."""
         if ctx.documents is None:
             return torch.arange(batch, device=device).repeat_interleave(length), batch
-        total = ctx.cp.seq_len if ctx.cp is not None else length
+        # the tokens here: the tensor-parallel chunk of the context-parallel shard of the whole sequence
+        shard = length * (ctx.tp.world_size if ctx.tp is not None else 1)
+        total = ctx.cp.seq_len if ctx.cp is not None else shard
         documents = as_documents(ctx.documents, batch=batch, length=total, who=f"moe {self.routing_key}: cu_seqlens")
         doc_ids = documents.doc_ids(device)
-        return (doc_ids if ctx.cp is None else doc_ids[ctx.cp.positions(device)]), documents.n_docs
+        if ctx.cp is not None:
+            doc_ids = doc_ids[ctx.cp.positions(device)]
+        return (doc_ids if ctx.tp is None else tp_chunk(doc_ids, ctx.tp, dim=0)), documents.n_docs
 
     def _aux_loss(
-        self, indices: Tensor, segments: Tensor, n_segments: int, affinity_sums: Tensor, cp_group: Any | None
+        self, indices: Tensor, segments: Tensor, n_segments: int, affinity_sums: Tensor, sharing: list[Any]
     ) -> Tensor:
         """Sequence-level balance loss (DeepSeek-V3): ``coef * mean_s sum_e f_se P_se``, ``f_se`` = E/(k T_s)
         times the assignments of sequence s to expert e, ``P_se`` its mean normalised affinity.
 
-        Under context parallelism a sequence is spread over the ranks: the counts (``f``, ``T_s``, no gradient)
-        are summed over the group, and each rank multiplies them with its own affinity sums, so the ranks'
-        losses are shares that add up to the single-rank loss (the contract for auxiliary losses) and each
-        rank's gradient is its tokens' part of it."""
+        Under context or tensor parallelism a sequence is spread over the ranks (the groups in ``sharing``): the
+        counts (``f``, ``T_s``, no gradient) are summed over them, and each rank multiplies them with its own
+        affinity sums, so the ranks' losses are shares that add up to the single-rank loss (the contract for
+        auxiliary losses) and each rank's gradient is its tokens' part of it."""
         e, k = self.n_experts, self.top_k
         counts = torch.zeros(n_segments * e, device=indices.device)
         counts.index_add_(
@@ -182,7 +213,8 @@ class ChunkedMoE(nn.Module):
             torch.ones(indices.numel(), device=indices.device),
         )
         tokens = torch.bincount(segments, minlength=n_segments).float()
-        counts, tokens = sum_over(counts, cp_group), sum_over(tokens, cp_group)
+        for group in sharing:
+            counts, tokens = sum_over(counts, group), sum_over(tokens, group)
         present = tokens > 0
         per_token = tokens.clamp_min(1)[:, None]
         f = counts.view(n_segments, e) * e / (k * per_token)
@@ -202,11 +234,18 @@ class ChunkedMoE(nn.Module):
         return weights, self.shared_forward(x), sums
 
     def chunk_forward(
-        self, x: Tensor, indices: Tensor, segments: Tensor | None, n_segments: int, group: Any | None
+        self, x: Tensor, indices: Tensor, segments: Tensor | None, n_segments: int, group: Any | None,
+        etp_group: Any | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         weights, out, sums = self._local_part(x, indices, segments, n_segments)
         plan = plan_dispatch(indices, self.n_experts, group)
-        h = plan.send_back(self.experts(plan.send(x[plan.tokens]), plan.expert_counts))
+        rows = plan.send(x[plan.tokens])
+        if etp_group is None:
+            h = self.experts(rows, plan.expert_counts)
+        else:  # this rank's block of the hidden width on the group's rows, summed back over the group
+            shared = plan_tensor_gather(plan.expert_counts, etp_group)
+            h = shared.reduce(self.experts(shared.gather(rows), shared.expert_counts))
+        h = plan.send_back(h)
         acc = compute_dtype(x.dtype)
         combined = out.to(acc).index_add(
             0, plan.tokens, h.to(acc) * weights.to(acc).reshape(-1)[plan.order, None]
@@ -222,8 +261,13 @@ class ChunkedMoE(nn.Module):
         group: Any | None,
         grad_out: Tensor,
         grad_sums: Tensor | None,
+        etp_group: Any | None = None,
     ) -> tuple[Tensor, list[Tensor | None]]:
-        """Recompute one chunk; return the chunk's ``dL/dx`` and its share of each ``_params()`` gradient."""
+        """Recompute one chunk; return the chunk's ``dL/dx`` and its share of each ``_params()`` gradient.
+
+        Under expert tensor parallelism the received payloads are shared over the group: each rank's expert
+        block gets the gradient of every row the group received, and a row's ``dL/dx`` and ``<dL/dy, h>`` are
+        sums over the blocks (``h`` is), so the partial ones are summed back on the row's rank."""
         d = x.shape[1]
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
@@ -231,15 +275,20 @@ class ChunkedMoE(nn.Module):
         plan = plan_dispatch(indices, self.n_experts, group)
         pair_weights = weights.detach().reshape(-1)[plan.order, None].to(x.dtype)
         received = plan.send(torch.cat([x.detach()[plan.tokens], grad_out[plan.tokens], pair_weights], dim=1))
+        counts, shared = plan.expert_counts, None
+        if etp_group is not None:
+            shared = plan_tensor_gather(plan.expert_counts, etp_group)
+            received, counts = shared.gather(received), shared.expert_counts
         rows = received[:, :d].contiguous().requires_grad_(True)
         grad_h = received[:, d : 2 * d]
         with torch.enable_grad():
-            h = self.experts(rows, plan.expert_counts)
+            h = self.experts(rows, counts)
         expert_weights = [self.experts.w_gate_up, self.experts.w_down]
         grad_rows, *expert_grads = _grads([h], [grad_h * received[:, 2 * d :]], [rows, *expert_weights])
         acc = compute_dtype(x.dtype)
         grad_pair_weights = (grad_h.to(acc) * h.detach().to(acc)).sum(-1, keepdim=True)
-        back = plan.send_back(torch.cat([_or_zeros(grad_rows, rows), grad_pair_weights.to(x.dtype)], dim=1))
+        answer = torch.cat([_or_zeros(grad_rows, rows), grad_pair_weights.to(x.dtype)], dim=1)
+        back = plan.send_back(answer if shared is None else shared.reduce(answer))
         grad_x = torch.zeros(x.shape, dtype=acc, device=x.device).index_add_(
             0, plan.tokens, back[:, :d].to(acc)
         )
@@ -269,17 +318,18 @@ class _ChunkedMoEFunction(torch.autograd.Function):
         segments: Tensor | None,
         n_segments: int,
         group: Any | None,
+        etp_group: Any | None,
         *params: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        bounds = layer._chunk_bounds(x.shape[0], group, x.device)
+        bounds = layer._chunk_bounds(x.shape[0], group, etp_group, x.device)
         out = torch.empty_like(x)
         sums = torch.zeros(n_segments, layer.n_experts, dtype=compute_dtype(x.dtype), device=x.device)
         for a, b in bounds:
             seg = segments[a:b] if segments is not None else None
-            out[a:b], chunk_sums = layer.chunk_forward(x[a:b], indices[a:b], seg, n_segments, group)
+            out[a:b], chunk_sums = layer.chunk_forward(x[a:b], indices[a:b], seg, n_segments, group, etp_group)
             if chunk_sums is not None:
                 sums += chunk_sums
-        ctx.layer, ctx.group, ctx.n_segments, ctx.bounds = layer, group, n_segments, bounds
+        ctx.layer, ctx.group, ctx.etp_group, ctx.n_segments, ctx.bounds = layer, group, etp_group, n_segments, bounds
         ctx.save_for_backward(x, indices, segments)
         return out, sums
 
@@ -298,7 +348,7 @@ class _ChunkedMoEFunction(torch.autograd.Function):
             seg = segments[a:b] if segments is not None else None
             grad_sums_arg = grad_sums if ctx.n_segments else None
             grad_x[a:b], chunk_grads = layer.chunk_backward(
-                x[a:b], indices[a:b], seg, ctx.n_segments, ctx.group, grad_out[a:b], grad_sums_arg
+                x[a:b], indices[a:b], seg, ctx.n_segments, ctx.group, grad_out[a:b], grad_sums_arg, ctx.etp_group
             )
             for total, g in zip(grad_params, chunk_grads, strict=True):
                 if g is not None:
@@ -306,6 +356,7 @@ class _ChunkedMoEFunction(torch.autograd.Function):
         return (
             None,
             grad_x,
+            None,
             None,
             None,
             None,
@@ -387,17 +438,20 @@ def build(config: ChunkedMoEConfig, dims: ModelDims, layer_idx: int) -> ChunkedM
 def check_expert_split(config: ChunkedMoEConfig, dims: ModelDims) -> None:
     if config.n_experts % dims.ep_size:
         raise ValueError(f"n_experts ({config.n_experts}) must be a multiple of the expert-parallel size ({dims.ep_size})")
+    if config.expert_hidden % dims.etp_size:
+        raise ValueError(f"moe.chunked: expert_hidden {config.expert_hidden} is not a multiple of etp {dims.etp_size}")
 
 
 def memory_estimate(config: ChunkedMoEConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
     """Bytes for one layer in fp32. ``temporary`` is the peak inside one chunk's backward (the larger pass),
-    sized for the worst skew: every expert-parallel rank sends its whole chunk to this rank."""
+    sized for the worst skew: every expert-parallel rank sends its whole chunk to this rank (and under expert
+    tensor parallelism, to each rank of its group)."""
     check_expert_split(config, dims)
-    d, h, hs, e, k = dims.d_model, config.expert_hidden, config.shared_width, config.n_experts, config.top_k
+    d, h, hs, e, k = dims.d_model, config.expert_hidden // dims.etp_size, config.shared_width, config.n_experts, config.top_k
     n_local = e // dims.ep_size
     parameters = 4 * (n_local * 3 * d * h + e * d + 3 * d * hs + e)
     chunk = min(seq_len, config.chunk_tokens or seq_len)
-    rows = chunk * k * dims.ep_size
+    rows = chunk * k * dims.ep_size * dims.etp_size
     # per received row: the [x | dy | w] payload, the row, the recomputed expert (gate_up, silu, act, h) and
     # its gradients; per token: affinities and the shared expert's graph; plus the weight gradients twice
     # (the fp32 accumulators and one chunk's share). Compared with measured peaks in benchmarks/bench_moe.py.

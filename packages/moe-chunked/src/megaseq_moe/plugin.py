@@ -25,9 +25,9 @@ def megaseq_moe() -> list[MoESpec]:
             name="chunked",
             target="megaseq_moe.layer:build",
             config=ChunkedMoEConfig,
-            summary="dropless sigmoid-routed SwiGLU experts, processed in token chunks, expert-parallel",
+            summary="dropless sigmoid-routed SwiGLU experts, processed in token chunks, expert- and tensor-parallel",
             memory="megaseq_moe.layer:memory_estimate",
-            capabilities=frozenset({"expert_parallel"}),
+            capabilities=frozenset({"expert_parallel", "tensor_parallel"}),
             mapping="megaseq_moe.hf:MAPPING",
         )
     ]

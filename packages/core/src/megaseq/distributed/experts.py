@@ -9,7 +9,9 @@ expert-sharded along that dimension; EP rank ``r`` holds its ``r``-th block. Eve
 same on every rank.
 
 Tensor parallelism is found the same way: a component built with ``ModelDims(tp_rank=r, tp_size=n)`` holds
-the ``r``-th contiguous block of each split tensor along one dimension (``megaseq.contracts.TensorParallel``).
+the ``r``-th contiguous block of each split tensor along one dimension (``megaseq.contracts.TensorParallel``),
+and so is expert tensor parallelism (``ModelDims(etp_rank=r, etp_size=n)``: a block of each routed expert's
+hidden width, along another dimension of the expert tensors than the experts' own).
 
 The same split serves three purposes: giving every layout the same initial weights (initialise the full
 model, keep the local block), checkpoints (each EP rank writes its block) and resuming under another
@@ -30,25 +32,26 @@ from megaseq.plugins import Plugins
 from megaseq.records import ModelDims
 
 
-def model_dims(recipe: Recipe, ep_rank: int = 0, ep_size: int = 1, tp_rank: int = 0, tp_size: int = 1) -> ModelDims:
+def model_dims(recipe: Recipe, ep_rank: int = 0, ep_size: int = 1, tp_rank: int = 0, tp_size: int = 1,
+               etp_rank: int = 0, etp_size: int = 1) -> ModelDims:
     m = recipe.model
     return ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size, ep_rank=ep_rank, ep_size=ep_size,
-                     tp_rank=tp_rank, tp_size=tp_size)
+                     tp_rank=tp_rank, tp_size=tp_size, etp_rank=etp_rank, etp_size=etp_size)
 
 
-def build_on_meta(recipe: Recipe, plugins: Plugins, ep_size: int, tp_size: int = 1) -> LanguageModel:
-    """The model as rank 0 of ``ep_size`` (and of ``tp_size``) builds it, without memory; a component's refusal
-    is a one-line error."""
+def build_on_meta(recipe: Recipe, plugins: Plugins, ep_size: int, tp_size: int = 1, etp_size: int = 1) -> LanguageModel:
+    """The model as rank 0 of ``ep_size`` (and of ``tp_size``, ``etp_size``) builds it, without memory; a
+    component's refusal is a one-line error."""
     try:
         with torch.device("meta"):
-            return build_model(recipe, plugins, model_dims(recipe, 0, ep_size, 0, tp_size))
+            return build_model(recipe, plugins, model_dims(recipe, 0, ep_size, 0, tp_size, 0, etp_size))
     except ValueError as exc:
-        where = f"ep={ep_size}" + (f",tp={tp_size}" if tp_size > 1 else "")
+        where = f"ep={ep_size}" + (f",tp={tp_size}" if tp_size > 1 else "") + (f",etp={etp_size}" if etp_size > 1 else "")
         raise UserError(f"{recipe.source}: parallel {where}: {exc}") from None
 
 
 def split_dims(full: Mapping[str, Tensor], local: Mapping[str, Tensor], n: int, what: str = "ep") -> dict[str, int]:
-    """``{name: dim}`` of the tensors of ``local`` (one of ``n`` ranks of ``what``, ep or tp) that hold a block
+    """``{name: dim}`` of the tensors of ``local`` (one of ``n`` ranks of ``what``: ep, etp or tp) that hold a block
     of ``full``."""
     out: dict[str, int] = {}
     for name, tensor in local.items():
@@ -61,8 +64,9 @@ def split_dims(full: Mapping[str, Tensor], local: Mapping[str, Tensor], n: int, 
             # tensor parallelism may pad a length that tp does not divide (the vocabulary): blocks of ceil(length / n)
             is_block = part == -(-length // n) if what == "tp" else part * n == length
         if len(differing) != 1 or not is_block:
-            rule = ("an expert-parallel component must stack its local experts along one dimension" if what == "ep"
-                    else "a tensor-parallel component must split each tensor along one dimension")
+            rule = {"ep": "an expert-parallel component must stack its local experts along one dimension",
+                    "etp": "an expert-tensor-parallel component must split each expert tensor's hidden width along one dimension",
+                    }.get(what, "a tensor-parallel component must split each tensor along one dimension")
             raise ValueError(
                 f"{name}: shape {tuple(tensor.shape)} under {what}={n} is not one 1/{n} block of {tuple(whole.shape)}; {rule}"
             )
@@ -89,6 +93,14 @@ def layout_tp_dims(recipe: Recipe, plugins: Plugins, tp_size: int) -> dict[str, 
         return {}
     full = build_on_meta(recipe, plugins, 1).state_dict()
     return split_dims(full, build_on_meta(recipe, plugins, 1, tp_size).state_dict(), tp_size, "tp")
+
+
+def layout_etp_dims(recipe: Recipe, plugins: Plugins, etp_size: int) -> dict[str, int]:
+    """``{name: dim}`` of the expert tensors expert tensor parallelism over ``etp_size`` ranks splits (empty for 1)."""
+    if etp_size == 1:
+        return {}
+    full = build_on_meta(recipe, plugins, 1).state_dict()
+    return split_dims(full, build_on_meta(recipe, plugins, 1, 1, etp_size).state_dict(), etp_size, "etp")
 
 
 def block(t: Tensor, dim: int, rank: int, size: int) -> Tensor:
@@ -134,21 +146,27 @@ def split_lengths(recipe: Recipe, plugins: Plugins, dims: Mapping[str, int]) -> 
 
 
 def build_layout_model(
-    recipe: Recipe, plugins: Plugins, ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1
+    recipe: Recipe, plugins: Plugins, ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1,
+    etp_rank: int = 0, etp_size: int = 1,
 ) -> LanguageModel:
-    """The local model of EP rank ``ep_rank`` and TP rank ``tp_rank`` with the initial weights of the
-    single-rank model.
+    """The local model of EP rank ``ep_rank``, TP rank ``tp_rank`` and ETP rank ``etp_rank`` with the initial
+    weights of the single-rank model.
 
     Under expert or tensor parallelism the full model is initialised (so every layout starts from the same
     weights and leaves the random generators where a single-rank run leaves them) and the local blocks are kept.
     """
-    if ep_size == 1 and tp_size == 1:
+    if ep_size == 1 and tp_size == 1 and etp_size == 1:
         return build_model(recipe, plugins)
     with torch.random.fork_rng(devices=[]):
-        local = build_model(recipe, plugins, model_dims(recipe, ep_rank, ep_size, tp_rank, tp_size))
+        local = build_model(recipe, plugins, model_dims(recipe, ep_rank, ep_size, tp_rank, tp_size, etp_rank, etp_size))
     full = build_model(recipe, plugins).state_dict()
     by_ep, by_tp = layout_expert_dims(recipe, plugins, ep_size), layout_tp_dims(recipe, plugins, tp_size)
-    if both := sorted(set(by_ep) & set(by_tp)):
-        raise UserError(f"{recipe.source}: parallel ep={ep_size},tp={tp_size}: {both[0]} is split by both")
-    local.load_state_dict(shard(shard(full, by_ep, ep_rank, ep_size), by_tp, tp_rank, tp_size))
+    by_etp = layout_etp_dims(recipe, plugins, etp_size)
+    where = f"{recipe.source}: parallel ep={ep_size},tp={tp_size},etp={etp_size}"
+    if both := sorted((set(by_ep) | set(by_etp)) & set(by_tp)):
+        raise UserError(f"{where}: {both[0]} is split by both tensor and expert parallelism")
+    if same := sorted(n for n in set(by_ep) & set(by_etp) if by_ep[n] == by_etp[n]):
+        raise UserError(f"{where}: {same[0]} is split along dimension {by_ep[same[0]]} by both ep and etp")
+    cut = shard(shard(full, by_ep, ep_rank, ep_size), by_etp, etp_rank, etp_size)
+    local.load_state_dict(shard(cut, by_tp, tp_rank, tp_size))
     return local

@@ -1,8 +1,8 @@
 """This process's place in the layout, its process groups, and the few collectives the trainer needs.
 
 The groups come from megatron-core's ``parallel_state`` (pipeline parallelism 1; its rank order puts the
-``tp`` ranks of a context-parallel rank next to each other, then the ``cp`` ranks of a replica, and cuts
-expert-parallel groups from consecutive ranks). ``torch.distributed`` must already be initialised by the launcher (Ray Train, torchrun, or
+``tp`` ranks of a context-parallel rank next to each other, then the ``cp`` ranks of a replica; the expert
+groups lay the same ranks out as ``etp x ep x edp``, expert-tensor-parallel ranks next to each other). ``torch.distributed`` must already be initialised by the launcher (Ray Train, torchrun, or
 ``megaseq.testing.distributed.run_gloo``). ``Parallel()`` is the single process: no group, no collective,
 no import of torch.distributed machinery or megatron-core.
 
@@ -17,11 +17,14 @@ What the trainer asks of a ``Parallel``, and why each rule makes every layout eq
   alike: an expert-parallel group is made of data/context ranks, so the router and shared experts see every
   token once, and under sequence parallelism each tensor-parallel rank's norms see its chunk), except
   expert-sharded parameters, which already received every token of their expert-parallel group through
-  the dispatch and are summed over the expert-data-parallel group only, and tensor-split parameters, which
-  received every token of their window and are summed over the ranks holding the same block (data and
-  context parallel).
+  the dispatch and are summed over the expert-data-parallel group only (so are expert weights split by
+  ``etp`` alone: the gather over the expert-tensor-parallel group gave each block every token of that
+  group, and with ``ep = etp = 1`` that group is every rank), and tensor-split parameters, which received
+  every token of their window and are summed over the ranks holding the same block (data and context
+  parallel).
 - ``grad_norm``: the norm of the whole model's gradient: replicated parameters counted once, expert
-  blocks summed over the expert-parallel group, tensor-split blocks over the tensor-parallel group.
+  blocks summed over the expert-tensor-and-expert-parallel group, tensor-split blocks over the
+  tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -53,9 +56,12 @@ class Parallel:
     ep_rank: int = 0
     expert_dp_rank: int = 0
     tp_rank: int = 0
+    etp_rank: int = 0
     world_group: Any = None
     cp_group: Any = None
     ep_group: Any = None
+    etp_group: Any = None
+    expert_group: Any = None  # every rank holding a different expert block: expert-tensor x expert parallel
     expert_dp_group: Any = None
     tp_group: Any = None
     tp_data_group: Any = None  # the ranks holding the same tensor-parallel block: data x context parallel
@@ -70,7 +76,8 @@ class Parallel:
 
     # -- what components are handed ---------------------------------------------------------------------
     def model_dims(self, dims: ModelDims) -> ModelDims:
-        return replace(dims, ep_rank=self.ep_rank, ep_size=self.layout.ep, tp_rank=self.tp_rank, tp_size=self.layout.tp)
+        return replace(dims, ep_rank=self.ep_rank, ep_size=self.layout.ep, tp_rank=self.tp_rank, tp_size=self.layout.tp,
+                       etp_rank=self.etp_rank, etp_size=self.layout.etp)
 
     def forward_context(self, seq_len: int) -> ForwardContext:
         cp = tp = None
@@ -78,7 +85,8 @@ class Parallel:
             cp = ContextParallel(group=self.cp_group, rank=self.cp_rank, world_size=self.layout.cp, seq_len=seq_len)
         if self.layout.tp > 1:
             tp = TensorParallel(group=self.tp_group, rank=self.tp_rank, world_size=self.layout.tp)
-        return ForwardContext(cp=cp, ep_group=self.ep_group if self.layout.ep > 1 else None, tp=tp)
+        return ForwardContext(cp=cp, ep_group=self.ep_group if self.layout.ep > 1 else None, tp=tp,
+                              etp_group=self.etp_group if self.layout.etp > 1 else None)
 
     def local_batch(self, batch: Batch) -> Batch:
         """This rank's part of a global micro-batch: its data-parallel share of the windows, zig-zag sharded."""
@@ -158,15 +166,24 @@ class Parallel:
         squares = torch.zeros(3, device=grads[0][0].device if grads else None)
         for grad, kind in grads:
             squares[kind] += grad.detach().float().pow(2).sum()
-        if self.distributed and self.layout.ep > 1:
-            collectives.all_reduce(squares[1:2], self.ep_group)
+        if self.distributed and self.layout.ep * self.layout.etp > 1:
+            collectives.all_reduce(squares[1:2], self.expert_group)
         if self.distributed and self.layout.tp > 1:
             collectives.all_reduce(squares[2:], self.tp_group)
         return squares.sum().sqrt()
 
-    def gather_experts(self, state: Mapping[str, Tensor], dims: Mapping[str, int]) -> dict[str, Tensor]:
-        """The whole model's state from this rank's: expert blocks gathered over the expert-parallel group."""
+    def gather_experts(
+        self, state: Mapping[str, Tensor], dims: Mapping[str, int], etp_dims: Mapping[str, int] | None = None
+    ) -> dict[str, Tensor]:
+        """The whole model's state from this rank's: expert blocks gathered over the expert-parallel group
+        (``dims``) and over the expert-tensor-parallel group (``etp_dims``)."""
+        state = self.gather_expert_tensor_parallel(state, etp_dims or {})
         return _gather_blocks(state, dims, self.ep_group) if self.layout.ep > 1 else dict(state)
+
+    def gather_expert_tensor_parallel(self, state: Mapping[str, Tensor], etp_dims: Mapping[str, int]) -> dict[str, Tensor]:
+        """``state`` with the experts' hidden-width blocks (``etp_dims``) gathered over the expert-tensor-parallel
+        group: this rank's expert-parallel block of each expert tensor, whole."""
+        return _gather_blocks(state, etp_dims, self.etp_group) if self.layout.etp > 1 else dict(state)
 
     def gather_tensor_parallel(
         self, state: Mapping[str, Tensor], dims: Mapping[str, int], lengths: Mapping[str, int] | None = None
@@ -257,9 +274,12 @@ def init_process_groups(layout: Layout) -> Parallel:
         ep_rank=ps.get_expert_model_parallel_rank(),
         expert_dp_rank=ps.get_expert_data_parallel_rank(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
         world_group=dist.group.WORLD,
         cp_group=ps.get_context_parallel_group(),
         ep_group=ps.get_expert_model_parallel_group(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        expert_group=ps.get_expert_tensor_and_model_parallel_group(),
         expert_dp_group=ps.get_expert_data_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
         tp_data_group=ps.get_data_parallel_group(with_context_parallel=True),

@@ -39,7 +39,7 @@ from megaseq import threads
 from megaseq.capabilities import check_components
 from megaseq.config import Recipe, RunConfig, validate_recipe
 from megaseq.devices import device_type, join_torchrun
-from megaseq.distributed.experts import layout_expert_dims, layout_tp_dims
+from megaseq.distributed.experts import layout_etp_dims, layout_expert_dims, layout_tp_dims
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups, rank_groups
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
@@ -65,6 +65,7 @@ def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, ad
     check_components(recipe, plugins, layout)
     layout_expert_dims(recipe, plugins, layout.ep)  # builds the model on the meta device: components may refuse
     layout_tp_dims(recipe, plugins, layout.tp)
+    layout_etp_dims(recipe, plugins, layout.etp)
     if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
         check_resharding(path, recipe, plugins)
 

@@ -5,9 +5,12 @@ context-parallel rank share its shard of every window: each holds ``1/tp`` of th
 vocabulary, and (sequence parallelism) ``1/tp`` of the shard's tokens between those regions. Each of the ``dp``
 data-parallel replicas reads ``train.batch_size / dp`` windows of every micro-batch; the ``cp`` ranks of a
 replica share those windows, each holding its zig-zag shard (``megaseq.parallel.zigzag_shard``). Expert
-parallelism does not add processes: the ``dp x cp`` ranks are cut into groups of ``ep`` consecutive ranks
-that share each MoE layer's experts (rank ``r`` of a group holds experts ``[r E/ep, (r+1) E/ep)``), and
-the ranks holding the same experts form the expert-data-parallel group.
+parallelism does not add processes: megatron-core lays the workers out a second time as ``etp x ep x edp``
+(``etp`` fastest). Each MoE layer routes the tokens a rank holds (its sequence chunk under tensor
+parallelism); the ``ep`` ranks of an expert-parallel group share the experts (rank ``r`` holds experts
+``[r E/ep, (r+1) E/ep)``), the ``etp`` ranks of an expert-tensor-parallel group each hold ``1/etp`` of those
+experts' hidden width (and see each other's tokens for them), and the ranks holding the same expert blocks
+form the expert-data-parallel group.
 
 Everything here is checked before any worker starts, and every failure is one line naming the key.
 """
@@ -26,8 +29,7 @@ class LayoutError(UserError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Ranks per parallel dimension: data, context, tensor and expert parallelism train; expert-tensor
-    (``etp``) parallelism is modelled by the planner only, and a training run refuses it."""
+    """Ranks per parallel dimension: data, context, tensor, expert and expert-tensor parallelism."""
 
     dp: int = 1
     cp: int = 1
@@ -45,7 +47,7 @@ class Layout:
     @classmethod
     def of(cls, recipe: Recipe) -> Layout:
         p = recipe.parallel
-        return cls(dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
+        return cls(dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, etp=p.etp)
 
     @classmethod
     def parse(cls, text: str | None, base: Layout | None = None) -> Layout:
@@ -75,8 +77,6 @@ def check_zigzag_length(seq_len: int, cp: int, what: str) -> None:
 def resolve_layout(recipe: Recipe, layout: Layout, workers: int | None) -> Layout:
     """The layout to train with: ``layout`` (the recipe's ``[parallel]`` with ``--parallel`` on top), with
     ``--workers N`` alone meaning ``dp=N``."""
-    if layout.etp > 1:
-        raise LayoutError(f"--parallel {layout}: etp is for planning (megaseq plan); training runs etp=1")
     if workers is None:
         return layout
     if workers < 1:
@@ -100,27 +100,26 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             f"(it is the global batch; each data-parallel rank reads an equal share)"
         )
     check_zigzag_length(recipe.data.seq_len, layout.cp, f"{where}: data.seq_len")
-    if (layout.dp * layout.cp) % layout.ep:
+    if layout.world_size % (layout.ep * layout.etp):
         raise LayoutError(
-            f"{where}: ep {layout.ep} does not divide dp x cp = {layout.dp * layout.cp} "
-            f"(expert-parallel groups are cut from the data- and context-parallel ranks)"
+            f"{where}: ep x etp = {layout.ep} x {layout.etp} does not divide the {layout.world_size} workers "
+            f"(dp x cp x tp; the expert groups are cut from them)"
         )
-    if layout.ep > 1 and recipe.train.optimizer_shard:
+    if (layout.ep > 1 or layout.etp > 1) and recipe.train.optimizer_shard:
         raise LayoutError(
-            f"{where}: train.optimizer_shard cannot shard expert-parallel parameters (each ep rank holds different "
-            f"experts); set train.optimizer_shard = false or parallel.ep = 1"
+            f"{where}: train.optimizer_shard cannot shard expert-parallel parameters (each ep or etp rank holds "
+            f"different expert blocks); set train.optimizer_shard = false or parallel.ep = parallel.etp = 1"
         )
     if (recipe.data.seq_len // layout.cp) % layout.tp:
         raise LayoutError(
             f"{where}: data.seq_len {recipe.data.seq_len} / cp {layout.cp} is not a multiple of tp {layout.tp} "
             f"(sequence parallelism gives each tensor-parallel rank an equal share of a rank's tokens)"
         )
-    if layout.tp > 1 and layout.ep > 1:
-        raise LayoutError(f"{where}: tp {layout.tp} with ep {layout.ep}: tensor parallelism runs without expert parallelism; "
-                        f"use tp=1 or ep=1")
     if layout.tp > 1 and recipe.train.optimizer_shard:
         raise LayoutError(f"{where}: train.optimizer_shard shards over data- and context-parallel ranks only; "
                         f"set train.optimizer_shard = false or parallel.tp = 1")
-    if layout.ep > 1 and recipe.model.moe is None:
-        raise LayoutError(f"{where}: ep {layout.ep} > 1 but model.moe is not set: there are no experts to share")
+    for name in ("ep", "etp"):
+        if getattr(layout, name) > 1 and recipe.model.moe is None:
+            raise LayoutError(f"{where}: {name} {getattr(layout, name)} > 1 but model.moe is not set: there are no "
+                              f"experts to share")
 

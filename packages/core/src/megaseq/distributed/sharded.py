@@ -9,6 +9,8 @@ A checkpoint directory (published whole, with its manifest, by ``megaseq.train.c
 - under expert parallelism, ``experts/ep{r}.safetensors`` and ``experts/ep{r}.pt``: the expert blocks of
   EP rank ``r`` and their optimizer state by name, written by one rank holding them; under tensor
   parallelism, ``tensor/tp{r}.safetensors`` and ``tensor/tp{r}.pt`` the same for TP rank ``r``'s blocks;
+  expert-tensor-parallel blocks are joined over their group before writing (the writer passes ``joined``),
+  so they are stored as the expert-parallel blocks or the replicated weights they are parts of;
 - with ``train.optimizer_shard`` (ZeRO-1, ``megaseq.train.optimizer``), ``optimizer/rank{r}.pt``: rank ``r``'s
   optimizer state with its parameter names, and ``state.pt`` holds no optimizer state but the number of shards;
 - ``meta.json`` records the ``layout``, the ``expert_dims`` and the ``tp_dims``
@@ -82,16 +84,18 @@ def write_shard(
     run_state: Mapping[str, Any] | None,
     splits: Sequence[Split] = (),
     shard: tuple[int, int] | None = None,
+    joined: tuple[Mapping[str, Tensor], dict[str, Any]] | None = None,
 ) -> list[str]:
     """Write this rank's files into the staging directory; returns their names (for the manifest).
 
     ``run_state`` is given to the one rank that writes ``model.safetensors`` and ``state.pt`` (rank 0);
     each split with ``writes`` makes this rank write its block of that split. ``shard = (rank, ranks)``:
     ``optimizer`` holds only this rank's share of the state (ZeRO-1, no expert or tensor parallelism),
-    written to its own file.
+    written to its own file. ``joined``: the model's and the optimizer's state dicts to write instead of their
+    own (with the blocks of a split that is not written joined).
     """
     written = []
-    saved = optimizer.state_dict()
+    state, saved = joined if joined is not None else (model.state_dict(), optimizer.state_dict())
     if shard is not None:
         rank, ranks = shard
         (staged / "optimizer").mkdir(exist_ok=True)
@@ -106,8 +110,8 @@ def write_shard(
                 for i, name in zip(group["params"], names, strict=True)}
     split_names = {n for split in splits if split.size > 1 for n in split.dims}
     if run_state is not None:
-        if split_names:
-            replicated = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n not in split_names}
+        if split_names or joined is not None:
+            replicated = {n: t.detach().contiguous() for n, t in state.items() if n not in split_names}
             save_file(replicated, str(staged / "model.safetensors"))
         else:
             save_model(model, str(staged / "model.safetensors"))  # handles tied tensors
@@ -115,7 +119,6 @@ def write_shard(
         replicated_optimizer = {**saved, "state": {i: v for i, v in saved["state"].items() if i not in split_at}}
         torch.save({**run_state, "optimizer": replicated_optimizer, "optimizer_param_names": param_names}, staged / "state.pt")
         written += ["model.safetensors", "state.pt"]
-    state = model.state_dict()
     for split in splits:
         if not (split.writes and split.size > 1 and split.dims):
             continue

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megaseq.config import ParallelConfig, validate_recipe
+from megaseq.config import validate_recipe
 from megaseq.distributed.groups import destroy_process_groups, init_process_groups
 from megaseq.distributed.layout import Layout
 from megaseq.testing import assert_close, installed_plugins
@@ -25,8 +25,7 @@ UNCOMPARED = frozenset({"tokens_per_s", "peak_mem_gib"})
 
 
 def _recipe(raw: dict[str, Any], layout: Layout, out_dir: Path, **train: Any):
-    parallel = {k: v for k, v in vars(layout).items() if k in ParallelConfig.model_fields}  # etp: planned only
-    raw = {**raw, "parallel": parallel, "run": {**raw["run"], "out_dir": str(out_dir)}}
+    raw = {**raw, "parallel": vars(layout), "run": {**raw["run"], "out_dir": str(out_dir)}}
     raw["train"] = {**raw.get("train", {}), **train}
     return validate_recipe(raw, installed_plugins())
 
@@ -34,8 +33,8 @@ def _recipe(raw: dict[str, Any], layout: Layout, out_dir: Path, **train: Any):
 def _train(trainer: Trainer, steps: int) -> dict[str, Any]:
     history = [trainer.train_step() for _ in range(steps)]
     p = trainer.parallel
-    whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), trainer.expert_dims), trainer.tp_dims,
-                                     trainer.tp_lengths)
+    whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), trainer.expert_dims, trainer.etp_dims),
+                                     trainer.tp_dims, trainer.tp_lengths)
     return {"metrics": history, "tokens": trainer.tokens, "weights": {n: t.detach().clone() for n, t in whole.items()},
             "parameter_bytes": sum(t.numel() * t.element_size() for t in trainer.model.parameters())}
 

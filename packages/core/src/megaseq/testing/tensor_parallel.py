@@ -1,8 +1,9 @@
 """Conformance check of a component's tensor parallelism (``megaseq.contracts.TensorParallel``).
 
 :func:`check_tensor_parallel` builds the component once whole (``tp_size`` 1) and, on ``world`` gloo ranks,
-as each rank's block (``ModelDims(tp_rank=r, tp_size=world)``) loaded with the blocks of the same whole
-weights (the split is found from the shapes, as ``megaseq.distributed.experts.split_dims`` finds it for
+as each rank's block (``ModelDims(tp_rank=r, tp_size=world)``, and for an MoE with expert tensor parallelism
+over the same ranks, megatron-core's default: ``etp_rank=r, etp_size=world``, ``ctx.etp_group``) loaded with
+the blocks of the same whole weights (the split is found from the shapes, as ``megaseq.distributed.experts.split_dims`` finds it for
 training). Each rank runs its sequence chunk of a packed row (several documents, one empty, one crossing
 the chunk boundary) forward and backward, and must give:
 
@@ -35,7 +36,7 @@ COLLECTIVE_TIMEOUT = 60.0
 def _build(kind: str, name: str, config: dict[str, Any], d_model: int, rank: int, size: int,
            factory: str | None) -> nn.Module:
     torch.manual_seed(0)
-    dims = ModelDims(d_model=d_model, n_layers=2, vocab_size=8, tp_rank=rank, tp_size=size)
+    dims = ModelDims(d_model=d_model, n_layers=2, vocab_size=8, tp_rank=rank, tp_size=size, etp_rank=rank, etp_size=size)
     return build_component(kind, name, config, dims, factory=factory).float()
 
 
@@ -56,7 +57,7 @@ def _rank_step(rank: int, world: int, kind: str, name: str, config: dict[str, An
     local.load_state_dict({n: t.chunk(world, dims[n])[rank] if n in dims else t for n, t in whole.state_dict().items()})
     tp = TensorParallel(group=dist.group.WORLD, rank=rank, world_size=world)
     x_local = tp_chunk(x, tp).clone().requires_grad_(True)
-    ctx = ForwardContext(cu_seqlens=cu, tp=tp)
+    ctx = ForwardContext(cu_seqlens=cu, tp=tp, etp_group=dist.group.WORLD)
     out = local(x_local, ctx)
     aux = sum(ctx.losses.values(), torch.zeros(()))
     ((out * tp_chunk(grad_out, tp)).sum() + aux).backward()

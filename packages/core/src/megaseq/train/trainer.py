@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 import random
 import signal
 import sys
@@ -43,7 +44,13 @@ from megaseq.data.errors import DataError
 from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
 from megaseq.devices import pick_device
-from megaseq.distributed.experts import build_layout_model, layout_expert_dims, layout_tp_dims, split_lengths
+from megaseq.distributed.experts import (
+    build_layout_model,
+    layout_etp_dims,
+    layout_expert_dims,
+    layout_tp_dims,
+    split_lengths,
+)
 from megaseq.distributed.groups import Parallel
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.distributed.sharded import Split, local_optimizer_state, read_local_weights, write_shard
@@ -162,11 +169,15 @@ class Trainer:
         self.train_windows = data_windows(recipe, "train", plugins)
         data_windows(recipe, "heldout", plugins)  # a bad data.heldout fails now, not after training
         p = self.parallel
-        self.model = build_layout_model(recipe, plugins, p.ep_rank, p.layout.ep, p.tp_rank, p.layout.tp).to(self.device)
+        self.model = build_layout_model(
+            recipe, plugins, p.ep_rank, p.layout.ep, p.tp_rank, p.layout.tp, p.etp_rank, p.layout.etp
+        ).to(self.device)
         self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
+        self.etp_dims = layout_etp_dims(recipe, plugins, p.layout.etp)
         self.tp_dims = layout_tp_dims(recipe, plugins, p.layout.tp)
         self.tp_lengths = split_lengths(recipe, plugins, self.tp_dims)  # the vocabulary's blocks may be padded
-        self.expert_params = {param for name, param in self.model.named_parameters() if name in self.expert_dims}
+        self.expert_params = {param for name, param in self.model.named_parameters()
+                              if name in self.expert_dims or name in self.etp_dims}
         self.tp_params = {param for name, param in self.model.named_parameters() if name in self.tp_dims}
         self.plan = None
         if recipe.train.memory_policy == "auto":  # the planner's choice for this recipe, layout and device
@@ -205,14 +216,35 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def splits(self) -> list[Split]:
-        """How this rank's model is split (expert and tensor parallelism) and which blocks it writes: one
-        holder of each block."""
+        """How this rank's model is split (expert, tensor and expert-tensor parallelism) and which blocks it
+        writes: one holder of each block. Checkpoints hold no expert-tensor-parallel blocks: those are joined
+        before writing (:meth:`_expert_blocks_joined`), so the ``etp`` split only cuts what is read."""
         p = self.parallel
         return [
-            Split("ep", self.expert_dims, p.ep_rank, p.layout.ep, writes=p.expert_dp_rank == 0),
+            Split("ep", self.expert_dims, p.ep_rank, p.layout.ep, writes=p.expert_dp_rank == 0 and p.etp_rank == 0),
             Split("tp", self.tp_dims, p.tp_rank, p.layout.tp, writes=p.dp_rank == 0 and p.cp_rank == 0,
                   lengths=self.tp_lengths),
+            Split("etp", self.etp_dims, p.etp_rank, p.layout.etp, writes=False),
         ]
+
+    def _expert_blocks_joined(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """Under expert tensor parallelism, the model's state and ``optimizer``'s with every expert-tensor-parallel
+        block gathered over its group (every rank takes part); ``None`` without it."""
+        p = self.parallel
+        if p.layout.etp == 1:
+            return None
+        state = p.gather_expert_tensor_parallel(self.model.state_dict(), self.etp_dims)
+        saved = optimizer.state_dict()
+        saved["state"] = dict(saved["state"])
+        names = checkpoint.optimizer_param_names(optimizer, self.model)
+        index_of = {name: i for group, group_names in zip(saved["param_groups"], names, strict=True)
+                    for i, name in zip(group["params"], group_names, strict=True)}
+        for name, dim in sorted(self.etp_dims.items()):  # the same order on every rank of the group
+            if (i := index_of.get(name)) in saved["state"]:
+                moments = saved["state"][i]
+                blocked = {key: dim for key, value in moments.items() if isinstance(value, torch.Tensor) and value.dim() > 0}
+                saved["state"][i] = p.gather_expert_tensor_parallel(moments, blocked)
+        return state, saved
 
     def save(self) -> Path:
         """Write a checkpoint; every rank calls this (each writes its files, rank 0 publishes them)."""
@@ -237,8 +269,9 @@ class Trainer:
             local,
             checkpoint.optimizer_param_names(local, self.model),
             run_state if p.is_main else None,
-            self.splits(),
+            [split for split in self.splits() if split.kind != "etp"],
             shard=(p.rank, p.layout.world_size) if self.recipe.train.optimizer_shard else None,
+            joined=self._expert_blocks_joined(local),
         )
         described = p.gather_on_main(checkpoint.file_entries(staged, written))  # every rank hashes its own files
         path = self.checkpoint_root / checkpoint.step_name(self.step)
@@ -372,11 +405,12 @@ class Trainer:
         gives the whole model's count and each rank's, labelled."""
         layout = self.parallel.layout
         local = sum(p.numel() for p in self.model.parameters())
-        whole = (local + (layout.ep - 1) * sum(p.numel() for p in self.expert_params)
-                 + (layout.tp - 1) * sum(p.numel() for p in self.tp_params))
+        cuts = ((self.expert_dims, layout.ep), (self.etp_dims, layout.etp), (self.tp_dims, layout.tp))
+        whole = sum(p.numel() * math.prod(n for dims, n in cuts if name in dims) for name, p in self.model.named_parameters())
         if whole == local:
             return describe(self.model)
-        split = ", ".join(f"{what} over {dim}={n}" for what, dim, n in (("experts", "ep", layout.ep), ("tensors", "tp", layout.tp)) if n > 1)
+        split = ", ".join(f"{what} over {dim}={n}" for what, dim, n in (
+            ("experts", "ep", layout.ep), ("expert widths", "etp", layout.etp), ("tensors", "tp", layout.tp)) if n > 1)
         layers = describe(self.model).partition("; ")[2]
         return f"{whole / 1e6:.2f}M parameters in all, {local / 1e6:.2f}M on each rank ({split}); {layers}"
 
@@ -463,7 +497,8 @@ class Trainer:
 
     def eval(self, baseline: bool, write: bool = False) -> dict[str, Any] | None:
         """Held-out evaluation of the whole model on rank 0 (``None`` on the other ranks, which wait)."""
-        model = self._whole_model() if self.parallel.layout.ep > 1 or self.parallel.layout.tp > 1 else self.model
+        layout = self.parallel.layout
+        model = self._whole_model() if layout.ep > 1 or layout.tp > 1 or layout.etp > 1 else self.model
         result = None
         if model is not None and self.parallel.is_main:
             out_dir = rundir.eval_dir(self.out_dir, self.step) if write else None
@@ -474,8 +509,8 @@ class Trainer:
     def _whole_model(self) -> LanguageModel | None:
         """On rank 0, a one-rank copy of the model holding every expert and tensor-parallel block (gathered)."""
         p = self.parallel
-        full = p.gather_tensor_parallel(p.gather_experts(self.model.state_dict(), self.expert_dims), self.tp_dims,
-                                        self.tp_lengths)
+        full = p.gather_tensor_parallel(p.gather_experts(self.model.state_dict(), self.expert_dims, self.etp_dims),
+                                        self.tp_dims, self.tp_lengths)
         if not self.parallel.is_main:
             return None
         whole = build_model(self.recipe, self.plugins).to(self.device)
