@@ -2,7 +2,8 @@
 
 A dense recipe (core's sdpa attention and SwiGLU FFN, the 5-id vocabulary split over ranks in padded blocks) trains two optimizer
 steps under tp=2 and under tp=2 x cp=2 and must log the same loss, tokens, gradient norm and metrics and
-reach the same weights as one process (fp32, 1e-5 relative). Each tp=2 rank holds half of every split
+reach the same weights as one process (fp32, 1e-5 relative); so does recipes/kda-cpu.toml (KDA attention,
+heads split over ranks), shrunk to tiny widths and 96 tokens. Each tp=2 rank holds half of every split
 tensor's bytes. The tp=2 checkpoint, written per tensor-parallel block, resumes in one process. Layouts the
 recipe's components cannot run (core's and the plugins' heads or widths that tp does not divide, a component
 without tensor parallelism) are one line, exit 2, before any worker starts.
@@ -10,6 +11,7 @@ without tensor parallelism) are one line, exit 2, before any worker starts.
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,22 @@ DENSE: dict[str, Any] = {
     "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64},
     "eval": {"windows": 2, "batch_size": 2},
 }
+
+
+
+def kda_recipe() -> dict[str, Any]:
+    """recipes/kda-cpu.toml (KDA attention in every layer, SwiGLU), shrunk to seconds per step."""
+    raw = tomllib.loads((Path(__file__).parents[1] / "recipes" / "kda-cpu.toml").read_text())
+    return {
+        **raw,
+        "run": {**raw["run"], "device": "cpu"},
+        "data": {**raw["data"], "seq_len": 96},
+        "model": {**raw["model"], "d_model": 32, "n_layers": 2},
+        "attention": {"kda": {**raw["attention"]["kda"], "head_dim": 8}},
+        "ffn": {"swiglu": {"hidden": 64}},
+        "train": {**DENSE["train"], "lr": raw["train"]["lr"]},
+        "eval": DENSE["eval"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +88,24 @@ def test_tp2_equals_one_process_holds_half_the_split_bytes_and_its_checkpoint_re
 def test_tp2_cp2_equals_one_process(tmp_path, single):
     layouts = [Layout(cp=2, tp=2)]
     assert_same_run(run_gloo(4, train_under_layouts, DENSE, layouts, str(tmp_path), 2)[0][0], single[0], RTOL, "tp=2,cp=2")
+
+
+@pytest.fixture(scope="module")
+def kda_single(tmp_path_factory):
+    """The kda recipe's first two steps in one process."""
+    return train_single(single_trainer(kda_recipe(), tmp_path_factory.mktemp("kda")), 2)
+
+
+@pytest.mark.slow
+def test_kda_recipe_tp2_equals_one_process(tmp_path, kda_single):
+    ranks = run_gloo(2, train_under_layouts, kda_recipe(), [Layout(tp=2)], str(tmp_path), 2)
+    assert_same_run(ranks[0][0], kda_single, RTOL, "kda recipe tp=2")
+
+
+@pytest.mark.slow
+def test_kda_recipe_tp2_cp2_equals_one_process(tmp_path, kda_single):
+    ranks = run_gloo(4, train_under_layouts, kda_recipe(), [Layout(cp=2, tp=2)], str(tmp_path), 2)
+    assert_same_run(ranks[0][0], kda_single, RTOL, "kda recipe tp=2,cp=2")
 
 
 @pytest.mark.parametrize(
