@@ -240,6 +240,31 @@ def test_kth_largest_equals_torch_kthvalue(dtype: torch.dtype):
         assert torch.equal(indexer_module._kth_largest(scores, k), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("width", [61, 300, 1031])
+def test_kth_and_kept_equals_selection_over_whole_rows(dtype: torch.dtype, width: int, monkeypatch: pytest.MonkeyPatch):
+    """The bound from group maxima keeps exactly what a selection over whole rows keeps: ties at the k-th
+    score, rows whose best scores are many zeros (all head weights negative), -inf (hidden) runs, rows with
+    at most k visible scores, and widths that leave a partial group."""
+    monkeypatch.setattr(indexer_module, "MIN_GROUP", 2)
+    gen = torch.Generator().manual_seed(20)
+    scores = torch.randn(29, width, generator=gen, dtype=dtype)
+    scores[1] = scores[1].round()  # many ties
+    scores[2] = -scores[2].abs().relu() * (scores[2] > 0)  # best score 0, shared by half the keys
+    scores[3, width // 3 :] = float("-inf")
+    scores[4, 5:] = float("-inf")  # 5 visible keys: not full
+    scores[:, ::11] = float("-inf")
+    visible = torch.isfinite(scores).sum(-1)
+    lowest = torch.finfo(dtype).min
+    for k in (1, 3, 7):
+        full = visible > k
+        kth, kept = indexer_module._kth_and_kept(scores, k, full)
+        want = torch.full((29, 1), lowest, dtype=dtype)
+        want[full] = scores[full].kthvalue(width - k + 1, dim=-1, keepdim=True).values
+        assert torch.equal(kth, want), k
+        assert torch.equal(kept, (scores >= want).view(-1).nonzero()[:, 0]), k
+
+
 def test_flat_positions_at_least_equals_torch_nonzero():
     gen = torch.Generator().manual_seed(19)
     values = torch.randn(23, 57, generator=gen).relu()
@@ -247,6 +272,19 @@ def test_flat_positions_at_least_equals_torch_nonzero():
     bound = torch.randn(23, 1, generator=gen).clamp_min(0)
     want = (values >= bound).view(-1).nonzero()[:, 0]
     assert torch.equal(indexer_module._flat_positions_at_least(values, bound), want)
+
+
+@pytest.mark.parametrize("pool", [1, 4])
+def test_select_topk_with_group_bound_equals_reference(pool: int, monkeypatch: pytest.MonkeyPatch):
+    """The group-maxima bound on every block (as on long rows) selects what the oracle selects."""
+    monkeypatch.setattr(indexer_module, "MIN_GROUP", 2)
+    q, k, w = indexer_inputs(203, batch=2, seed=21)
+    cu = torch.tensor([0, 150, 203], dtype=torch.int32)
+    for topk in (4, 12):
+        for docs in (None, cu[None].expand(1, -1)[0]):
+            rows = (q[:1], k[:1], w[:1]) if docs is not None else (q, k, w)
+            fast = select_topk(*rows, topk, docs, pool=pool, **SMALL_BLOCKS)
+            assert torch.equal(fast, select_topk_reference(*rows, topk, docs, pool=pool))
 
 
 @pytest.mark.parametrize("pool", [1, 4])

@@ -14,7 +14,10 @@ computed in key tiles (one [query_block x Hi x key_block] per-head tile at a tim
 matrix of at most SCORE_BLOCK_BYTES (the query block shrinks for long sequences: 256 queries at 64k keys, 16
 at 1M).
 
-Each row of that matrix then keeps the scores >= its k-th largest score, found by one selection per row.
+Each row of that matrix then keeps the scores >= its k-th largest score, found by one selection per row; on
+rows of at least 64k keys (CPU) that selection runs only over the scores that reach a lower bound of the k-th
+largest taken from group maxima (`_kth_and_kept`: the same threshold, one pass over the row instead of a
+selection over all of it; `docs/results.md`, "DSA selection cost").
 Where keys tie with the k-th score beyond k keys (relu makes exact zeros common), the latest tied keys are
 dropped; a row that sees at most k keys keeps all of them. The kept positions come out of a flat nonzero()
 already ascending per row. On CPU the selection, the comparison and the nonzero run in numpy
@@ -369,13 +372,7 @@ def _select_block(
     # Each row keeps its scores >= its need-th best: for a row with more than k visible keys that is the k-th
     # best score; for the others the lowest finite value, so that every visible key is kept.
     rows, width = scores.shape
-    kth = torch.full((rows, 1), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device)
-    full = visible > k
-    if bool(full.all()):
-        kth = _kth_largest(scores, k)
-    elif bool(full.any()):
-        kth[full] = _kth_largest(scores[full], k)
-    kept = _flat_positions_at_least(scores, kth)  # row-major: each row's keys ascending
+    kth, kept = _kth_and_kept(scores, k, visible > k)  # kept row-major: each row's keys ascending
     if len(kept) > int(need.sum()):
         # Some rows tie with their k-th best score beyond k keys: the latest of those tied keys are dropped.
         surplus = torch.bincount(kept // width, minlength=rows) - need
@@ -463,6 +460,57 @@ def _kth_largest(scores: torch.Tensor, k: int) -> torch.Tensor:
     if scores.device.type == "cpu":
         return torch.from_numpy(np.partition(scores.numpy(), n - k, axis=-1)[:, n - k : n - k + 1])
     return scores.kthvalue(n - k + 1, dim=-1, keepdim=True).values
+
+
+# The bound of `_kth_and_kept`: GROUPS_PER_KEPT group maxima per kept key (more make the bound tighter, fewer
+# candidates, for a larger selection among the maxima), used where groups hold at least MIN_GROUP scores
+# (rows of at least 64k keys at k = 128: at 16k keys it measured no faster than selecting over whole rows).
+GROUPS_PER_KEPT = 4
+MIN_GROUP = 64
+
+
+def _kth_and_kept(scores: torch.Tensor, k: int, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's threshold [R, 1] (its k-th largest score where ``full [R]``, else the dtype's lowest finite
+    value, which keeps every visible score) and the ascending flat positions (int64) of the scores >= it.
+
+    A selection over every score of a row costs several times one pass over it, so on CPU the k-th largest is
+    found among few candidates: split a row into at least k groups; the k-th largest of the groups' maxima is
+    a lower bound of the row's k-th largest (k groups each hold a score >= it), so every score >= the k-th
+    largest is among the scores >= that bound, of which there are at least k. One pass finds those candidates
+    (with their ascending positions), a selection among them the threshold, and the kept positions are the
+    candidates that reach it: exactly what the selection over the whole row keeps."""
+    rows, width = scores.shape
+    lowest = torch.finfo(scores.dtype).min
+    group = width // (GROUPS_PER_KEPT * k)  # scores per group
+    if not bool(full.any()):
+        kth = scores.new_full((rows, 1), lowest)
+        return kth, _flat_positions_at_least(scores, kth)
+    if scores.device.type != "cpu" or group < MIN_GROUP:  # select over whole rows
+        kth = scores.new_full((rows, 1), lowest)
+        kth[full] = _kth_largest(scores[full], k)
+        return kth, _flat_positions_at_least(scores, kth)
+    n_groups = width // group
+    # group j holds the positions j, j + n_groups, j + 2 n_groups, ...: a strided maximum, one pass
+    maxima = scores[:, : group * n_groups].unflatten(1, (group, n_groups)).amax(1)
+    bound = _kth_largest(maxima, k).masked_fill_(~full[:, None], lowest)
+    candidates = _flat_positions_at_least(scores, bound)
+    values = scores.view(-1)[candidates]
+    row = candidates // width
+    counts = torch.bincount(row, minlength=rows)
+    # A row with many candidates (scores tied at the bound: all-negative head weights make 0 the best score of
+    # many keys) selects over its whole row; the others over their candidates, padded to the longest.
+    crowded = full & (counts > GROUPS_PER_KEPT * k)
+    few = full & ~crowded
+    kth = scores.new_full((rows, 1), lowest)
+    if bool(crowded.any()):
+        kth[crowded] = _kth_largest(scores[crowded], k)
+    if bool(few.any()):
+        slot = torch.arange(len(candidates)) - (counts.cumsum(0) - counts)[row]
+        padded = scores.new_full((rows, int(counts[few].max())), float("-inf"))
+        light = few[row]
+        padded[row[light], slot[light]] = values[light]
+        kth[few] = _kth_largest(padded[few], k)  # at least k candidates each, all finite
+    return kth, candidates[values >= kth[row, 0]]
 
 
 def _flat_positions_at_least(values: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""CPU cost of one query block of the DSA selection at long sequences, per query-block pair, by part: the scores
+(per-head products, relu, weighted head sum) and the top-k threshold with the kept positions, the latter both by
+a selection over whole rows and through the group-maxima bound (``megaseq_dsa.ops.indexer._kth_and_kept``),
+in the same process on the same scores (the two agree exactly; checked here too).
+
+One block of the queries at the end of a sequence of ``--seq-len`` tokens (pool 4, top-k 512, 4 index heads of
+32: the default recipe's indexer), random inputs, as many queries as SCORE_BLOCK_BYTES allows; each time is the
+fastest of ``--repeats`` runs in process CPU seconds.
+
+    OMP_NUM_THREADS=1 .venv/bin/python packages/attn-dsa/benchmarks/selection_cost.py --seq-len 65536 262144 1048576
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from megaseq_dsa.ops import indexer
+
+
+def fastest(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def measure(seq_len: int, repeats: int) -> tuple[int, float, float, float]:
+    """Queries in the block and CPU ns per query-block pair: scores, whole-row threshold, bounded threshold."""
+    heads, dim, pool, kept = 4, 32, 4, 512 // 4
+    gen = torch.Generator().manual_seed(0)
+    n_blocks = seq_len // pool
+    queries = max(1, min(indexer.DEFAULT_QUERY_BLOCK, indexer.SCORE_BLOCK_BYTES // (4 * n_blocks)))
+    q = torch.randn(1, queries, heads, dim, generator=gen)
+    weights = torch.randn(1, queries, heads, generator=gen) * (heads * dim) ** -0.5
+    keys = torch.randn(1, n_blocks, dim, generator=gen)
+    scores = torch.empty(1, queries, n_blocks)
+    work = torch.empty(queries * heads * indexer.DEFAULT_KEY_BLOCK)
+
+    def score() -> None:
+        for k0 in range(0, n_blocks, indexer.DEFAULT_KEY_BLOCK):
+            k1 = min(k0 + indexer.DEFAULT_KEY_BLOCK, n_blocks)
+            indexer._index_scores(q, keys[:, k0:k1], weights, scores[..., k0:k1], work)
+
+    rows = scores.view(queries, n_blocks)
+    full = torch.ones(queries, dtype=torch.bool)
+
+    def whole_rows() -> tuple[torch.Tensor, torch.Tensor]:
+        kth = indexer._kth_largest(rows, kept)
+        return kth, indexer._flat_positions_at_least(rows, kth)
+
+    def bound() -> tuple[torch.Tensor, torch.Tensor]:
+        saved, indexer.MIN_GROUP = indexer.MIN_GROUP, 1
+        try:
+            return indexer._kth_and_kept(rows, kept, full)
+        finally:
+            indexer.MIN_GROUP = saved
+
+    t_score = fastest(score, repeats)
+    a, b = whole_rows(), bound()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "the bound changed the selection"
+    pairs = queries * n_blocks / 1e9
+    return queries, t_score / pairs, fastest(whole_rows, repeats) / pairs, fastest(bound, repeats) / pairs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, nargs="+", default=[65536, 262144, 1048576])
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    print(f"{'seq_len':>9} {'queries':>7} {'scores ns':>9} {'whole rows ns':>13} {'bound ns':>8} {'ratio':>6}")
+    for seq_len in args.seq_len:
+        queries, t_score, t_whole, t_bound = measure(seq_len, args.repeats)
+        print(f"{seq_len:>9} {queries:>7} {t_score:>9.2f} {t_whole:>13.2f} {t_bound:>8.2f} {t_whole / t_bound:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
