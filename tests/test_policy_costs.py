@@ -59,8 +59,9 @@ def test_cuda_ranks_offloading_before_recomputation():
 
 def test_the_reported_layout_facts():
     """The GLM-5.3-Flash plan (packages/offload/README.md, "The reported figures"): at 1M the proposed set fits
-    178 GiB with the 180 GiB of bf16 block inputs pinned on the host; at 256k offloading moves 45 GiB and the
-    planner prefers recomputation alone; the optimizer state is 16 bytes per parameter of host memory."""
+    178 GiB with the 180 GiB of bf16 block inputs pinned on the host; at 256k offloading moves 45 GiB (the
+    reported run's peak fell by 44) and the planner prefers recomputation alone; the optimizer state is 16
+    bytes per parameter of host memory."""
     plugins = get_plugins()
     recipe = load_recipe(str(Path(RECIPE).with_name("glm5-flash-1m.toml")), plugins)
     layout = Layout.parse("dp=4,cp=2,ep=32,tp=8,etp=2")
@@ -73,7 +74,8 @@ def test_the_reported_layout_facts():
     at_256k = plan(recipe, plugins, seq_len=2**18, layout=layout, machine=machine)
     labels = {e.label: e for e in at_256k.candidates}
     assert at_256k.chosen is not None and at_256k.chosen.label == "recompute"
-    assert labels["recompute"].device_peak - labels["offload + recompute"].device_peak > 43 * GiB
+    # 45 GiB leave; backward brings a layer's input back, and the pool loads the one below ahead (1 GiB each)
+    assert 42 * GiB < labels["recompute"].device_peak - labels["offload + recompute"].device_peak < 44 * GiB
     assert labels["offload + recompute"].host == 45 * GiB
 
 

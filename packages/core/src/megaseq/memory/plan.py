@@ -24,11 +24,11 @@ the block's two norms, ``x``: the block input, d_model x 4 bytes):
                                              whose input h, x per token, is then kept as well)
 
 Offloading moves what layers keep to host memory (CUDA: a pinned pool; CPU: a scratch file on disk, so it
-leaves the process's resident memory); the layer being differentiated brings back its input and, while
-each part's backward runs, what that part saved (``a N`` beside the attention's temporary, ``f N`` beside the
-feed-forward's), so the parts that are not recomputed peak at their saved bytes plus their temporary. Tensor
-parallelism divides the attention's and dense feed-forward's parameters and activations by ``tp``; expert
-parallelism is the MoE component's own business (``ModelDims.ep_size``), ``etp`` divides expert weights.
+leaves the process's resident memory); the layer being differentiated brings back its input (on CUDA the
+layer below's as well, loaded ahead) and, while each part's backward runs, what that part saved (``a N``
+beside the attention's temporary, ``f N`` beside the feed-forward's), so the parts that are not recomputed peak at their saved bytes plus their
+temporary. Tensor parallelism divides the attention's and dense feed-forward's parameters and activations by
+``tp``; expert parallelism is the MoE component's own business (``ModelDims.ep_size``), ``etp`` divides expert weights.
 Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved; the residual stream (the
 block inputs ``x``, the norms' inputs, the gradient stream) is fp32 unless ``model.residual_dtype = "bf16"``
 (``megaseq.model``), which halves those bytes too.
@@ -310,8 +310,11 @@ def estimate(
             kept -= moved
             # Backward brings back what each part saved while that part's backward runs, beside its temporary
             # (measured at 64k: the KDA part peaks at its saved bytes + its temporary). Recomputed parts bring
-            # back only their input.
+            # back only their input. On CUDA the pool loads ahead: bringing one tensor back starts loading the
+            # one packed before it (the layer below's input, as large as this one's), so it is there as well.
             work += unit_input
+            if machine.kind == "cuda":
+                work += max(size for _, size in groups if size >= offload_min)
             if part is None:
                 work = max((a + norms / 2) * tokens + attention_temp, (f + norms / 2) * tokens + ffn_temp)
             elif part == "ffn":
