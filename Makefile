@@ -20,7 +20,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH=$(TORCH): use TORCH=cpu (the default) or TORCH=cuda)
 endif
 
-.PHONY: setup train test test-fast test-isolated test-integration lint dist clean
+.PHONY: setup train test test-fast test-isolated test-core test-plugins test-integration lint dist clean
 
 # A venv with pip new enough for dependency groups, the chosen torch build (before the packages, so that
 # their torch requirement is already met), and every workspace package editable. One stamp per build.
@@ -45,35 +45,40 @@ train: setup
 
 # Every test. Each package's tests run in an environment holding only core and that package, so a plugin
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
-test: test-isolated test-integration
+# The tests run one intra-op thread per process, so two test sets run at once (-j2) to use both cores of a
+# small machine: the integration tests beside core's and then the plugins' (about the same length).
+test:
+	$(MAKE) --jobs=2 --output-sync=target test-integration test-core test-plugins
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
 # (megaseq.threads): several test processes and their gloo ranks run at once.
-test test-isolated test-integration: export OMP_NUM_THREADS = 1
+test test-fast test-isolated test-core test-plugins test-integration: export OMP_NUM_THREADS = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-core's pytest plugin, megaseq/pytest_plugin.py). What to run while working on a
-# plugin; make test runs everything and is what CI runs.
+# plugin; make test runs everything and is what CI runs. Here the plugins' sets are the longest.
 PYTEST_ARGS ?=
 test-fast:
-	$(MAKE) test-isolated test-integration PYTEST_ARGS='-m "not slow"'
+	$(MAKE) --jobs=2 --output-sync=target test-plugins test-core test-integration PYTEST_ARGS='-m "not slow"'
 
-# The isolated environment shares the full venv's third-party packages (torch, triton, pytest, ...) through
-# hard links (tools/link_venv.py), never its megaseq packages: it costs megabytes, not a second 2.2 GB venv.
-$(ISO)/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml tools/link_venv.py
-	rm -rf $(ISO)
-	$(PYTHON) -m venv --without-pip $(ISO)
-	$(VENV)/bin/python tools/link_venv.py $(VENV) $(ISO)
-	$(ISO)/bin/python -m pip install -q --no-deps -e packages/core
-	$(ISO)/bin/python -m pip check
+# The isolated environments (one per package: core alone, core and one plugin) share the full venv's
+# third-party packages (torch, triton, pytest, ...) through hard links (tools/link_venv.py), never its megaseq
+# packages: each costs megabytes, not a second 2.2 GB venv.
+ISO_ENVS := $(addprefix $(ISO)/,$(notdir $(PACKAGES)))
+$(ISO)/%/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml packages/%/pyproject.toml tools/link_venv.py
+	rm -rf $(ISO)/$*
+	$(PYTHON) -m venv --without-pip $(ISO)/$*
+	$(VENV)/bin/python tools/link_venv.py $(VENV) $(ISO)/$* > /dev/null
+	$(ISO)/$*/bin/python -m pip install -q --no-deps -e packages/core $(if $(filter core,$*),,-e packages/$*)
+	$(ISO)/$*/bin/python -m pip check
 	touch $@
 
-test-isolated: $(ISO)/.installed
-	$(ISO)/bin/python -m pytest $(PYTEST_ARGS) packages/core/tests
-	set -e; for p in $(PLUGINS); do \
-	  $(ISO)/bin/python -m pip install -q --no-deps -e $$p; \
-	  $(ISO)/bin/python -m pytest $(PYTEST_ARGS) $$p/tests || { $(ISO)/bin/python -m pip uninstall -q -y $$(basename $$p | sed 's/^/megaseq-/'); exit 1; }; \
-	  $(ISO)/bin/python -m pip uninstall -q -y megaseq-$$(basename $$p); \
-	done
+test-isolated: test-core test-plugins
+
+test-core: $(ISO)/core/.installed
+	$(ISO)/core/bin/python -m pytest $(PYTEST_ARGS) packages/core/tests
+
+test-plugins: $(addsuffix /.installed,$(filter-out $(ISO)/core,$(ISO_ENVS)))
+	set -e; for p in $(notdir $(PLUGINS)); do $(ISO)/$$p/bin/python -m pytest $(PYTEST_ARGS) packages/$$p/tests; done
 
 test-integration: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
