@@ -1,10 +1,16 @@
 """Tensor parallelism of the DSA layer: the check the conformance suite runs (test_conformance.py) catches a
-layer whose ranks select keys by their own indexer heads only, and heads that tp does not divide are refused
-when the layer is built, in one line."""
+layer whose ranks select keys by their own indexer heads only; the triton backend passes it too (its sparse
+attention kernel on each rank's heads, torch's selection summing the ranks' scores); heads that tp does not
+divide are refused when the layer is built, in one line."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+import torch
 
 from megaseq.records import ModelDims
 from megaseq.testing import build_component
@@ -17,6 +23,18 @@ CONFIG = {"n_heads": 4, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "in
 def test_the_check_catches_ranks_that_select_by_their_own_indexer_heads():
     with pytest.raises(AssertionError, match="under tp=2 rank 0 output"):
         check_tensor_parallel("attention", "dsa", CONFIG, factory="megaseq_dsa.testing:build_rank_local_selection")
+
+
+@pytest.mark.slow  # the Triton interpreter, two gloo ranks
+def test_the_triton_backend_passes_the_tensor_parallel_check():
+    """On CUDA when present, else with the kernels in the Triton CPU interpreter (a subprocess, so that
+    TRITON_INTERPRET is set before triton is imported)."""
+    pytest.importorskip("triton")
+    env = {**os.environ} if torch.cuda.is_available() else {**os.environ, "TRITON_INTERPRET": "1"}
+    code = ("from megaseq.testing.tensor_parallel import check_tensor_parallel; "
+            f"check_tensor_parallel('attention', 'dsa', {{**{CONFIG!r}, 'backend': 'triton'}})")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize(("key", "value"), [("n_heads", 3), ("index_heads", 3)])
