@@ -167,6 +167,7 @@ SUITES = {
     "engine": "megaseq.testing.engine:EngineConformance",
     "data source": "megaseq.testing.data_source:DataSourceConformance",
     "baseline": "megaseq.testing.baseline:BaselineConformance",
+    "eval analysis": "megaseq.testing.eval_analysis:EvalAnalysisConformance",
 }
 KNOB_HEADER = "| knob | suites | default | meaning |"
 

@@ -30,6 +30,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("data_source", "grch37-chrX"): "megaseq-genome",
     ("baseline", "markov"): "megaseq-genome",
     ("command", "context-extension"): "megaseq-genome",
+    ("eval_analysis", "retrieval"): "megaseq-genome",
 }
 
 

@@ -42,6 +42,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(dry_run(recipe, plugins, layout, args.resume, args.address))
         return 0
+    from megaseq.eval.evaluate import check_analyses
+
+    check_analyses(recipe, plugins)
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     if layout.world_size == 1 and args.address is None and not in_torchrun():
         from megaseq.train.trainer import Trainer
@@ -72,6 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def print_eval(out_dir: Path, step: int) -> None:
     """The held-out table the run wrote for its final step (rank 0 of a distributed run writes it)."""
+    from megaseq.eval.evaluate import analysis_tables
     from megaseq.eval.positions import format_table
     from megaseq.train.rundir import eval_dir
 
@@ -79,7 +83,7 @@ def print_eval(out_dir: Path, step: int) -> None:
     heldout = json.loads((where / "heldout.json").read_text())
     print(f"\nheld-out {heldout['heldout']}, {heldout['windows']} windows of {heldout['seq_len']} bases "
           f"(bits/base by context position):")
-    print(format_table(heldout["results"]))
+    print(format_table(heldout["results"]) + analysis_tables(heldout.get("analyses", {})))
     print(f"\nwrote {where}/heldout.json, heldout_by_position.png; checkpoints in {out_dir}/checkpoints")
 
 
@@ -168,7 +172,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             result = evaluate_heldout(model, recipe, device, plugins, out_dir=out, baseline=not args.no_baseline, progress=not args.no_progress)
     print(f"step {meta['step']}: held-out {recipe.data.heldout}, {result['windows']} windows of {recipe.data.seq_len} bases")
     print(result["table"])
-    print(f"wrote {out}/heldout.json and heldout_by_position.png")
+    extra = ", heldout_by_position.png and the analyses' files" if result["analyses"] else " and heldout_by_position.png"
+    print(f"wrote {out}/heldout.json{extra}")
     return 0
 
 
@@ -255,9 +260,10 @@ data.train and data.heldout are dataset names (megaseq data list) or paths to FA
 gzip), e.g. --set data.train=/path/genome.fa.gz."""
 
 EVAL_HELP = """Held-out loss by context position of a checkpoint, beside the baselines its recipe names
-(eval.baselines; --set 'eval.baselines=["markov"]' adds one).
+(eval.baselines; --set 'eval.baselines=["markov"]' adds one), and the analyses it names (eval.analyses, e.g.
+megaseq-genome's retrieval table: --set 'eval.analyses=["retrieval"]').
 
-Writes heldout.json and heldout_by_position.png to --out, by default RUN/eval/step_N for a checkpoint in
+Writes heldout.json, heldout_by_position.png and the analyses' plots to --out, by default RUN/eval/step_N for a checkpoint in
 RUN/checkpoints (never into the checkpoint directory itself)."""
 
 
@@ -339,7 +345,7 @@ def parser(commands: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest good checkpoint)")
     e.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="e.g. eval.windows=128")
     e.add_argument("--out", metavar="DIR", help="where to write heldout.json and the plot (default: RUN/eval/step_N)")
-    e.add_argument("--no-baseline", action="store_true", help="skip the recipe's baselines (eval.baselines)")
+    e.add_argument("--no-baseline", action="store_true", help="skip the recipe's baselines and analyses (eval.baselines, eval.analyses)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 

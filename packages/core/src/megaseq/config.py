@@ -1,7 +1,8 @@
 """Recipes: TOML files that compose a run from components, validated before anything is built.
 
 Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, ``[parallel]``, and one section per component used,
-``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory_policy.NAME]``, ``[baseline.NAME]``, validated by that
+``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory_policy.NAME]``, ``[baseline.NAME]``,
+``[eval_analysis.NAME]``, validated by that
 component's own schema. Every mistake is one line naming the file, the key path and what is allowed.
 """
 
@@ -21,6 +22,7 @@ from megaseq.records import ComponentConfig
 MAX_SEQ_LEN = 2**30  # beyond any memory; a bound keeps a typo from reaching the planner's arithmetic
 COMPONENT_SECTIONS = {
     "attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy", "baseline": "baseline",
+    "eval_analysis": "eval_analysis",
 }
 # keys a recipe may no longer hold, with what replaced them (one line each)
 REPLACED_KEYS = {
@@ -165,6 +167,10 @@ class EvalConfig(Section):
         [], description="baselines scored beside the model (megaseq plugins lists them), each configured in [baseline.NAME]"
     )
     first_bucket: int = Field(1024, ge=1, description="end of the first context-position bucket")
+    analyses: list[str] = Field(
+        [], description="analyses of every scorer's per-target losses, reported with the baselines (megaseq plugins "
+        "lists them), each configured in [eval_analysis.NAME]"
+    )
 
 
 class ParallelConfig(Section):
@@ -320,6 +326,9 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
     for i, name in enumerate(recipe.eval.baselines):
         used["baseline"].add(name)
         where.setdefault(("baseline", name), f"eval.baselines[{i}]")
+    for i, name in enumerate(recipe.eval.analyses):
+        used["eval_analysis"].add(name)
+        where.setdefault(("eval_analysis", name), f"eval.analyses[{i}]")
 
     for section, kind in COMPONENT_SECTIONS.items():
         if not isinstance(component_raw[section], dict):
@@ -332,7 +341,8 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         tables = component_raw[section]
         for name in sorted(set(tables) - used[kind]):
             users = {"attention": "model.layer_pattern", "ffn": "model.ffn", "moe": "model.moe",
-                     "memory_policy": "train.memory_policy", "baseline": "eval.baselines"}[kind]
+                     "memory_policy": "train.memory_policy", "baseline": "eval.baselines",
+                     "eval_analysis": "eval.analyses"}[kind]
             raise ConfigError(f"{source}: [{section}.{name}] is configured but not used by {users}")
         for name in sorted(used[kind]):
             provided = plugins.get(kind, name, where=f"{source}: {where[(kind, name)]}")

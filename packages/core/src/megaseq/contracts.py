@@ -435,6 +435,49 @@ class Baseline(Protocol):
     def token_losses(self, inputs: Tensor, targets: Tensor) -> Tensor: ...
 
 
+MODEL_SCORER = "model"  # the model's scorer label in the held-out evaluation (baselines use their own labels)
+
+
+@dataclass(frozen=True)
+class EvalInfo:
+    """What an eval analysis is built for: ``source`` (the recipe, for one-line errors), ``seq_len`` (targets
+    per window), ``windows`` (how many held-out windows are scored, numbered ``0 .. windows - 1``) and
+    ``baselines``, the labels of the baselines scored beside the model, in order."""
+
+    source: str
+    seq_len: int
+    windows: int
+    baselines: tuple[str, ...]
+
+    @property
+    def scorers(self) -> tuple[str, ...]:
+        """Every scorer the analysis is fed: the model (:data:`MODEL_SCORER`) first, then the baselines."""
+        return (MODEL_SCORER, *self.baselines)
+
+
+@runtime_checkable
+class EvalAnalysis(Protocol):
+    """A per-target analysis of every scorer's losses on the held-out windows (megaseq-genome's ``retrieval``:
+    bits/base by the distance back to the last earlier occurrence of each target's preceding k-mer).
+
+    Built by its record's target as ``build(config, info: EvalInfo)``; a recipe it cannot serve (e.g. it
+    needs a baseline and none is scored) raises ``megaseq.errors.ConfigError`` there, in one line, before
+    anything is scored. ``add(scorer, window, ids, losses, weights)`` is called exactly once per scorer of
+    ``info.scorers`` and window, in any order: ``ids`` the window's ``seq_len + 1`` token ids (int64,
+    ``megaseq.data.tokenizer``: A C G T N = 0..4; inputs ``ids[:-1]``, targets ``ids[1:]``), ``losses`` the
+    scorer's ``seq_len`` target losses in nats (float64) and ``weights`` their loss weights (float64, 0 = not
+    scored: the loss there may be anything, even inf or NaN, and must not count). ``finish(out_dir)`` is
+    called once after every ``add``: it returns ``(result, table)``, a dict that ``json.dumps`` writes
+    without NaN or infinity (it goes under ``"analyses"`` in ``heldout.json``) and a text table for the
+    console, and writes its own files (plots) into ``out_dir`` only, nothing when ``out_dir`` is ``None``.
+    ``megaseq.testing.eval_analysis.EvalAnalysisConformance`` checks all of this.
+    """
+
+    def add(self, scorer: str, window: int, ids: Any, losses: Any, weights: Any) -> None: ...
+
+    def finish(self, out_dir: Any) -> tuple[dict[str, Any], str]: ...
+
+
 def iter_modules(model: torch.nn.Module, cls: type) -> Iterator[tuple[str, Any]]:
     """``(name, module)`` for each submodule that is an instance of ``cls``: how a plugin finds its own
     modules in a model from its lifecycle hooks."""
@@ -445,9 +488,12 @@ def iter_modules(model: torch.nn.Module, cls: type) -> Iterator[tuple[str, Any]]
 
 __all__ = [
     "LOAD_STAT_KEYS",
+    "MODEL_SCORER",
     "Attention",
     "Baseline",
     "ContextParallel",
+    "EvalAnalysis",
+    "EvalInfo",
     "FeedForward",
     "ForwardContext",
     "MemoryPolicy",

@@ -8,7 +8,7 @@ Two families:
 
 - **Registration hooks** (``megaseq_attention``, ``megaseq_ffn``, ``megaseq_moe``, ``megaseq_memory_policy``,
   ``megaseq_rl_algorithm``, ``megaseq_inference_engine``, ``megaseq_command``, ``megaseq_data_source``,
-  ``megaseq_baseline``) return the plugin's components as records (``megaseq.records``). Core calls each
+  ``megaseq_baseline``, ``megaseq_eval_analysis``) return the plugin's components as records (``megaseq.records``). Core calls each
   plugin's implementation separately, once per plugin manager, when the registry is first needed (listing
   plugins, validating a recipe, building a model), so that a failure is pinned on the plugin that caused it:
   an exception, a record of the wrong type or a record whose target does not exist makes that plugin
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         BaselineSpec,
         CommandSpec,
         DataSourceSpec,
+        EvalAnalysisSpec,
         FFNSpec,
         InferenceEngineSpec,
         MemoryPolicySpec,
@@ -142,6 +143,17 @@ def megaseq_baseline() -> list[BaselineSpec]:
     Returns a list of ``megaseq.records.BaselineSpec``; each target resolves to
     ``build(config, train: str) -> Baseline`` implementing ``megaseq.contracts.Baseline``. Called like
     :func:`megaseq_attention`.
+    """
+
+
+@hookspec
+def megaseq_eval_analysis() -> list[EvalAnalysisSpec]:
+    """The eval analyses (``eval.analyses``: what the held-out evaluation reports beyond loss by position, from
+    every scorer's per-target losses) this plugin provides.
+
+    Returns a list of ``megaseq.records.EvalAnalysisSpec``; each target resolves to
+    ``build(config, info: EvalInfo) -> EvalAnalysis`` implementing ``megaseq.contracts.EvalAnalysis``. Called
+    like :func:`megaseq_attention`.
     """
 
 

@@ -303,10 +303,19 @@ class BaselineSpec(Component):
     kind: ClassVar[str] = "baseline"
 
 
+@dataclass(frozen=True)
+class EvalAnalysisSpec(Component):
+    """An analysis of every scorer's per-target losses on the held-out windows (``eval.analyses``, configured
+    in ``[eval_analysis.NAME]``): see ``megaseq.contracts.EvalAnalysis``. ``target`` resolves to
+    ``build(config, info: megaseq.contracts.EvalInfo) -> EvalAnalysis``."""
+
+    kind: ClassVar[str] = "eval_analysis"
+
+
 SPEC_TYPES: dict[str, type[Record]] = {
     cls.kind: cls
     for cls in (
         AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec, InferenceEngineSpec, CommandSpec,
-        DataSourceSpec, BaselineSpec,
+        DataSourceSpec, BaselineSpec, EvalAnalysisSpec,
     )
 }

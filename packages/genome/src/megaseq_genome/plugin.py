@@ -1,5 +1,5 @@
 """megaseq plugin registration: the ``grch37-chr20`` and ``grch37-chrX`` data sources, the ``markov``
-baseline and the ``megaseq context-extension`` command.
+baseline, the ``retrieval`` eval analysis and the ``megaseq context-extension`` command.
 
 Listing plugins imports this module, so it imports nothing heavy (no torch): targets load lazily.
 """
@@ -7,8 +7,8 @@ Listing plugins imports this module, so it imports nothing heavy (no torch): tar
 from __future__ import annotations
 
 from megaseq.hookspecs import hookimpl
-from megaseq.records import BaselineSpec, CommandSpec, DataSourceSpec
-from megaseq_genome.config import MarkovConfig
+from megaseq.records import BaselineSpec, CommandSpec, DataSourceSpec, EvalAnalysisSpec
+from megaseq_genome.config import MarkovConfig, RetrievalConfig
 
 
 @hookimpl
@@ -33,6 +33,17 @@ def megaseq_baseline() -> list[BaselineSpec]:
         BaselineSpec(
             name="markov", target="megaseq_genome.markov:build", config=MarkovConfig,
             summary="order-k nucleotide Markov model fitted on data.train (add-1/2 smoothing)",
+        )
+    ]
+
+
+@hookimpl
+def megaseq_eval_analysis() -> list[EvalAnalysisSpec]:
+    return [
+        EvalAnalysisSpec(
+            name="retrieval", target="megaseq_genome.retrieval:build", config=RetrievalConfig,
+            summary="bits/base by distance to the last earlier occurrence of each target's k-mer, and the share of "
+            "a perfect copier's gain captured",
         )
     ]
 

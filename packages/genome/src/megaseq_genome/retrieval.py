@@ -14,19 +14,27 @@ baseline) the **perfect copier** is defined per bucket: it predicts the right co
 and is R elsewhere, so its bits are R's minus R's loss on the right-copy targets, and a model M captures
 ``(R - M) / (R - copier)`` of the copier's gain. Bits and fractions are ratios of sums over targets; their
 intervals resample whole windows (``megaseq_genome.bootstrap``).
+
+:class:`RetrievalAnalysis` is the ``retrieval`` eval analysis (``eval.analyses = ["retrieval"]``): the table
+and plot for the model and the baselines of ``megaseq eval`` and of a training run's final evaluation.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import Any, get_args
 
 import numpy as np
 
+from megaseq.contracts import EvalInfo
 from megaseq.data.tokenizer import N_ID, TOKEN_ID_MASK
+from megaseq.errors import ConfigError
 from megaseq.eval.positions import LN2
+from megaseq_genome.bootstrap import resample_weights
+from megaseq_genome.config import RetrievalConfig, RetrievalK
 
-KS = (12, 16, 20, 32)
+KS: tuple[int, ...] = get_args(RetrievalK)
 EDGES = (512, 4096, 16384, 65536)  # distance bucket upper bounds; "none" after them
 BUCKETS = ("<512", "512-4k", "4k-16k", "16k-64k", "none")
 NONE = len(BUCKETS) - 1
@@ -73,7 +81,9 @@ def bucket_of(distance: np.ndarray) -> np.ndarray:
 
 class RetrievalLoss:
     """Loss sums (nats, float64) per (window, k, bucket): over every target (``sums``) and over the targets
-    whose copy is right (``right_sums``), with their counts (``counts``, ``right_counts``)."""
+    whose copy is right (``right_sums``), with their counts (``counts``, ``right_counts``). With loss weights
+    (``add``'s ``weights``, as the held-out evaluation gives them) sums are weighted and counts are the summed
+    weights: target counts where every scored target weighs 1."""
 
     FIELDS = ("sums", "right_sums", "counts", "right_counts")
 
@@ -83,19 +93,24 @@ class RetrievalLoss:
         self.sums, self.right_sums = np.zeros(shape), np.zeros(shape)
         self.counts, self.right_counts = np.zeros(shape), np.zeros(shape)
 
-    def add(self, window: int, ids: np.ndarray, loss: np.ndarray) -> None:
-        """``ids``: the window's L + 1 tokens; ``loss``: its L targets' losses in nats."""
+    def add(self, window: int, ids: np.ndarray, loss: np.ndarray, weights: np.ndarray | None = None) -> None:
+        """``ids``: the window's L + 1 tokens; ``loss``: its L targets' losses in nats; ``weights``: their loss
+        weights (None: 1 each); a target of weight 0 does not count, whatever its loss (even inf or NaN)."""
         loss = np.asarray(loss, dtype=np.float64).reshape(-1)
         if loss.shape[0] != len(ids) - 1:
             raise ValueError(f"window {window}: {loss.shape[0]} losses for {len(ids) - 1} targets")
+        weights = np.ones_like(loss) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
+        if weights.shape != loss.shape:
+            raise ValueError(f"window {window}: {weights.shape[0]} weights for {loss.shape[0]} targets")
+        loss = np.where(weights > 0, loss, 0.0) * weights
         for i, k in enumerate(self.ks):
             distance, right = last_occurrence(ids, k)
             buckets = bucket_of(distance)
             n = len(BUCKETS)
             self.sums[window, i] = np.bincount(buckets, loss, minlength=n)
-            self.counts[window, i] = np.bincount(buckets, minlength=n)
+            self.counts[window, i] = np.bincount(buckets, weights, minlength=n)
             self.right_sums[window, i] = np.bincount(buckets[right], loss[right], minlength=n)
-            self.right_counts[window, i] = np.bincount(buckets[right], minlength=n)
+            self.right_counts[window, i] = np.bincount(buckets[right], weights[right], minlength=n)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {f"retrieval_{name}": getattr(self, name) for name in self.FIELDS} | {"retrieval_ks": np.asarray(self.ks)}
@@ -140,7 +155,7 @@ def retrieval_table(
     copier_sums = ref.sums - ref.right_sums
     out: dict[str, object] = {
         "ks": list(ref.ks), "buckets": list(BUCKETS), "reference": reference,
-        "targets": ref.counts.sum(0).astype(int).tolist(), "right_copies": ref.right_counts.sum(0).astype(int).tolist(),
+        "targets": np.rint(ref.counts.sum(0)).astype(int).tolist(), "right_copies": np.rint(ref.right_counts.sum(0)).astype(int).tolist(),
         "copier_bits": _summary(_ratio(copier_sums.sum(0), ref.counts.sum(0)) / LN2,
                                 _ratio(resampled(copier_sums), resampled(ref.counts)) / LN2, level),
         "models": {},
@@ -223,3 +238,44 @@ def plot(table: dict[str, Any], path: Any, k: int = 20) -> None:
     left.set_ylabel("bits per base")
     right.set_ylabel(f"share of the copier's gain over {table['reference']} (%)")
     figure.savefig(path, dpi=120, bbox_inches="tight")
+
+
+class RetrievalAnalysis:
+    """The ``retrieval`` eval analysis (``megaseq.contracts.EvalAnalysis``): every scorer's losses summed by
+    distance bucket (:class:`RetrievalLoss`), then the retrieval table over the reference baseline
+    (``reference``, else the scored baseline with the lowest loss) with bootstrap intervals over windows, its
+    markdown for ``k`` and the plot ``retrieval_by_distance.png``."""
+
+    def __init__(self, config: RetrievalConfig, info: EvalInfo) -> None:
+        if not info.baselines:
+            raise ConfigError(
+                f"{info.source}: eval.analyses: retrieval measures the perfect copier's gain over a baseline and "
+                'eval.baselines scores none; add one, e.g. eval.baselines = ["markov"]'
+            )
+        if config.reference is not None and config.reference not in info.baselines:
+            raise ConfigError(
+                f"{info.source}: eval_analysis.retrieval.reference: {config.reference!r} is not a scored baseline; "
+                f"allowed: {', '.join(info.baselines)}"
+            )
+        self.config, self.info = config, info
+        self.scores = {scorer: RetrievalLoss(info.windows) for scorer in info.scorers}
+
+    def add(self, scorer: str, window: int, ids: np.ndarray, losses: np.ndarray, weights: np.ndarray) -> None:
+        self.scores[scorer].add(window, ids, losses, weights)
+
+    def reference(self) -> str:
+        if self.config.reference is not None:
+            return self.config.reference
+        # each target lies in exactly one bucket of each k, so the buckets of the first k sum to the total loss
+        return min(self.info.baselines, key=lambda label: self.scores[label].sums[:, 0].sum())
+
+    def finish(self, out_dir: Path | None) -> tuple[dict[str, Any], str]:
+        weights = resample_weights(self.info.windows, self.config.bootstrap_samples, seed=0)
+        table = retrieval_table(self.scores, self.reference(), weights)
+        if out_dir is not None:
+            plot(table, Path(out_dir) / "retrieval_by_distance.png", self.config.k)
+        return table, markdown(table, self.config.k)
+
+
+def build(config: RetrievalConfig, info: EvalInfo) -> RetrievalAnalysis:
+    return RetrievalAnalysis(config, info)

@@ -2,7 +2,9 @@
 
 The model and every baseline ``eval.baselines`` names (``megaseq.contracts.Baseline``, e.g. the k-mer Markov
 model of megaseq-genome) are scored on the same held-out windows (evenly spaced over the held-out data) with
-the same weights, so every number has a reference beside it.
+the same weights, so every number has a reference beside it. The analyses ``eval.analyses`` names
+(``megaseq.contracts.EvalAnalysis``, e.g. megaseq-genome's retrieval table) are fed every scorer's per-target
+losses and report beside them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from megaseq.config import Recipe
-from megaseq.contracts import Baseline, ForwardContext
+from megaseq.contracts import MODEL_SCORER, Baseline, EvalAnalysis, EvalInfo, ForwardContext
 from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows
 from megaseq.errors import UserError
@@ -44,20 +46,36 @@ def _batches(indices: list[int], batch_size: int, progress: bool, desc: str) -> 
     return tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False, file=sys.stderr)
 
 
+def _feed(analyses: list[EvalAnalysis], scorer: str, first: int, batch: Batch, losses: torch.Tensor) -> None:
+    """Hand each window of ``batch`` (windows ``first, first + 1, ...``; megaseq's token ids) and the scorer's
+    losses on it to every analysis."""
+    if not analyses:
+        return
+    ids = torch.cat([batch.inputs, batch.targets[:, -1:]], dim=1).numpy()
+    losses_np = losses.detach().to("cpu", torch.float64).numpy()
+    weights = batch.weights.to(torch.float64).numpy()
+    for row in range(ids.shape[0]):
+        for analysis in analyses:
+            analysis.add(scorer, first + row, ids[row], losses_np[row], weights[row])
+
+
 @torch.no_grad()
 def score_model(
-    model: LanguageModel, recipe: Recipe, windows: GenomeWindows, indices: list[int], device: torch.device, progress: bool = False
+    model: LanguageModel, recipe: Recipe, windows: GenomeWindows, indices: list[int], device: torch.device,
+    progress: bool = False, analyses: list[EvalAnalysis] | None = None,
 ) -> dict:
     was_training = model.training
     model.eval()
     acc = PositionLoss(recipe.data.seq_len, recipe.eval.first_bucket)
     bs = recipe.eval.batch_size
     for start in _batches(indices, bs, progress, "eval model"):
-        batch = batch_to(windows.batch(indices[start : start + bs]).to_vocab(recipe.data.token_ids), device)
+        raw = windows.batch(indices[start : start + bs])
+        batch = batch_to(raw.to_vocab(recipe.data.token_ids), device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.train.bf16):
             hidden = model(batch.inputs, ForwardContext())
             losses = chunked_token_losses(hidden, model.head_weight, batch.targets, recipe.train.loss_chunk)
         acc.add(losses.float(), batch.weights)
+        _feed(analyses or [], MODEL_SCORER, start, raw, losses.float())
     model.train(was_training)
     return acc.summary()
 
@@ -72,13 +90,36 @@ def build_baselines(recipe: Recipe, plugins: Plugins) -> list[Baseline]:
     return built
 
 
+def build_analyses(recipe: Recipe, plugins: Plugins, baselines: list[Baseline], windows: int) -> dict[str, EvalAnalysis]:
+    """The analyses ``eval.analyses`` names, each built from its ``[eval_analysis.NAME]`` config for the model
+    and ``baselines`` on ``windows`` held-out windows (see ``megaseq.contracts.EvalAnalysis``)."""
+    info = EvalInfo(recipe.source, recipe.data.seq_len, windows, tuple(b.label for b in baselines))
+    built = {}
+    for name in recipe.eval.analyses:
+        provided = plugins.get("eval_analysis", name, where=f"{recipe.source}: eval.analyses")
+        built[name] = provided.load()(recipe.component("eval_analysis", name), info)
+    return built
+
+
+def check_analyses(recipe: Recipe, plugins: Plugins) -> None:
+    """Build the recipe's baselines and analyses as its evaluation will (fitted baselines and tokenised data
+    are cached, so the evaluation pays for neither again): a recipe an analysis cannot serve fails in one line
+    before training, not after it."""
+    if recipe.eval.analyses:
+        _, indices = heldout_windows(recipe, plugins)
+        build_analyses(recipe, plugins, build_baselines(recipe, plugins), len(indices))
+
+
 def score_baseline(
-    baseline: Baseline, recipe: Recipe, windows: GenomeWindows, indices: list[int], progress: bool = False
+    baseline: Baseline, recipe: Recipe, windows: GenomeWindows, indices: list[int], progress: bool = False,
+    analyses: list[EvalAnalysis] | None = None,
 ) -> dict:
     acc = PositionLoss(recipe.data.seq_len, recipe.eval.first_bucket)
     for start in _batches(indices, recipe.eval.batch_size, progress, f"eval {baseline.label}"):
         batch = windows.batch(indices[start : start + recipe.eval.batch_size])
-        acc.add(baseline.token_losses(batch.inputs, batch.targets).double(), batch.weights)
+        losses = baseline.token_losses(batch.inputs, batch.targets).double()
+        acc.add(losses, batch.weights)
+        _feed(analyses or [], baseline.label, start, batch, losses)
     return acc.summary()
 
 
@@ -93,6 +134,12 @@ def flatten(results: dict[str, dict]) -> dict[str, float]:
     return flat
 
 
+def analysis_tables(reports: dict[str, dict[str, Any]]) -> str:
+    """The analyses' text tables (``heldout.json``'s ``"analyses"``: ``{name: {"result", "table"}}``), each
+    after a blank line."""
+    return "".join(f"\n{report['table']}" for report in reports.values())
+
+
 def evaluate_heldout(
     model: LanguageModel,
     recipe: Recipe,
@@ -102,16 +149,23 @@ def evaluate_heldout(
     baseline: bool = True,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Score the model (and, with ``baseline``, the recipe's baselines) on held-out windows; write JSON + PNG
-    to ``out_dir``. ``progress``: a progress bar per scorer on stderr."""
+    """Score the model (and, with ``baseline``, the recipe's baselines and analyses) on held-out windows; write
+    JSON + PNG (and the analyses' files) to ``out_dir``. ``progress``: a progress bar per scorer on stderr."""
     windows, indices = heldout_windows(recipe, plugins)
-    results = {"model": score_model(model, recipe, windows, indices, device, progress)}
-    for built in build_baselines(recipe, plugins) if baseline else []:
-        results[built.label] = score_baseline(built, recipe, windows, indices, progress)
-    table = format_table(results)
+    baselines = build_baselines(recipe, plugins) if baseline else []
+    # built before any scoring, so that a recipe an analysis cannot serve fails in one line at once
+    analyses = build_analyses(recipe, plugins, baselines, len(indices)) if baseline else {}
+    fed = list(analyses.values())
+    results = {MODEL_SCORER: score_model(model, recipe, windows, indices, device, progress, fed)}
+    for built in baselines:
+        results[built.label] = score_baseline(built, recipe, windows, indices, progress, fed)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
+    reports = {name: dict(zip(("result", "table"), analysis.finish(out_dir), strict=True)) for name, analysis in analyses.items()}
+    table = format_table(results) + analysis_tables(reports)
+    if out_dir is not None:
         payload = {"heldout": recipe.data.heldout, "seq_len": recipe.data.seq_len, "windows": len(indices), "results": results}
-        (out_dir / "heldout.json").write_text(json.dumps(payload, indent=2))
+        (out_dir / "heldout.json").write_text(json.dumps(payload | ({"analyses": reports} if reports else {}), indent=2))
         plot_positions(results, out_dir / "heldout_by_position.png", f"{recipe.run.name}: held-out {recipe.data.heldout}")
-    return {"results": results, "table": table, "flat": flatten(results), "windows": len(indices)}
+    analysed = {name: report["result"] for name, report in reports.items()}
+    return {"results": results, "analyses": analysed, "table": table, "flat": flatten(results), "windows": len(indices)}

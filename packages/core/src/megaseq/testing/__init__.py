@@ -16,7 +16,10 @@ The suites are the executable definition of "a working plugin", one per kind:
 - ``megaseq.testing.tiling.SequenceTilingConformance`` (attention components that tile),
 - ``megaseq.testing.memory_policy.MemoryPolicyConformance`` (``memory_policy``),
 - ``megaseq.testing.rl.RLAlgorithmConformance`` (``rl_algorithm``),
-- ``megaseq.testing.engine.EngineConformance`` (``inference_engine``).
+- ``megaseq.testing.engine.EngineConformance`` (``inference_engine``),
+- ``megaseq.testing.data_source.DataSourceConformance`` (``data_source``),
+- ``megaseq.testing.baseline.BaselineConformance`` (``baseline``),
+- ``megaseq.testing.eval_analysis.EvalAnalysisConformance`` (``eval_analysis``).
 
 They build components by name through the installed entry points, so they also check that registration
 works. Their building blocks are in ``megaseq.testing.checks``. Every suite takes its settings as class
@@ -25,18 +28,18 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | knob | suites | default | meaning |
 |---|---|---|---|
 | `name` | all | (required) | the component's registered name |
-| `config` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline | `{}` | its config, as its recipe section would give it |
+| `config` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline, eval analysis | `{}` | its config, as its recipe section would give it |
 | `factory` | attention, ffn, moe, tiling, memory policy, rl, engine | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; core's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy or an RL algorithm `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)` |
 | `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
 | `kind` | ffn, moe | `"ffn"` / `"moe"` | the kind to build (set by the suite class) |
 | `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
 | `d_model` | attention, ffn, moe, tiling | 32 | model width |
-| `tolerance` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline | 1e-5; memory policy, baseline 1e-6; rl 1e-10; engine 1e-4 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
+| `tolerance` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline, eval analysis | 1e-5; memory policy, baseline 1e-6; rl 1e-10; engine 1e-4; eval analysis 1e-9 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; eval analysis: each number of two results, relative to its size; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
 | `grad_tolerance` | attention, ffn, moe | 1e-6 | error bound of the float64 finite-difference gradient check, relative to `max(1, \|derivative\|)` |
 | `invariance_tolerance` | rl | 1e-4 | shift and scale invariance of advantages, relative to the largest advantage |
 | `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement |
 | `memory_lengths` | attention, ffn, moe, tiling | `(64, 256)` | sequence lengths at which the estimate is checked (tiling: in four tiles) |
-| `seq_len` | attention, ffn, moe, tiling, memory policy | 48; ffn, moe 13; tiling 45; memory policy 67 | tokens per row (memory policy: per micro-batch) |
+| `seq_len` | attention, ffn, moe, tiling, memory policy, eval analysis | 48; ffn, moe 13; tiling 45; memory policy 67; eval analysis 701 | tokens per row (memory policy: per micro-batch; eval analysis: targets per window) |
 | `grad_seq_len` | attention, ffn, moe | 10; ffn, moe 5 | tokens per row of the gradient check (each parameter costs two forwards) |
 | `batch` | ffn, moe, engine | 2; engine 3 | rows (engine: prompts) |
 | `doc_lengths` | attention, tiling, memory policy | `(5, 17, 0, 1, 25)`; tiling `(12, 4, 13, 0, 16)`; memory policy `(20, 1, 29, 17)` | documents of the packed tests (an empty one included; tiling: one starts on a tile edge) |
@@ -57,6 +60,7 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `groups`, `group_size`, `tokens` | rl | 5, 4, 7 | prompts, completions per prompt, tokens per completion |
 | `prompt_len`, `new_tokens` | engine | 11, 9 | prompt length and tokens generated |
 | `train` | baseline | `"excerpt-chr20"` | what the baseline is fitted on (a data source or FASTA path) |
+| `baselines`, `windows` | eval analysis | `("base-a", "base-b")`, 5 | the labels of the baselines scored beside the model, and the held-out windows fed |
 | `cache_dir` | data source | `None` | where to fetch to; `None`: megaseq's cache (`$MEGASEQ_CACHE`, else ~/.cache/megaseq) |
 """
 
