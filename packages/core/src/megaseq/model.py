@@ -199,20 +199,26 @@ def chunked_token_losses(
     return losses if tp is None else tp_split(losses, tp)
 
 
-def build_model(recipe: Recipe, plugins: Plugins, dims: ModelDims | None = None) -> LanguageModel:
-    """Build the model a recipe describes, each block's components through the plugin registry."""
+def build_block(recipe: Recipe, plugins: Plugins, dims: ModelDims, layer: int) -> Block:
+    """Block ``layer`` of the model a recipe describes, its components through the plugin registry."""
+    m = recipe.model
+    attn_name = m.attention_of(layer)
+    attn_provided = plugins.get("attention", attn_name)
+    attn = attn_provided.load()(recipe.component("attention", attn_name), dims, layer)
+    ffn_kind, ffn_name = m.ffn_of(layer)
+    ffn = plugins.get(ffn_kind, ffn_name).load()(recipe.component(ffn_kind, ffn_name), dims, layer)
+    return Block(attn, ffn, m.d_model, m.norm, m.norm_eps, names=(attn_name, ffn_kind, ffn_name),
+                 tiles="sequence_tiling" in attn_provided.spec.capabilities)
+
+
+def build_model(recipe: Recipe, plugins: Plugins, dims: ModelDims | None = None, blocks: bool = True) -> LanguageModel:
+    """Build the model a recipe describes (``blocks=False``: without its blocks, the embedding, final norm and
+    head alone). The blocks are initialised first, in order, then the embedding and the head: the order in which
+    ``megaseq.distributed.experts.initial_parts`` builds them one at a time."""
     m = recipe.model
     dims = dims or ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
-    blocks = []
-    for layer in range(m.n_layers):
-        attn_name = m.attention_of(layer)
-        attn_provided = plugins.get("attention", attn_name)
-        attn = attn_provided.load()(recipe.component("attention", attn_name), dims, layer)
-        ffn_kind, ffn_name = m.ffn_of(layer)
-        ffn = plugins.get(ffn_kind, ffn_name).load()(recipe.component(ffn_kind, ffn_name), dims, layer)
-        blocks.append(Block(attn, ffn, m.d_model, m.norm, m.norm_eps, names=(attn_name, ffn_kind, ffn_name),
-                            tiles="sequence_tiling" in attn_provided.spec.capabilities))
-    return LanguageModel(blocks, dims, m.norm, m.norm_eps, m.tie_embeddings, residual_bf16=m.residual_dtype == "bf16")
+    built = [build_block(recipe, plugins, dims, layer) for layer in range(m.n_layers)] if blocks else []
+    return LanguageModel(built, dims, m.norm, m.norm_eps, m.tie_embeddings, residual_bf16=m.residual_dtype == "bf16")
 
 
 def describe(model: LanguageModel) -> str:

@@ -13,21 +13,22 @@ the ``r``-th contiguous block of each split tensor along one dimension (``megase
 and so is expert tensor parallelism (``ModelDims(etp_rank=r, etp_size=n)``: a block of each routed expert's
 hidden width, along another dimension of the expert tensors than the experts' own).
 
-The same split serves three purposes: giving every layout the same initial weights (initialise the full
-model, keep the local block), checkpoints (each EP rank writes its block) and resuming under another
+The same split serves three purposes: giving every layout the same initial weights (:func:`build_local_model`:
+the local model built on the meta device, filled from the one-process model's initialisation one block at a
+time, each cut to the local block), checkpoints (each EP rank writes its block) and resuming under another
 layout (join the blocks, cut them again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from megaseq.config import Recipe
 from megaseq.errors import UserError
-from megaseq.model import LanguageModel, build_model
+from megaseq.model import LanguageModel, build_block, build_model
 from megaseq.plugins import Plugins
 from megaseq.records import ModelDims
 
@@ -145,21 +146,32 @@ def split_lengths(recipe: Recipe, plugins: Plugins, dims: Mapping[str, int]) -> 
     return {name: full[name].shape[dim] for name, dim in dims.items()}
 
 
-def build_layout_model(
-    recipe: Recipe, plugins: Plugins, ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1,
-    etp_rank: int = 0, etp_size: int = 1,
-) -> LanguageModel:
-    """The local model of EP rank ``ep_rank``, TP rank ``tp_rank`` and ETP rank ``etp_rank`` with the initial
-    weights of the single-rank model.
+def initial_parts(recipe: Recipe, plugins: Plugins) -> Iterator[tuple[str, nn.Module]]:
+    """The one-process model's initial weights, one part at a time: ``(prefix, module)``, each block and then the
+    embedding, final norm and head, with the module's tensors named as the whole model's less ``prefix``. The
+    parts draw from the global generator in the order :func:`megaseq.model.build_model` does, so together they
+    are its model and leave the generator where it leaves it."""
+    dims = model_dims(recipe)
+    for layer in range(recipe.model.n_layers):
+        yield f"blocks.{layer}.", build_block(recipe, plugins, dims, layer)
+    yield "", build_model(recipe, plugins, dims, blocks=False)
 
-    Under expert or tensor parallelism the full model is initialised (so every layout starts from the same
-    weights and leaves the random generators where a single-rank run leaves them) and the local blocks are kept.
+
+def build_local_model(
+    recipe: Recipe, plugins: Plugins, device: torch.device | str = "cpu", ep_rank: int = 0, ep_size: int = 1,
+    tp_rank: int = 0, tp_size: int = 1, etp_rank: int = 0, etp_size: int = 1,
+) -> LanguageModel:
+    """The model of EP rank ``ep_rank``, TP rank ``tp_rank`` and ETP rank ``etp_rank`` on ``device``, holding only
+    its blocks of the split tensors, with the initial weights of the one-process model cut to them.
+
+    The local model is built on the meta device (no memory) and materialised on ``device``; its tensors are then
+    filled part by part from :func:`initial_parts`, so besides the local model a rank holds one whole part (one
+    block) at a time, never the whole model. Every rank draws the same numbers from the global generator as one
+    process building the whole model: every layout starts from its weights and leaves the generator as it does.
     """
-    if ep_size == 1 and tp_size == 1 and etp_size == 1:
-        return build_model(recipe, plugins)
-    with torch.random.fork_rng(devices=[]):
+    with torch.device("meta"):
         local = build_model(recipe, plugins, model_dims(recipe, ep_rank, ep_size, tp_rank, tp_size, etp_rank, etp_size))
-    full = build_model(recipe, plugins).state_dict()
+    local = local.to_empty(device=device)
     by_ep, by_tp = layout_expert_dims(recipe, plugins, ep_size), layout_tp_dims(recipe, plugins, tp_size)
     by_etp = layout_etp_dims(recipe, plugins, etp_size)
     where = f"{recipe.source}: parallel ep={ep_size},tp={tp_size},etp={etp_size}"
@@ -167,6 +179,19 @@ def build_layout_model(
         raise UserError(f"{where}: {both[0]} is split by both tensor and expert parallelism")
     if same := sorted(n for n in set(by_ep) & set(by_etp) if by_ep[n] == by_etp[n]):
         raise UserError(f"{where}: {same[0]} is split along dimension {by_ep[same[0]]} by both ep and etp")
-    cut = shard(shard(full, by_ep, ep_rank, ep_size), by_etp, etp_rank, etp_size)
-    local.load_state_dict(shard(cut, by_tp, tp_rank, tp_size))
+    cuts = [(by_ep, ep_rank, ep_size), (by_etp, etp_rank, etp_size), (by_tp, tp_rank, tp_size)]
+    targets = {**dict(local.named_parameters(remove_duplicate=False)), **dict(local.named_buffers(remove_duplicate=False))}
+    filled: set[str] = set()
+    with torch.no_grad():
+        for prefix, part in initial_parts(recipe, plugins):
+            for name, value in [*part.named_parameters(remove_duplicate=False), *part.named_buffers(remove_duplicate=False)]:
+                name = prefix + name
+                for dims, rank, size in cuts:
+                    if name in dims:
+                        value = block(value, dims[name], rank, size)
+                targets[name].copy_(value)
+                filled.add(name)
+            del part
+    if missing := sorted(set(targets) - filled):
+        raise RuntimeError(f"{missing[0]} of the local model is in no part of the initial model")
     return local

@@ -45,7 +45,7 @@ from megaseq.data.sources import tokenized
 from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
 from megaseq.devices import pick_device
 from megaseq.distributed.experts import (
-    build_layout_model,
+    build_local_model,
     layout_etp_dims,
     layout_expert_dims,
     layout_tp_dims,
@@ -169,9 +169,9 @@ class Trainer:
         self.train_windows = data_windows(recipe, "train", plugins)
         data_windows(recipe, "heldout", plugins)  # a bad data.heldout fails now, not after training
         p = self.parallel
-        self.model = build_layout_model(
-            recipe, plugins, p.ep_rank, p.layout.ep, p.tp_rank, p.layout.tp, p.etp_rank, p.layout.etp
-        ).to(self.device)
+        self.model = build_local_model(
+            recipe, plugins, self.device, p.ep_rank, p.layout.ep, p.tp_rank, p.layout.tp, p.etp_rank, p.layout.etp
+        )
         self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
         self.etp_dims = layout_etp_dims(recipe, plugins, p.layout.etp)
         self.tp_dims = layout_tp_dims(recipe, plugins, p.layout.tp)
