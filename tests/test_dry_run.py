@@ -88,7 +88,7 @@ def test_a_layout_whose_experts_do_not_tile_the_ranks_is_one_line():
 
 
 @pytest.mark.slow
-def test_dry_run_checks_prints_groups_and_plan_and_starts_nothing(tmp_path, capsys, monkeypatch):
+def test_the_reported_layout_dry_run_checks_prints_groups_and_plan_and_starts_nothing(tmp_path, capsys, monkeypatch):
     import megaseq.distributed.launch as launch
     import megaseq.train.trainer as trainer
 
@@ -98,14 +98,18 @@ def test_dry_run_checks_prints_groups_and_plan_and_starts_nothing(tmp_path, caps
     monkeypatch.setattr(launch, "run_with_ray", must_not_run)
     monkeypatch.setattr(trainer.Trainer, "__init__", must_not_run)
     out = tmp_path / "run"
-    args = ["train", str(GLM5), "--out", str(out), "--dry-run", "--parallel", "dp=4,cp=2,ep=8"]
+    args = ["train", str(GLM5), "--out", str(out), "--dry-run", "--parallel", "dp=4,cp=2,ep=32,tp=8,etp=2"]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "parallel dp=4,cp=2,ep=8: 8 rank(s)" in printed
-    assert "  cp         4 of 2: 0,1  2,3  4,5  6,7" in printed and "  ep         1 of 8: 0-7" in printed
+    assert "parallel dp=4,cp=2,ep=32,tp=8,etp=2: 64 rank(s)" in printed
+    assert "  tp         8 of 8: 0-7  8-15  16-23" in printed and "  etp        32 of 2: 0,1  2,3" in printed
+    assert "  ep         2 of 32: 0,2,4," in printed and "  expert dp  64 of 1: 0  1" in printed
+    assert "\n    63" in printed  # the rank table's last row
     assert "memory plan per cuda device" in printed and "recompute + offload: peak" in printed
+    groups = printed[printed.index("groups ("):printed.index("rank -> group")]
+    assert max(len(line) for line in groups.splitlines()) <= 110  # 64 ranks' groups wrapped
     assert not out.exists()
     # the same pre-flight refuses what the launch refuses, in one line
-    assert main([*args[:-1], "dp=4,cp=2,ep=5"]) == 2
+    assert main([*args[:-1], "dp=4,cp=2,ep=5,tp=8"]) == 2
     err = capsys.readouterr().err
-    assert "ep 5 does not divide dp x cp = 8" in err and err.count("\n") == 1, err
+    assert "ep x etp = 5 x 1 does not divide the 64 workers" in err and err.count("\n") == 1, err

@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -95,7 +96,9 @@ def describe_groups(groups: dict[str, list[list[int]]]) -> list[str]:
     world = sum(len(g) for g in groups["tp"])
     lines = [f"groups (megatron-core parallel_state, {world} ranks):"]
     for name, members in groups.items():
-        lines.append(f"  {name:<10} {len(members)} of {len(members[0])}: " + "  ".join(ranks(g) for g in members))
+        head = f"  {name:<10} {len(members)} of {len(members[0])}: "
+        lines += textwrap.wrap("  ".join(ranks(g) for g in members), width=110, initial_indent=head,
+                               subsequent_indent=" " * len(head), break_on_hyphens=False)
     index = {name: {r: i for i, g in enumerate(members) for r in g} for name, members in groups.items()}
     lines += ["", "rank -> group (index in each list above):", "  rank" + "".join(f"{n:>11}" for n in groups)]
     lines += [f"  {r:>4}" + "".join(f"{index[n][r]:>11}" for n in groups) for r in range(world)]
@@ -120,7 +123,7 @@ def describe_plan(recipe: Recipe, plugins: Plugins, layout: Layout) -> str:
         return render_table(plan(recipe, plugins, layout=layout, machine=machine, policies=policies))
     result = plan(recipe, plugins, layout=layout, machine=Machine(kind, 2**62, None), policies=policies)
     lines = [f"memory plan per {kind} device ({result.tokens} tokens per device per micro-batch); no {kind} device "
-             f"here to fit against (megaseq plan {recipe.source} --parallel {layout} --device-mem GiB checks the fit):"]
+             f"here to fit against,", f"`megaseq plan {recipe.source} --parallel {layout} --device-mem GiB` checks the fit:"]
     for e in result.candidates:
         host = f", host {gib(e.host + e.host_optimizer)}" if e.host or e.host_optimizer else ""
         lines.append(f"  {e.label}: peak {gib(e.device_peak)} (weights {gib(e.weights)}, gradients "
