@@ -1,13 +1,16 @@
 """CPU cost of one query block of the DSA selection at long sequences, per query-block pair, by part: the scores
 (per-head products, relu, weighted head sum) and the top-k threshold with the kept positions, the latter both by
 a selection over whole rows and through the group-maxima bound (``megaseq_dsa.ops.indexer._kth_and_kept``),
-in the same process on the same scores (the two agree exactly; checked here too).
+in the same process on the same scores (the two agree exactly; checked here too); then the whole block's
+selection (scores, threshold, ties, rows) with the path the selection takes at that length.
 
 One block of the queries at the end of a sequence of ``--seq-len`` tokens (pool 4, top-k 512, 4 index heads of
 32: the default recipe's indexer), random inputs, as many queries as SCORE_BLOCK_BYTES allows; each time is the
-fastest of ``--repeats`` runs in process CPU seconds.
+fastest of ``--repeats`` runs in process CPU seconds. ``--negative-share``: the share of negative head weights
+(0.5: symmetric; 0.78 as in the trained default recipe's indexer, where a query whose weights are all negative
+has 0 as its best score, tied by many keys).
 
-    OMP_NUM_THREADS=1 .venv/bin/python packages/attn-dsa/benchmarks/selection_cost.py --seq-len 65536 262144 1048576
+    OMP_NUM_THREADS=1 .venv/bin/python packages/attn-dsa/benchmarks/selection_cost.py --negative-share 0.5 0.78
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ def fastest(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure(seq_len: int, repeats: int) -> tuple[int, float, float, float]:
-    """Queries in the block and CPU ns per query-block pair: scores, whole-row threshold, bounded threshold."""
+def measure(seq_len: int, repeats: int, negative_share: float) -> tuple[int, float, float, float, float]:
+    """Queries in the block and CPU ns per query-block pair: scores, whole-row threshold, bounded threshold, the
+    block's whole selection."""
     heads, dim, pool, kept = 4, 32, 4, 512 // 4
     gen = torch.Generator().manual_seed(0)
     n_blocks = seq_len // pool
     queries = max(1, min(indexer.DEFAULT_QUERY_BLOCK, indexer.SCORE_BLOCK_BYTES // (4 * n_blocks)))
     q = torch.randn(1, queries, heads, dim, generator=gen)
-    weights = torch.randn(1, queries, heads, generator=gen) * (heads * dim) ** -0.5
+    shift = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(negative_share))
+    weights = (torch.randn(1, queries, heads, generator=gen) - shift) * (heads * dim) ** -0.5
     keys = torch.randn(1, n_blocks, dim, generator=gen)
     scores = torch.empty(1, queries, n_blocks)
     work = torch.empty(queries * heads * indexer.DEFAULT_KEY_BLOCK)
@@ -65,19 +70,31 @@ def measure(seq_len: int, repeats: int) -> tuple[int, float, float, float]:
     t_score = fastest(score, repeats)
     a, b = whole_rows(), bound()
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "the bound changed the selection"
+    lo = torch.zeros(1, queries, dtype=torch.long)
+    hi = torch.full((1, queries), n_blocks - 1)
+    flat, work_all = scores.view(-1), work
+
+    def block() -> torch.Tensor:
+        return indexer._select_block(q, weights, keys, lo, hi, kept, indexer.DEFAULT_KEY_BLOCK, flat, work_all)
+
     pairs = queries * n_blocks / 1e9
-    return queries, t_score / pairs, fastest(whole_rows, repeats) / pairs, fastest(bound, repeats) / pairs
+    t_whole, t_bound = fastest(whole_rows, repeats) / pairs, fastest(bound, repeats) / pairs
+    return queries, t_score / pairs, t_whole, t_bound, fastest(block, repeats) / pairs
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, nargs="+", default=[65536, 262144, 1048576])
+    p.add_argument("--negative-share", type=float, nargs="+", default=[0.5])
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
-    print(f"{'seq_len':>9} {'queries':>7} {'scores ns':>9} {'whole rows ns':>13} {'bound ns':>8} {'ratio':>6}")
-    for seq_len in args.seq_len:
-        queries, t_score, t_whole, t_bound = measure(seq_len, args.repeats)
-        print(f"{seq_len:>9} {queries:>7} {t_score:>9.2f} {t_whole:>13.2f} {t_bound:>8.2f} {t_whole / t_bound:>6.2f}", flush=True)
+    print(f"{'negative':>8} {'seq_len':>9} {'queries':>7} {'scores ns':>9} {'whole rows ns':>13} {'bound ns':>8} "
+          f"{'ratio':>6} {'block ns':>8}")
+    for share in args.negative_share:
+        for seq_len in args.seq_len:
+            queries, t_score, t_whole, t_bound, t_block = measure(seq_len, args.repeats, share)
+            print(f"{share:>8.2f} {seq_len:>9} {queries:>7} {t_score:>9.2f} {t_whole:>13.2f} {t_bound:>8.2f} "
+                  f"{t_whole / t_bound:>6.2f} {t_block:>8.2f}", flush=True)
 
 
 if __name__ == "__main__":

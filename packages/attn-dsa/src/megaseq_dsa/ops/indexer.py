@@ -375,15 +375,13 @@ def _select_block(
     kth, kept = _kth_and_kept(scores, k, visible > k)  # kept row-major: each row's keys ascending
     if len(kept) > int(need.sum()):
         # Some rows tie with their k-th best score beyond k keys: the latest of those tied keys are dropped.
-        surplus = torch.bincount(kept // width, minlength=rows) - need
-        tied_rows = (surplus > 0).nonzero()[:, 0]
-        tied = scores[tied_rows] == kth[tied_rows]
-        drop = tied & (tied.cumsum(-1) > tied.sum(-1, keepdim=True) - surplus[tied_rows, None])
-        dropped = drop.view(-1).nonzero()[:, 0]
-        dropped = tied_rows[dropped // width] * width + dropped % width
-        retained = torch.ones(len(kept), dtype=torch.bool, device=q.device)
-        retained[torch.searchsorted(kept, dropped)] = False
-        kept = kept[retained]
+        # Counted over the kept keys only (their tied ones, ascending per row), not over whole rows.
+        row = kept // width
+        surplus = torch.bincount(row, minlength=rows) - need
+        tied = (scores.view(-1)[kept] == kth.view(-1)[row]) & (surplus[row] > 0)
+        tied_total = torch.bincount(row, weights=tied, minlength=rows).long()
+        rank = tied.cumsum(0) - (tied_total.cumsum(0) - tied_total)[row]  # 1, 2, ... among a row's tied keys
+        kept = kept[~(tied & (rank > (tied_total - surplus)[row]))]
     if bool((need == k).all()):
         row_starts = torch.arange(rows, device=q.device)[:, None] * width
         return (kept.view(rows, k) - row_starts + start).view(batch, queries, k)
@@ -496,20 +494,24 @@ def _kth_and_kept(scores: torch.Tensor, k: int, full: torch.Tensor) -> tuple[tor
     candidates = _flat_positions_at_least(scores, bound)
     values = scores.view(-1)[candidates]
     row = candidates // width
-    counts = torch.bincount(row, minlength=rows)
-    # A row with many candidates (scores tied at the bound: all-negative head weights make 0 the best score of
-    # many keys) selects over its whole row; the others over their candidates, padded to the longest.
+    # Where fewer than k candidates lie above the bound, the bound is the k-th largest (ties at it are common:
+    # with all head weights of a query negative its best score is 0, shared by many keys). Otherwise the k-th
+    # largest lies above the bound: selected among the candidates above it, padded to the longest row, or over
+    # the whole row where those are many.
+    above = values > bound[row, 0]
+    counts = torch.bincount(row[above], minlength=rows)
+    kth = bound.clone()
     crowded = full & (counts > GROUPS_PER_KEPT * k)
-    few = full & ~crowded
-    kth = scores.new_full((rows, 1), lowest)
     if bool(crowded.any()):
         kth[crowded] = _kth_largest(scores[crowded], k)
+    few = full & ~crowded & (counts >= k)
     if bool(few.any()):
-        slot = torch.arange(len(candidates)) - (counts.cumsum(0) - counts)[row]
+        ids = row[above]
+        slot = torch.arange(len(ids)) - (counts.cumsum(0) - counts)[ids]
         padded = scores.new_full((rows, int(counts[few].max())), float("-inf"))
-        light = few[row]
-        padded[row[light], slot[light]] = values[light]
-        kth[few] = _kth_largest(padded[few], k)  # at least k candidates each, all finite
+        light = few[ids]
+        padded[ids[light], slot[light]] = values[above][light]
+        kth[few] = _kth_largest(padded[few], k)
     return kth, candidates[values >= kth[row, 0]]
 
 
