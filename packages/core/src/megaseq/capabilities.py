@@ -7,8 +7,7 @@ declared capability holds.
   policy may tile sequences (a tile is a share of the whole sequence, which no rank holds).
 - ``ep > 1``: the MoE must declare ``expert_parallel``.
 - ``tp > 1``: every attention, dense FFN and MoE must declare ``tensor_parallel``, and no memory policy may
-  tile sequences (a rank holds a chunk of the sequence between components). The planner models ``tp`` for
-  every component (``planning``): its terms are the split a tensor-parallel implementation makes.
+  tile sequences (a rank holds a chunk of the sequence between components).
 """
 
 from __future__ import annotations
@@ -38,20 +37,19 @@ def policy_effect(spec: Component, config: Any) -> MemoryEffect | None:
     return None if effect_fn is None else effect_fn(config)
 
 
-def policy_runs_under(spec: Component, effect: MemoryEffect | None, cp: int) -> bool:
-    """Whether a memory policy with this effect keeps a step under ``cp`` context-parallel ranks equal to the
-    step without it: it declares ``context_parallel`` and, under ``cp > 1``, does not tile sequences."""
-    if cp == 1:
-        return True
-    return "context_parallel" in spec.capabilities and (effect is None or effect.tile_tokens is None)
+def policy_runs_under(spec: Component, effect: MemoryEffect | None, cp: int, tp: int = 1) -> bool:
+    """Whether a memory policy with this effect keeps a step under ``cp`` context-parallel and ``tp``
+    tensor-parallel ranks equal to the step without it: under ``cp > 1`` it declares ``context_parallel``, and
+    under either it does not tile sequences."""
+    tiles = effect is not None and effect.tile_tokens is not None
+    if cp > 1 and "context_parallel" not in spec.capabilities:
+        return False
+    return not (tiles and (cp > 1 or tp > 1))
 
 
-def check_components(
-    recipe: Recipe, plugins: Plugins, layout: Layout, policies: list[str] | None = None, planning: bool = False
-) -> None:
+def check_components(recipe: Recipe, plugins: Plugins, layout: Layout, policies: list[str] | None = None) -> None:
     """Every component the recipe uses (and ``policies``, see :func:`used_components`) has what ``layout``
-    needs; otherwise a one-line error naming the component, its plugin and the capability. ``planning``: for
-    the planner, which models ``tp`` without running it (module docstring)."""
+    needs; otherwise a one-line error naming the component, its plugin and the capability."""
     where = f"{recipe.source}: parallel ({layout})"
     for kind, name in used_components(recipe, policies):
         provided = plugins.get(kind, name)
@@ -61,9 +59,9 @@ def check_components(
             raise UserError(f"{where}: {label} does not declare context_parallel; use cp=1 or another {kind}")
         if layout.ep > 1 and kind == "moe" and "expert_parallel" not in declared:
             raise UserError(f"{where}: {label} does not declare expert_parallel; use ep=1 or another moe")
-        if layout.tp > 1 and not planning and kind in ("attention", "ffn", "moe") and "tensor_parallel" not in declared:
+        if layout.tp > 1 and kind in ("attention", "ffn", "moe") and "tensor_parallel" not in declared:
             raise UserError(f"{where}: {label} does not declare tensor_parallel; use tp=1 or another {kind}")
-        if kind == "memory_policy" and layout.tp > 1 and not planning:
+        if kind == "memory_policy" and layout.tp > 1:
             config = recipe.components.get(kind, {}).get(name) or provided.spec.config()
             effect = policy_effect(provided.spec, config)
             if effect is not None and effect.tile_tokens is not None:

@@ -283,11 +283,11 @@ def estimate(
                 raise UserError(f"{recipe.source}: attention of layer {i} ({c.kind}) declares sequence_tiling but its "
                                 f"MemoryEstimate.tiling is None: the planner cannot size its tiles")
             n_tiles = math.ceil(length / tile)
-            carry = attention.tiling.per_token * tokens / layout.tp + attention.tiling.per_tile * n_tiles * rows
+            carry = attention.tiling.per_token * tokens + attention.tiling.per_tile * n_tiles * rows  # tp = 1: tiles refuse tp
             tile_attention = c.at("attention", tile)
             # a tile re-creates its attention's activations and concatenates the earlier tiles' carry
             tile_temp = tile_attention.temporary + attention.tiling.temporary
-            work = (a + norms / 2) * tile * rows + tile_temp * rows / layout.tp + carry
+            work = (a + norms / 2) * tile * rows + tile_temp * rows + carry
             kept = x * tokens + carry
             groups = [(kept, x * min(tile, length) * rows)]  # each tile's input slice and its carry
             if c.ffn_tiles:
@@ -441,14 +441,14 @@ def plan(
     if seq_len < 1:
         raise UserError(f"--seq-len {seq_len}: must be a positive number of tokens")
     check_zigzag_length(seq_len, layout.cp, "--seq-len")
-    check_components(recipe, plugins, layout, policies if isinstance(policies, list) else [], planning=True)
+    check_components(recipe, plugins, layout, policies if isinstance(policies, list) else [])
     if layout.ep > 1 and recipe.train.optimizer_shard:
         raise UserError(f"{recipe.source}: train.optimizer_shard cannot shard expert-parallel parameters (ep={layout.ep}: "
                         "each ep rank holds different experts); set train.optimizer_shard = false or ep = 1")
     if policies == "auto":
         # a set that cannot run under this layout is never a candidate
         sets = [s for s in candidate_sets(recipe, plugins)
-                if all(policy_runs_under(plugins.get("memory_policy", p.name).spec, p.effect, layout.cp) for p in s)]
+                if all(policy_runs_under(plugins.get("memory_policy", p.name).spec, p.effect, layout.cp, layout.tp) for p in s)]
         given = False
     elif policies == "none":
         sets, given = [[]], True
