@@ -188,3 +188,22 @@ def test_train_refuses_a_recipe_the_analysis_cannot_serve_before_training(sets, 
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert message in line, line
     assert not (tmp_path / "run").exists()  # nothing trained
+
+
+def test_train_prints_the_retrieval_table_of_its_final_evaluation(tmp_path, capsys):
+    """megaseq train with eval.analyses = ["retrieval"]: the final evaluation's table, printed under the
+    position table, counts the planted targets in their buckets; heldout.json and the plot are written."""
+    fasta = str(planted_fasta(tmp_path / "planted.fa"))
+    sets = [f"data.train={fasta}", f"data.heldout={fasta}", f"data.seq_len={SEQ_LEN}", "train.steps=1",
+            "train.batch_size=1", "eval.windows=2", "eval.batch_size=1", 'eval.baselines=["markov"]',
+            "baseline.markov.order=2", 'eval.analyses=["retrieval"]', "eval_analysis.retrieval.bootstrap_samples=100",
+            f"run.out_dir={tmp_path / 'run'}"]
+    args = ["train", str(REPO / "recipes" / "tiny.toml"), "--no-progress", *(item for s in sets for item in ("--set", s))]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    none = 2 * SEQ_LEN - 2 * (SIZE - K + 1)
+    assert f"| targets | {SIZE - K + 1} | {SIZE - K + 1} | 0 | 0 | {none:,} |" in out, out
+    assert f"| right copies | {SIZE - K} | {SIZE - K} | 0 | 0 | 0 |" in out and "| model, captured |" in out, out
+    where = tmp_path / "run" / "eval" / "step_0000001"
+    assert json.loads((where / "heldout.json").read_text())["analyses"]["retrieval"]["result"]["reference"] == "markov-2"
+    assert (where / "retrieval_by_distance.png").stat().st_size > 1000
