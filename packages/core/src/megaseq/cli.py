@@ -42,9 +42,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(dry_run(recipe, plugins, layout, args.resume, args.address))
         return 0
-    from megaseq.eval.evaluate import check_analyses
+    if not in_torchrun():  # once, in the launching process: torchrun's ranks would each fit the baselines
+        from megaseq.eval.evaluate import check_analyses
 
-    check_analyses(recipe, plugins)
+        check_analyses(recipe, plugins)
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     if layout.world_size == 1 and args.address is None and not in_torchrun():
         from megaseq.train.trainer import Trainer
