@@ -15,6 +15,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -131,3 +132,51 @@ def test_a_rank_holds_and_builds_only_its_shards(hybrid, capsys):
             lines.append(f"  whole model then cut: {old_peak} B")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+def _evaluate_under_layouts(rank: int, world: int, raw: dict[str, Any], layouts: list, out_dir: str) -> list:
+    """One training step and the held-out evaluation under each layout, with gathering a whole model refused."""
+    from pathlib import Path
+
+    from megaseq.distributed.groups import Parallel, destroy_process_groups, init_process_groups
+    from megaseq.testing import installed_plugins
+    from megaseq.testing.layouts import _recipe
+    from megaseq.train.trainer import Trainer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("evaluation gathered experts or tensor-parallel blocks onto one rank")
+
+    Parallel.gather_experts = Parallel.gather_tensor_parallel = refuse
+    results = []
+    for layout in layouts:
+        parallel = init_process_groups(layout)
+        try:
+            trainer = Trainer(_recipe(raw, layout, Path(out_dir) / str(layout).replace(",", "_")), installed_plugins(),
+                              parallel=parallel, progress=False, tensorboard=False)
+            trainer.train_step()
+            results.append(trainer.eval(baseline=False))
+        finally:
+            destroy_process_groups()
+    return results
+
+
+@pytest.mark.slow
+def test_evaluation_runs_on_the_sharded_model_and_equals_one_process(hybrid, tmp_path):
+    pytest.importorskip("megatron.core", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
+    from megaseq.distributed.layout import Layout
+    from megaseq.testing.distributed import run_gloo
+    from megaseq.testing.layouts import single_trainer
+
+    single = single_trainer(hybrid, tmp_path / "single")
+    single.train_step()
+    expected = single.eval(baseline=False)["results"]["model"]
+    layouts = [Layout(tp=2), Layout(dp=2, ep=2)]
+    ranks = run_gloo(2, _evaluate_under_layouts, hybrid, layouts, str(tmp_path))
+    for i, layout in enumerate(layouts):
+        assert ranks[1][i] is None, layout  # rank 0 reports
+        got = ranks[0][i]["results"]["model"]
+        pairs = [(got["bits_per_base"], expected["bits_per_base"])]
+        pairs += [(a["bits_per_base"], b["bits_per_base"]) for a, b in zip(got["buckets"], expected["buckets"], strict=True)
+                  if b["bits_per_base"] is not None]
+        for a, b in pairs:
+            assert a == pytest.approx(b, rel=1e-5), (layout, a, b)

@@ -88,6 +88,22 @@ class Parallel:
         return ForwardContext(cp=cp, ep_group=self.ep_group if self.layout.ep > 1 else None, tp=tp,
                               etp_group=self.etp_group if self.layout.etp > 1 else None)
 
+    def window_losses(self, model: nn.Module, inputs: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        """Per-token losses ``[B, T]`` of whole windows, by the training forward of this layout (each rank its
+        zig-zag shard, its tensor-parallel blocks and chunk, its experts), gathered back so that every rank holds
+        all of them: how a model whose experts and blocks are spread over the ranks is evaluated."""
+        from megaseq.model import chunked_token_losses
+        from megaseq.parallel import gather_sequence, tp_gather
+
+        ctx = self.forward_context(inputs.shape[1])
+        if ctx.cp is not None:
+            inputs, targets = (zigzag_shard(t, self.cp_rank, self.layout.cp, dim=1) for t in (inputs, targets))
+        hidden = model(inputs, ctx)
+        losses = chunked_token_losses(hidden, model.head_weight, targets, chunk, ctx.tp, model.dims.vocab_size)
+        if ctx.tp is not None:
+            losses = tp_gather(losses, ctx.tp)
+        return losses if ctx.cp is None else gather_sequence(losses, ctx.cp)
+
     def local_batch(self, batch: Batch) -> Batch:
         """This rank's part of a global micro-batch: its data-parallel share of the windows, zig-zag sharded."""
         share = batch.inputs.shape[0] // self.layout.dp

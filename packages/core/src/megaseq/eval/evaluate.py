@@ -62,8 +62,10 @@ def _feed(analyses: list[EvalAnalysis], scorer: str, first: int, batch: Batch, l
 @torch.no_grad()
 def score_model(
     model: LanguageModel, recipe: Recipe, windows: GenomeWindows, indices: list[int], device: torch.device,
-    progress: bool = False, analyses: list[EvalAnalysis] | None = None,
+    progress: bool = False, analyses: list[EvalAnalysis] | None = None, parallel: Any = None,
 ) -> dict:
+    """``parallel`` (``megaseq.distributed.groups.Parallel``): every rank of a layout scores the same windows with
+    its part of the model (``Parallel.window_losses``); each ends with the whole result."""
     was_training = model.training
     model.eval()
     acc = PositionLoss(recipe.data.seq_len, recipe.eval.first_bucket)
@@ -72,8 +74,11 @@ def score_model(
         raw = windows.batch(indices[start : start + bs])
         batch = batch_to(raw.to_vocab(recipe.data.token_ids), device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.train.bf16):
-            hidden = model(batch.inputs, ForwardContext())
-            losses = chunked_token_losses(hidden, model.head_weight, batch.targets, recipe.train.loss_chunk)
+            if parallel is not None and parallel.distributed:
+                losses = parallel.window_losses(model, batch.inputs, batch.targets, recipe.train.loss_chunk)
+            else:
+                hidden = model(batch.inputs, ForwardContext())
+                losses = chunked_token_losses(hidden, model.head_weight, batch.targets, recipe.train.loss_chunk)
         acc.add(losses.float(), batch.weights)
         _feed(analyses or [], MODEL_SCORER, start, raw, losses.float())
     model.train(was_training)
@@ -148,15 +153,21 @@ def evaluate_heldout(
     out_dir: Path | None = None,
     baseline: bool = True,
     progress: bool = False,
-) -> dict[str, Any]:
+    parallel: Any = None,
+) -> dict[str, Any] | None:
     """Score the model (and, with ``baseline``, the recipe's baselines and analyses) on held-out windows; write
-    JSON + PNG (and the analyses' files) to ``out_dir``. ``progress``: a progress bar per scorer on stderr."""
+    JSON + PNG (and the analyses' files) to ``out_dir``. ``progress``: a progress bar per scorer on stderr.
+    ``parallel``: the model is one rank's part of a layout (:func:`score_model`); every rank scores it, rank 0
+    alone the rest, and the others return ``None``."""
     windows, indices = heldout_windows(recipe, plugins)
+    if parallel is not None and not parallel.is_main:
+        score_model(model, recipe, windows, indices, device, parallel=parallel)
+        return None
     baselines = build_baselines(recipe, plugins) if baseline else []
     # built before any scoring, so that a recipe an analysis cannot serve fails in one line at once
     analyses = build_analyses(recipe, plugins, baselines, len(indices)) if baseline else {}
     fed = list(analyses.values())
-    results = {MODEL_SCORER: score_model(model, recipe, windows, indices, device, progress, fed)}
+    results = {MODEL_SCORER: score_model(model, recipe, windows, indices, device, progress, fed, parallel)}
     for built in baselines:
         results[built.label] = score_baseline(built, recipe, windows, indices, progress, fed)
     if out_dir is not None:

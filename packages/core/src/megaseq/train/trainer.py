@@ -60,7 +60,7 @@ from megaseq.memory import heap
 from megaseq.memory.machine import GiB
 from megaseq.memory.plan import planned_peak
 from megaseq.memory.plan_report import describe_memory_policy
-from megaseq.model import LanguageModel, build_model, chunked_token_losses, describe
+from megaseq.model import LanguageModel, chunked_token_losses, describe
 from megaseq.parallel import tp_chunk
 from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
@@ -496,26 +496,18 @@ class Trainer:
         return f"peak memory {measured:.2f}G, plan {self.planned_gib:.2f}G ({self.planned_gib / measured - 1:+.1%})"
 
     def eval(self, baseline: bool, write: bool = False) -> dict[str, Any] | None:
-        """Held-out evaluation of the whole model on rank 0 (``None`` on the other ranks, which wait)."""
-        layout = self.parallel.layout
-        model = self._whole_model() if layout.ep > 1 or layout.tp > 1 or layout.etp > 1 else self.model
+        """Held-out evaluation (``None`` on ranks other than 0). A layout that spreads the model over ranks (ep, tp,
+        etp) evaluates it where it is, every rank with its part (``Parallel.window_losses``); otherwise rank 0
+        evaluates its whole replica."""
+        layout, p = self.parallel.layout, self.parallel
+        spread = layout.ep > 1 or layout.tp > 1 or layout.etp > 1
         result = None
-        if model is not None and self.parallel.is_main:
-            out_dir = rundir.eval_dir(self.out_dir, self.step) if write else None
-            result = evaluate_heldout(model, self.recipe, self.device, self.plugins, out_dir, baseline=baseline, progress=self.progress)
-        self.parallel.barrier()
+        if spread or p.is_main:
+            out_dir = rundir.eval_dir(self.out_dir, self.step) if write and p.is_main else None
+            result = evaluate_heldout(self.model, self.recipe, self.device, self.plugins, out_dir, baseline=baseline,
+                                      progress=self.progress, parallel=p if spread else None)
+        p.barrier()
         return result
-
-    def _whole_model(self) -> LanguageModel | None:
-        """On rank 0, a one-rank copy of the model holding every expert and tensor-parallel block (gathered)."""
-        p = self.parallel
-        full = p.gather_tensor_parallel(p.gather_experts(self.model.state_dict(), self.expert_dims, self.etp_dims),
-                                        self.tp_dims, self.tp_lengths)
-        if not self.parallel.is_main:
-            return None
-        whole = build_model(self.recipe, self.plugins).to(self.device)
-        whole.load_state_dict(full)
-        return whole
 
 
 class _NoLogger:
