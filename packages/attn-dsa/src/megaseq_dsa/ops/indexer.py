@@ -484,8 +484,11 @@ def _kth_and_kept(scores: torch.Tensor, k: int, full: torch.Tensor) -> tuple[tor
         kth = scores.new_full((rows, 1), lowest)
         return kth, _flat_positions_at_least(scores, kth)
     if scores.device.type != "cpu" or group < MIN_GROUP:  # select over whole rows
-        kth = scores.new_full((rows, 1), lowest)
-        kth[full] = _kth_largest(scores[full], k)
+        if bool(full.all()):  # no copy of the rows
+            kth = _kth_largest(scores, k)
+        else:
+            kth = scores.new_full((rows, 1), lowest)
+            kth[full] = _kth_largest(scores[full], k)
         return kth, _flat_positions_at_least(scores, kth)
     n_groups = width // group
     # group j holds the positions j, j + n_groups, j + 2 n_groups, ...: a strided maximum, one pass
