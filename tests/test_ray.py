@@ -46,9 +46,10 @@ def _ray_workers(pid: int) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_and_resumes_to_the_uninterrupted_weights(tmp_path, monkeypatch, hybrid, recipe_toml):
+def test_killed_worker_restarts_and_resumes_to_the_uninterrupted_weights(tmp_path, monkeypatch, layouts_recipe, recipe_toml):
     monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
+    hybrid = layouts_recipe  # compared with one process, as the layout-equivalence tests are (tests/conftest.py)
     raw = {**hybrid, "run": {**hybrid["run"], "out_dir": str(out)}, "train": {**hybrid["train"], "steps": STEPS, "checkpoint_every": 2}}
     recipe = tmp_path / "hybrid.toml"
     recipe.write_text(recipe_toml(raw))
