@@ -58,6 +58,15 @@ def layouts_recipe() -> dict[str, Any]:
             "train": {**HYBRID["train"], "lr": 1e-3}}
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, layouts_recipe):
+    """One process on ``layouts_recipe``: its first two steps, then its third (what every layout must equal)."""
+    from megaseq.testing.layouts import single_trainer, train_single
+
+    trainer = single_trainer(layouts_recipe, tmp_path_factory.mktemp("single"))
+    return train_single(trainer, 2), train_single(trainer, 1)
+
+
 @pytest.fixture(scope="session")
 def recipe_toml():
     """``recipe_toml(raw) -> str``: a recipe dict as TOML text, for tests that run the CLI."""

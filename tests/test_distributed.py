@@ -36,13 +36,6 @@ def hybrid(layouts_recipe):
     return layouts_recipe
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, hybrid):
-    """The one-process run: its first two steps, then its third."""
-    trainer = single_trainer(hybrid, tmp_path_factory.mktemp("single"))
-    return train_single(trainer, 2), train_single(trainer, 1)
-
-
 def _check(results, layouts, expected):
     for result, layout in zip(results, layouts, strict=True):
         assert_same_run(result, expected, RTOL, str(layout), LOAD_METRICS | (EP_METRICS if layout.ep > 1 else frozenset()))

@@ -37,13 +37,6 @@ def moe(layouts_recipe) -> dict[str, Any]:
     return layouts_recipe
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, moe):
-    """The one-process run: its first two steps, then its third."""
-    trainer = single_trainer(moe, tmp_path_factory.mktemp("single"))
-    return train_single(trainer, 2), train_single(trainer, 1)
-
-
 def _check(results, layouts, expected):
     for result, layout in zip(results, layouts, strict=True):
         assert_same_run(result, expected, RTOL, str(layout), LAYOUT_METRICS)
