@@ -45,16 +45,17 @@ train: setup
 
 # Every test. Each package's tests run in an environment holding only core and that package, so a plugin
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
-# One set after another: the process tests (gloo ranks, Ray's fault tolerance) keep their timing margins.
-test: test-core test-plugins test-integration
+# Every test process runs one intra-op thread, so two sets run at once (-j2) to use both cores of a small
+# machine; the plugins' sets, the longest, start first.
+test:
+	$(MAKE) --jobs=2 --output-sync=target test-plugins test-core test-integration
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
 # (megaseq.threads): several test processes and their gloo ranks run at once.
 test test-fast test-isolated test-core test-plugins test-integration: export OMP_NUM_THREADS = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-core's pytest plugin, megaseq/pytest_plugin.py). What to run while working on a
-# plugin; make test runs everything and is what CI runs. Every test process runs one intra-op thread, so two
-# sets run at once (-j2) to use both cores of a small machine; the plugins' sets, the longest, start first.
+# plugin; make test runs everything and is what CI runs.
 PYTEST_ARGS ?=
 test-fast:
 	$(MAKE) --jobs=2 --output-sync=target test-plugins test-core test-integration PYTEST_ARGS='-m "not slow"'

@@ -150,6 +150,7 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     assert orphaned.returncode == 2 and f"{out / 'long'}: continues stage pretrain, which is not finished" in orphaned.stderr
 
 
+@pytest.mark.slow  # one CLI process per case
 @pytest.mark.parametrize(
     ("sets", "message"),
     [

@@ -186,6 +186,15 @@ def test_first_failure_reads_the_workers_records(tmp_path):
     record(0, failed_at=0.5, error="UserError: no such file")
     assert first_failure(tmp_path, 2).startswith("worker rank 0 (PID 100 on h) failed first: UserError")
     assert first_failure(tmp_path / "none", 2) is None
+    # Ray stopped the survivor before it recorded its error: both ranks are silent, and Ray's report of the
+    # failed ranks (the killed one) tells them apart; without it, nothing does.
+    record(0)
+    record(1)
+    assert first_failure(tmp_path, 2, reported={1: "health check failed"}).startswith("worker rank 1 (PID 101 on h) died")
+    assert first_failure(tmp_path, 2, reported={}) is None
+    assert first_failure(tmp_path, 2) is None
+    record(0, failed_at=2.0, error="RuntimeError: Connection closed by peer")
+    assert first_failure(tmp_path, 2, reported={0: "RuntimeError"}).startswith("worker rank 1 (PID 101 on h) died")
 
 
 def test_worker_paths_are_absolute_and_data_source_names_stay_names(tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ def test_help_everywhere(args, capsys):
     assert "usage: megaseq" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # CLI processes, each importing torch
 def test_user_errors_are_one_line_exit_2(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text("[train]\nsteps = 'many'\n")
@@ -52,6 +53,7 @@ def test_user_errors_are_one_line_exit_2(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # CLI processes, each importing torch
 def test_plugins_listing():
     proc = run("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -132,6 +134,7 @@ def test_plugins_check_passes_on_installed_plugins():
     assert "components' targets import" in proc.stdout
 
 
+@pytest.mark.slow  # CLI processes, each importing torch
 def test_train_then_eval_checkpoint(tmp_path, monkeypatch):
     env_cache = {"MEGASEQ_CACHE": str(tmp_path / "cache")}
     args = ["train", str(REPO / "recipes" / "tiny.toml"), "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "train.steps=2"]

@@ -33,6 +33,7 @@ import textwrap
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -239,10 +240,12 @@ def _write_record(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def first_failure(records_dir: Path, world_size: int) -> str | None:
-    """Which worker failed first, from the records of the last worker group: a rank that recorded no error
-    died without raising (killed, or crashed) and so before the others, whose errors follow from losing it;
-    else the rank with the earliest recorded error. None when no worker recorded anything."""
+def first_failure(records_dir: Path, world_size: int, reported: Collection[int] | None = None) -> str | None:
+    """Which worker failed first, from the records of the last worker group and the ranks Ray ``reported``
+    failed (``WorkerGroupError.worker_failures``; None when unknown). A rank that recorded no error died
+    without raising (killed, or crashed), and so before the others, whose errors follow from losing it; a
+    survivor that Ray stopped before it could record its error is silent too, but Ray does not report it.
+    Else the rank with the earliest recorded error. None when no worker recorded anything."""
     records = {}
     for rank in range(world_size):
         path = records_dir / f"rank{rank}.json"
@@ -251,7 +254,11 @@ def first_failure(records_dir: Path, world_size: int) -> str | None:
     if not records:
         return None
     silent = [rank for rank, r in records.items() if "error" not in r]
-    if silent and len(silent) < len(records):
+    if reported is not None and any(rank in reported for rank in silent):
+        silent = [rank for rank in silent if rank in reported]
+    elif len(silent) == len(records):
+        silent = []  # nobody recorded an error and Ray named nobody: nothing tells the ranks apart
+    if silent:
         rank = silent[0]
         return f"worker rank {rank} ({_where(records[rank])}) died without an error (killed, or the process crashed)"
     failed = sorted((r["failed_at"], rank) for rank, r in records.items() if "error" in r)
@@ -365,7 +372,7 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
             where = f"stopped after step {checkpoint.read_meta(saved)['step']}; saved {saved}" if saved else "stopped before the first checkpoint"
             raise Interrupted(stopped, f"{where}; continue with --resume")
     except ray.train.TrainingFailedError as exc:
-        raise WorkerFailed(exc, first_failure(records, workers)) from None
+        raise WorkerFailed(exc, first_failure(records, workers, getattr(exc, "worker_failures", None))) from None
     finally:
         ray.shutdown()  # stops the workers and, when ray.init started it, the local cluster
         signal.signal(signal.SIGTERM, previous)
