@@ -23,7 +23,7 @@ README = ROOT / "packages" / "offload" / "README.md"
 # the README table's columns: (seq_len, candidate)
 COLUMNS = [(2**20, "offload + recompute"), (2**18, "recompute"), (2**18, "offload + recompute")]
 # the predicted peaks (GiB) and the reported ones
-PEAKS = {COLUMNS[0]: (99.24, 144.5), COLUMNS[1]: (104.44, 142.0), COLUMNS[2]: (61.88, 98.0)}
+PEAKS = {COLUMNS[0]: (108.53, 144.5), COLUMNS[1]: (93.37, 142.0), COLUMNS[2]: (88.12, 98.0)}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,8 @@ def test_the_pinned_peaks_and_their_shortfall(estimates):
         e = estimates[column]
         assert e.device_peak / GiB == pytest.approx(predicted, abs=0.006), column
         assert e.fits and e.device_peak < 0.9 * reported * GiB  # the README's unknown terms: no target met
-    tokens = {seq_len: seq_len // 2 for seq_len, _ in COLUMNS}  # per GPU under cp = 2
+    # per GPU between components: the sequence's share of a cp = 2 rank, split by sequence parallelism over tp = 8
+    tokens = {seq_len: seq_len // 2 // 8 for seq_len, _ in COLUMNS}
     for (seq_len, label), e in estimates.items():
         assert e.gradient_stream == 3 * tokens[seq_len] * 4096 * 2
         inputs = 45 * tokens[seq_len] * 4096 * 2  # the bf16 block inputs, one per layer

@@ -1,20 +1,28 @@
 """Tensor parallelism of the DSA layer: the check the conformance suite runs (test_conformance.py) catches a
 layer whose ranks select keys by their own indexer heads only; the triton backend passes it too (its sparse
 attention kernel on each rank's heads, torch's selection summing the ranks' scores); heads that tp does not
-divide are refused when the layer is built, in one line."""
+divide are refused when the layer is built, in one line; and what a rank keeps for backward is what the memory
+planner counts from the layer's estimate (its gathered input and the tensors every head reads whole, 1/tp of
+the rest)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+from megaseq.memory.plan import split_region_saved
 from megaseq.records import ModelDims
 from megaseq.testing import build_component
+from megaseq.testing.distributed import run_gloo
 from megaseq.testing.tensor_parallel import check_tensor_parallel
+from megaseq_dsa.config import DSAConfig
+from megaseq_dsa.layer import memory_estimate
+from megaseq_dsa.testing import tp_saved_bytes
 
 CONFIG = {"n_heads": 4, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 4, "index_dim": 8,
           "topk": 8}
@@ -41,3 +49,25 @@ def test_the_triton_backend_passes_the_tensor_parallel_check():
 def test_heads_that_tp_does_not_divide_are_refused(key, value):
     with pytest.raises(ValueError, match=rf"^attention.dsa: {key} 3 is not a multiple of tp 2$"):
         build_component("attention", "dsa", {**CONFIG, key: value}, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=2))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"mode": "sparse", "topk": 64, "index_pool": 4},
+        {"mode": "dense_warmup", "freeze_main_in_warmup": False, "rope": True, "rope_dim": 8},
+    ],
+    ids=["sparse", "dense-rope"],
+)
+def test_a_rank_keeps_what_the_planner_counts(config: dict):
+    """Bytes autograd keeps per gathered token on each of 2 ranks (the slope between two lengths) equal the
+    planner's split-region count from the estimate; counting everything but the input as split by tp (no
+    ``replicated_per_token``) would not."""
+    full = {**CONFIG, "n_heads": 4, "index_heads": 2, "query_chunk": 16, **config}
+    d_model = 16
+    estimate = memory_estimate(DSAConfig(**full), ModelDims(d_model, 2, 8), 512)
+    expected = split_region_saved(estimate, d_model, 2)
+    for short, long in run_gloo(2, tp_saved_bytes, full, d_model, [256, 512]):
+        assert (long - short) / 256 == expected
+    assert estimate.replicated_per_token > 0
+    assert split_region_saved(replace(estimate, replicated_per_token=0.0), d_model, 2) != expected

@@ -165,6 +165,23 @@ def test_parallel_layout_divides_tokens():
     assert split.candidates[0].device_peak < one.candidates[0].device_peak
 
 
+def test_tensor_parallel_splits_the_stream_and_gathers_each_regions_input():
+    """Under tp (with sequence parallelism) each rank holds 1/tp of the residual stream, and each split region
+    (tiny's sdpa and SwiGLU) keeps its input gathered over the whole sequence beside 1/tp of the rest. A planner
+    that divided everything a layer keeps by tp, or the stream by nothing, fails the first or the last line."""
+    plugins = fresh_plugins()
+    recipe = load_recipe(TINY, plugins, ["train.batch_size=1"])
+    d, n, layers = 32, 4096, 2  # tiny.toml's d_model and layers; one window
+    machine = Machine("cpu", 64 * GiB, None)
+    one, two = (plan(recipe, plugins, seq_len=n, layout=Layout(tp=tp), machine=machine, policies="none").candidates[0]
+                for tp in (1, 2))
+    kept_one, kept_two = (sum(v for k, v in e.saved_by_kind.items() if k != "embedding+head") for e in (one, two))
+    assert kept_two - kept_one / 2 == layers * 2 * (4 * d * n) / 2  # two gathered inputs a layer, whole
+    assert two.gradient_stream == one.gradient_stream / 2
+    # the final norm's input and rstd are split; the hidden states the loss gathers are whole
+    assert one.saved_by_kind["embedding+head"] - two.saved_by_kind["embedding+head"] == (4 * d + 4) * n / 2
+
+
 def test_bf16_residual_stream_halves_the_streams_bytes():
     """model.residual_dtype = "bf16" halves what the plan counts in the residual stream's dtype: the norms'
     inputs of every layer, the final norm's input and the gradient stream (2 bytes less per value)."""

@@ -404,9 +404,15 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         temporary = max(grads + SPARSE_CHUNK_BYTES, 5 * min(block, SCORE_BLOCK_BYTES) // 2)
     else:
         temporary = max(grads, CHUNK_BYTES)
+    # what every head reads, whole on each tensor-parallel rank (module docstring): the compressed query and the
+    # latent around their norms, the key, the index key, the rotary angles and the selected indices (dense: the
+    # padded values)
+    replicated = 2 * config.q_lora_rank + latent + key_width + 2 + config.index_dim + 2 * rope
+    replicated += selected_slots(config.topk, config.index_pool) if config.mode == "sparse" else key_width
     return MemoryEstimate(
         parameters=4 * parameters,
         saved_per_token=4 * per_token,
         temporary=temporary,
         tiling=TileCarry(per_token=4 * (key_width + config.index_dim)),  # each tile's keys and index keys
+        replicated_per_token=4 * replicated,
     )

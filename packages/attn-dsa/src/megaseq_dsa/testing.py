@@ -67,3 +67,33 @@ class _RankLocalSelection(DeepSeekSparseAttention):
 
 def build_rank_local_selection(config: dict[str, Any], dims: ModelDims, layer_idx: int) -> nn.Module:
     return _RankLocalSelection(dims.d_model, DSAConfig(**config), dims.n_layers, dims.tp_size)
+
+
+def tp_saved_bytes(rank: int, world: int, config: dict[str, Any], d_model: int, lengths: list[int]) -> list[int]:
+    """Bytes autograd keeps for backward (parameters aside) on tensor-parallel rank ``rank`` of ``world`` for one
+    forward over each of ``lengths`` gathered tokens (the rank's chunk of each)."""
+    import torch.distributed as dist
+
+    from megaseq.contracts import ForwardContext
+
+    torch.manual_seed(0)
+    dims = ModelDims(d_model=d_model, n_layers=2, vocab_size=8, tp_rank=rank, tp_size=world)
+    layer = build_component("attention", "dsa", config, dims)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    tp = TensorParallel(group=dist.group.WORLD, rank=rank, world_size=world)
+    out = []
+    for length in lengths:
+        storages: dict[int, int] = {}
+
+        def pack(t: Tensor, storages: dict[int, int] = storages) -> Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(1, length // world, d_model, requires_grad=True)
+        ctx = ForwardContext(tp=tp)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(x, ctx)
+        out.append(sum(storages.values()))
+        del y, ctx
+    return out

@@ -44,17 +44,21 @@ class MemoryEstimate:
 
     ``parameters``: the parameters at their stored dtype (this device's share, e.g. its experts);
     ``saved_per_token``: what autograd keeps alive per token between forward and backward, including the
-    component's input; ``temporary``: the largest transient buffer inside one forward or backward call;
-    ``tiling``: for an attention component that declares ``sequence_tiling`` (:data:`CAPABILITIES`), what
-    it carries from tile to tile (required then, ignored otherwise). The memory planner (``megaseq plan``) sums these
-    over a recipe's layers and applies the memory policies' effects to them, so a third-party component is
-    planned like a built-in one.
+    component's input (d_model fp32 values); ``replicated_per_token``: of the rest, what a component that
+    declares ``tensor_parallel`` keeps whole on every rank (what all its heads read, e.g. a shared latent):
+    under tensor parallelism the planner counts the input gathered over the whole sequence, this part whole
+    and the remainder divided by ``tp``; ``temporary``: the largest transient buffer inside one forward or
+    backward call; ``tiling``: for an attention component that declares ``sequence_tiling``
+    (:data:`CAPABILITIES`), what it carries from tile to tile (required then, ignored otherwise). The memory
+    planner (``megaseq plan``) sums these over a recipe's layers and applies the memory policies' effects to
+    them, so a third-party component is planned like a built-in one.
     """
 
     parameters: int
     saved_per_token: float
     temporary: int = 0
     tiling: TileCarry | None = None
+    replicated_per_token: float = 0.0
 
 
 @dataclass(frozen=True)

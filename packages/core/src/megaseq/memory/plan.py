@@ -27,8 +27,29 @@ Offloading moves what layers keep to host memory (CUDA: a pinned pool; CPU: a sc
 leaves the process's resident memory); the layer being differentiated brings back its input (on CUDA the
 layer below's as well, loaded ahead) and, while each part's backward runs, what that part saved (``a N``
 beside the attention's temporary, ``f N`` beside the feed-forward's), so the parts that are not recomputed peak at their saved bytes plus their
-temporary. Tensor parallelism divides the attention's and dense feed-forward's parameters and activations by
-``tp``; expert parallelism is the MoE component's own business (``ModelDims.ep_size``), ``etp`` divides expert weights.
+temporary.
+
+Tensor parallelism runs with sequence parallelism (``megaseq.contracts.TensorParallel``): between components
+a rank holds ``N / tp`` tokens, so the residual stream (the block inputs ``x``, the norms, the gradient stream,
+the final norm) is divided by ``tp``. A part that declares ``tensor_parallel`` (``megaseq.records.
+CAPABILITIES``) runs in one of two ways, by its kind:
+
+- an attention or a dense feed-forward is a split region: it gathers the whole sequence, so it keeps its
+  gathered input (the d_model fp32 values per token of its ``saved_per_token``) and its
+  ``replicated_per_token`` at full length ``N``, and the rest of ``saved_per_token`` divided by ``tp`` (its
+  heads or hidden width); its parameters and temporary are divided by ``tp``. Its exchanges hold full-length, d_model-wide fp32 buffers: leaving, its output (in
+  backward, its gathered input's gradient) before the reduce-scatter and, on a CPU rank, gloo's receive buffer
+  of the same size (gloo has no reduce-scatter: ``megaseq.parallel.collectives``), elsewhere the ``1/tp``
+  result; entering backward, the gradient gathered from every rank, which the part's first backward step
+  consumes. They are live before and after the part's own steps, not beside its largest temporary, so the
+  part's working set is the larger of the two;
+- an MoE runs on the rank's ``N / tp`` tokens (router and shared expert whole) and is planned at that length
+  with ``ModelDims.ep_size`` and ``etp_size``: its own estimate gives its share of the experts and of their
+  hidden width.
+
+The loss gathers the final hidden states back (``megaseq.model.chunked_token_losses``), so the head keeps them
+at full length, and each rank computes the logits of its ``1/tp`` of the vocabulary.
+
 Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved; the residual stream (the
 block inputs ``x``, the norms' inputs, the gradient stream) is fp32 unless ``model.residual_dtype = "bf16"``
 (``megaseq.model``), which halves those bytes too.
@@ -71,10 +92,10 @@ HOST_OPTIMIZER_BYTES = 16
 # Gradients with respect to hidden states alive at once during backward, in units of N x d_model values of the
 # residual stream.
 GRAD_STREAM = 3
-# Per token outside the blocks: the final norm (its input, d_model values of the residual stream, and rstd,
-# 4 bytes), its fp32 output kept for the chunked loss (d_model floats), and the inputs, targets, weights and
-# per-token losses (8 + 8 + 4 + 4).
-HEAD_BYTES = 28
+# Per token outside the blocks, besides the final norm (its input, d_model values of the residual stream, and
+# rstd, NORM_BYTES) and its fp32 output kept for the chunked loss (d_model floats): the inputs, targets, weights
+# and per-token losses (8 + 8 + 4 + 4).
+HEAD_BYTES = 24
 # What each RMSNorm keeps per token: its input (d_model values of the residual stream) and rstd (NORM_BYTES);
 # the normalised output is recomputed in backward (``megaseq.model.RMSNorm``).
 NORM_BYTES = 4
@@ -170,9 +191,13 @@ class _LayerCost:
     kind: str  # "kda+chunked", for the table
     attention: tuple[Any, Any]  # (estimate function, config)
     ffn: tuple[Any, Any]
-    ffn_tiles: bool
+    ffn_tiles: bool  # a dense feed-forward (it tiles with the attention); else an MoE
     attention_tiles: bool  # the attention declares sequence_tiling
     dims: ModelDims
+    # the part declares tensor_parallel: under tp > 1 the attention (and a dense feed-forward) is a split region,
+    # an MoE runs on the rank's sequence chunk (module docstring); ``check_components`` refuses tp > 1 otherwise
+    attention_tp: bool = False
+    ffn_tp: bool = False
     cache: dict[tuple[str, int], MemoryEstimate] = field(default_factory=dict)
 
     def at(self, part: str, length: int) -> MemoryEstimate:
@@ -200,7 +225,9 @@ def _estimate_fn(plugins: Plugins, recipe: Recipe, kind: str, name: str) -> tupl
 
 def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout) -> list[_LayerCost]:
     m = recipe.model
-    dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size, ep_rank=0, ep_size=layout.ep)
+    # rank 0 of the expert groups: an MoE's estimate gives its share of the experts and of their hidden width
+    dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size, ep_size=layout.ep,
+                     etp_size=layout.etp)
     shared: dict[tuple[str, str], _LayerCost] = {}
     out = []
     for layer in range(m.n_layers):
@@ -208,10 +235,12 @@ def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout) -> list[_Laye
         ffn_kind, ffn_name = m.ffn_of(layer)
         key = (attention, ffn_name)
         if key not in shared:  # layers of the same kind share their estimates
+            attention_caps = plugins.get("attention", attention).spec.capabilities
             shared[key] = _LayerCost(
                 f"{attention}+{ffn_name}", _estimate_fn(plugins, recipe, "attention", attention),
                 _estimate_fn(plugins, recipe, ffn_kind, ffn_name), ffn_kind == "ffn",
-                "sequence_tiling" in plugins.get("attention", attention).spec.capabilities, dims,
+                "sequence_tiling" in attention_caps, dims, "tensor_parallel" in attention_caps,
+                "tensor_parallel" in plugins.get(ffn_kind, ffn_name).spec.capabilities,
             )
         out.append(shared[key])
     return out
@@ -240,18 +269,24 @@ def estimate(
     effects = [p.effect for p in policies]
     offload_min = min((e.offload_min_bytes for e in effects if e.offload_min_bytes is not None), default=None)
     act = 0.5 if t.bf16 else 1.0  # components report fp32 bytes; autocast keeps most activations in bf16
-    x = (2 if m.residual_dtype == "bf16" else 4) * m.d_model  # block input: one token of the residual stream
-    norms = 2 * (x + NORM_BYTES)
+    residual = (2 if m.residual_dtype == "bf16" else 4) * m.d_model  # one token of the residual stream
+    tp = layout.tp
+    # per token of the micro-batch: sequence parallelism leaves each rank 1/tp of the residual stream
+    x = residual / tp  # a block input
+    norms = 2 * (residual + NORM_BYTES) / tp
     rows = tokens // length  # sequences per micro-batch on this device
+    # a split region's exchange buffers (module docstring): fp32, full length
+    region = 4 * m.d_model * tokens * (2 if machine.kind == "cpu" else 1 + 1 / tp) if tp > 1 else 0.0
 
     runtime = machine.runtime_bytes + (training_data_bytes(recipe, plugins) if machine.kind == "cpu" else 0)
     cost = sum(policy_time_cost(p, machine.kind, time_costs) for p in policies)
     out = Estimate(policies, runtime=runtime, time_cost=cost)
-    embed = m.vocab_size * m.d_model * 4 * (1 if m.tie_embeddings else 2) // layout.tp
-    params = embed + 4 * m.d_model * (2 * m.n_layers + 1)
+    vocab = -(-m.vocab_size // tp)  # this rank's block of the vocabulary (megaseq.model.LanguageModel)
+    params = vocab * m.d_model * 4 * (1 if m.tie_embeddings else 2) + 4 * m.d_model * (2 * m.n_layers + 1)
     for c in costs:
-        params += c.at("attention", length).parameters // layout.tp
-        params += c.at("ffn", length).parameters // (layout.tp if c.ffn_tiles else layout.etp)
+        attention_split, ffn_split = _splits(c, tp)
+        params += c.at("attention", length).parameters // attention_split
+        params += c.at("ffn", length).parameters // ffn_split  # an MoE's estimate gives its own share
     out.weights, out.gradients = params, params
     shards = layout.dp * layout.cp if t.optimizer_shard else 1  # ZeRO-1: each rank its share
     if t.optimizer_state == "host" and machine.kind == "cuda":
@@ -261,11 +296,14 @@ def estimate(
 
     offloaded, kept_so_far, backward_peak, largest_input = 0, 0.0, 0.0, 0
     for i, c in enumerate(costs):
-        attention, ffn = c.at("attention", length), c.at("ffn", length)
-        a = act * attention.saved_per_token / layout.tp
-        f = act * ffn.saved_per_token / (layout.tp if c.ffn_tiles else 1)
-        ffn_split = layout.tp if c.ffn_tiles else layout.etp  # dense: tensor-parallel; experts: expert-TP
-        attention_temp, ffn_temp = attention.temporary / layout.tp * rows, ffn.temporary / ffn_split * rows
+        attention_split, ffn_split = _splits(c, tp)
+        moe_chunk = tp if c.ffn_tp and not c.ffn_tiles else 1  # an MoE under tp routes the rank's 1/tp of the tokens
+        attention, ffn = c.at("attention", length), c.at("ffn", length // moe_chunk)
+        # bytes kept per token of the micro-batch
+        a = act * split_region_saved(attention, m.d_model, attention_split)
+        f = act * (split_region_saved(ffn, m.d_model, ffn_split) if c.ffn_tiles else ffn.saved_per_token / moe_chunk)
+        attention_temp = max(attention.temporary / attention_split * rows, region if attention_split > 1 else 0)
+        ffn_temp = max(ffn.temporary / ffn_split * rows, region if ffn_split > 1 else 0)
         temp = max(attention_temp, ffn_temp)
         part, tile = _combine(effects, i)
         # what the layer keeps, in groups sized by the tensor the offload threshold is tested on (below)
@@ -334,11 +372,12 @@ def estimate(
         out.disk = offloaded
     else:
         out.host += offloaded
-    head = (x + 4 * m.d_model + HEAD_BYTES) * tokens
+    # the final norm (on the rank's share of the stream) and the whole sequence's hidden states the loss gathers
+    head = ((residual + NORM_BYTES) / tp + 4 * m.d_model + HEAD_BYTES) * tokens
     out.saved_by_kind["embedding+head"] = int(head)
-    out.gradient_stream = GRAD_STREAM * x * tokens
+    out.gradient_stream = int(GRAD_STREAM * x * tokens)
     loss_chunk = min(t.loss_chunk, tokens)
-    out.temporary = 3 * 4 * loss_chunk * m.vocab_size  # one chunk's logits, probabilities and their gradient
+    out.temporary = 3 * 4 * loss_chunk * vocab  # one chunk's logits, probabilities and their gradient
     # what the peak counts of the layers' keeping and working: the worst point of backward
     out.layers_peak = int(backward_peak)
     if machine.kind == "cpu" and not heap_trimmed(recipe, length) and not any(e.maps_allocations_from for e in effects):
@@ -350,6 +389,21 @@ def estimate(
         and (machine.disk_bytes is None or out.disk <= machine.disk_bytes)
     )
     return out
+
+
+def _splits(c: _LayerCost, tp: int) -> tuple[int, int]:
+    """What divides the attention's and the feed-forward's parameters and temporary under ``tp``: ``tp`` for a
+    split region (an attention or dense feed-forward that declares ``tensor_parallel``), else 1 (an MoE's own
+    estimate, at ``ModelDims.ep_size`` and ``etp_size``, gives its share)."""
+    return (tp if c.attention_tp else 1), (tp if c.ffn_tp and c.ffn_tiles else 1)
+
+
+def split_region_saved(e: MemoryEstimate, d_model: int, split: int) -> float:
+    """What a part keeps per token of the micro-batch when it runs as a split region over ``split`` ranks: its
+    input gathered over the whole sequence (the d_model fp32 values of ``saved_per_token``), what it keeps
+    whole on every rank (``replicated_per_token``) and ``1/split`` of the rest (its heads or hidden width)."""
+    whole = 4 * d_model + e.replicated_per_token
+    return e.saved_per_token if split == 1 else whole + (e.saved_per_token - whole) / split
 
 
 def _mib(n: float) -> str:
@@ -509,4 +563,5 @@ __all__ = [
     "estimate",
     "plan",
     "planned_peak",
+    "split_region_saved",
 ]
