@@ -46,19 +46,22 @@ train: setup
 # Every test. Each package's tests run in an environment holding only core and that package, so a plugin
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
 # Every test process runs one intra-op thread, so two sets run at once (-j2) to use both cores of a small
-# machine; the plugins' sets, the longest, start first.
+# machine; the sets are one per package, listed longest first, so that neither core waits long for the other.
+PLUGIN_TESTS := $(addprefix test-,$(notdir $(PLUGINS)))
+.PHONY: $(PLUGIN_TESTS)
+TEST_SETS := test-integration test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS)) test-core
 test:
-	$(MAKE) --jobs=2 --output-sync=target test-plugins test-core test-integration
+	$(MAKE) --jobs=2 --output-sync=target $(TEST_SETS)
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
 # (megaseq.threads): several test processes and their gloo ranks run at once.
-test test-fast test-isolated test-core test-plugins test-integration: export OMP_NUM_THREADS = 1
+test test-fast test-isolated test-core test-plugins $(PLUGIN_TESTS) test-integration: export OMP_NUM_THREADS = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-core's pytest plugin, megaseq/pytest_plugin.py). What to run while working on a
 # plugin; make test runs everything and is what CI runs.
 PYTEST_ARGS ?=
 test-fast:
-	$(MAKE) --jobs=2 --output-sync=target test-plugins test-core test-integration PYTEST_ARGS='-m "not slow"'
+	$(MAKE) --jobs=2 --output-sync=target $(TEST_SETS) PYTEST_ARGS='-m "not slow"'
 
 # The isolated environments (one per package: core alone, core and one plugin) share the full venv's
 # third-party packages (torch, triton, pytest, ...) through hard links (tools/link_venv.py), never its megaseq
@@ -77,8 +80,10 @@ test-isolated: test-core test-plugins
 test-core: $(ISO)/core/.installed
 	$(ISO)/core/bin/python -m pytest $(PYTEST_ARGS) packages/core/tests
 
-test-plugins: $(addsuffix /.installed,$(filter-out $(ISO)/core,$(ISO_ENVS)))
-	set -e; for p in $(notdir $(PLUGINS)); do $(ISO)/$$p/bin/python -m pytest $(PYTEST_ARGS) packages/$$p/tests; done
+test-plugins: $(PLUGIN_TESTS)
+
+$(PLUGIN_TESTS): test-%: $(ISO)/%/.installed
+	$(ISO)/$*/bin/python -m pytest $(PYTEST_ARGS) packages/$*/tests
 
 test-integration: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
