@@ -3,7 +3,7 @@ layer whose ranks select keys by their own indexer heads only; the triton backen
 attention kernel on each rank's heads, torch's selection summing the ranks' scores); heads that tp does not
 divide are refused when the layer is built, in one line; and what a rank keeps for backward is what the memory
 planner counts from the layer's estimate (its gathered input and the tensors every head reads whole, 1/tp of
-the rest)."""
+the rest), and so are the parameters it builds."""
 
 from __future__ import annotations
 
@@ -71,3 +71,16 @@ def test_a_rank_keeps_what_the_planner_counts(config: dict):
         assert (long - short) / 256 == expected
     assert estimate.replicated_per_token > 0
     assert split_region_saved(replace(estimate, replicated_per_token=0.0), d_model, 2) != expected
+
+
+@pytest.mark.parametrize("config", [{}, {"rope": True, "rope_dim": 8}], ids=["plain", "rope"])
+def test_the_estimate_gives_a_ranks_parameters(config: dict):
+    """The planner counts the estimate's ``replicated_parameters`` whole on every rank and 1/tp of the rest: the
+    bytes rank 0 builds at tp = 2 and 4. Counting everything as split would be short of them."""
+    full = {**CONFIG, **config}
+    estimate = memory_estimate(DSAConfig(**full), ModelDims(16, 2, 8), 64)
+    for tp in (1, 2, 4):
+        rank = build_component("attention", "dsa", full, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=tp))
+        built = sum(p.numel() * p.element_size() for p in rank.parameters())
+        assert built == estimate.replicated_parameters + (estimate.parameters - estimate.replicated_parameters) // tp
+        assert tp == 1 or built > estimate.parameters // tp

@@ -1,6 +1,7 @@
 """Tensor parallelism of the KDA layer (the conformance suite checks tp=2 against one rank, test_conformance.py):
 heads that tp does not divide are refused when the layer is built, in one line; a rank's block of the q, k, v
-projection and convolution holds its heads' rows of each of q, k and v."""
+projection and convolution holds its heads' rows of each of q, k and v; the memory estimate's parameters are
+what a rank builds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from megaseq.records import ModelDims
 from megaseq.testing import assert_close
 from megaseq_kda.config import KDAConfig
-from megaseq_kda.layer import build
+from megaseq_kda.layer import build, memory_estimate
 
 CONFIG = KDAConfig(n_heads=4, head_dim=8)
 
@@ -29,3 +30,15 @@ def test_a_rank_projects_its_heads_q_k_and_v():
     q, k, v = whole.project(x).unflatten(-1, (3, 4, 8)).unbind(2)  # heads 2 and 3 are rank 1's
     expected = torch.cat([q[:, :, 2:], k[:, :, 2:], v[:, :, 2:]], 2).flatten(2)
     assert_close(rank.project(x), expected, 1e-6, "rank 1's q, k, v projection")
+
+
+@pytest.mark.parametrize("config", [CONFIG, KDAConfig(n_heads=4, head_dim=8, gate_rank=4, out_gate_bias=True)])
+def test_the_estimate_gives_a_ranks_parameters(config):
+    """The planner counts the estimate's ``replicated_parameters`` whole on every rank and 1/tp of the rest: the
+    bytes rank 0 builds at tp = 2 and 4. Counting everything as split would be short of them."""
+    estimate = memory_estimate(config, ModelDims(d_model=16, n_layers=2, vocab_size=8), 64)
+    for tp in (1, 2, 4):
+        rank = build(config, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=tp), 0)
+        built = sum(p.numel() * p.element_size() for p in rank.parameters())
+        assert built == estimate.replicated_parameters + (estimate.parameters - estimate.replicated_parameters) // tp
+        assert tp == 1 or built > estimate.parameters // tp

@@ -21,7 +21,8 @@ from megaseq.hookspecs import hookimpl
 from megaseq.memory.machine import GiB, Machine
 from megaseq.memory.plan import plan
 from megaseq.memory.plan_report import describe_memory_policy, render_table
-from megaseq.records import AttentionSpec, ComponentConfig, MemoryEffect, MemoryEstimate, MemoryPolicySpec
+from megaseq.model import build_model
+from megaseq.records import AttentionSpec, ComponentConfig, MemoryEffect, MemoryEstimate, MemoryPolicySpec, ModelDims
 from megaseq.testing import fresh_plugins
 
 REPO = Path(__file__).resolve().parents[3]
@@ -180,6 +181,10 @@ def test_tensor_parallel_splits_the_stream_and_gathers_each_regions_input():
     assert two.gradient_stream == one.gradient_stream / 2
     # the final norm's input and rstd are split; the hidden states the loss gathers are whole
     assert one.saved_by_kind["embedding+head"] - two.saved_by_kind["embedding+head"] == (4 * d + 4) * n / 2
+    # the weights are what a rank builds: its heads, hidden width and vocabulary block, the norms whole
+    rank = build_model(recipe, plugins, ModelDims(d_model=d, n_layers=layers, vocab_size=recipe.model.vocab_size,
+                                                  tp_rank=1, tp_size=2))
+    assert two.weights == sum(p.numel() * p.element_size() for p in rank.parameters())
 
 
 def test_bf16_residual_stream_halves_the_streams_bytes():

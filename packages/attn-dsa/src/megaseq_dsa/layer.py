@@ -409,10 +409,13 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     # padded values)
     replicated = 2 * config.q_lora_rank + latent + key_width + 2 + config.index_dim + 2 * rope
     replicated += selected_slots(config.topk, config.index_pool) if config.mode == "sparse" else key_width
+    # the down-projections and norms every head reads (the query's, the latent's, the rotary key's, the index key's)
+    whole = d * config.q_lora_rank + config.q_lora_rank + d * latent + latent + d * rope + d * config.index_dim
     return MemoryEstimate(
         parameters=4 * parameters,
         saved_per_token=4 * per_token,
         temporary=temporary,
         tiling=TileCarry(per_token=4 * (key_width + config.index_dim)),  # each tile's keys and index keys
+        replicated_parameters=4 * whole,
         replicated_per_token=4 * replicated,
     )

@@ -354,6 +354,9 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     temporary = 5 * width * seq_len + max(group, 24 * min(BLOCK_TOKENS, seq_len) * width)
     # a sequence tile hands on the recurrent state (fp32) and the convolution's last inputs
     carry = TileCarry(per_tile=4 * (config.n_heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))
+    # whole on every tensor-parallel rank: the gates' down-projections and the output norm's weight
+    whole = 2 * d * rank + config.head_dim
     return MemoryEstimate(
-        parameters=parameters * 4, saved_per_token=per_token * 4, temporary=int(4 * temporary), tiling=carry
+        parameters=parameters * 4, saved_per_token=per_token * 4, temporary=int(4 * temporary), tiling=carry,
+        replicated_parameters=whole * 4,
     )

@@ -43,7 +43,8 @@ class MemoryEstimate:
     """What one component instance costs on one device for a given sequence length, all in bytes.
 
     ``parameters``: the parameters at their stored dtype (this device's share, e.g. its experts);
-    ``saved_per_token``: what autograd keeps alive per token between forward and backward, including the
+    ``replicated_parameters``: of those, what a component that declares ``tensor_parallel`` holds whole on every
+    rank (the planner divides the rest by ``tp``); ``saved_per_token``: what autograd keeps alive per token between forward and backward, including the
     component's input (d_model fp32 values); ``replicated_per_token``: of the rest, what a component that
     declares ``tensor_parallel`` keeps whole on every rank (what all its heads read, e.g. a shared latent):
     under tensor parallelism the planner counts the input gathered over the whole sequence, this part whole
@@ -58,6 +59,7 @@ class MemoryEstimate:
     saved_per_token: float
     temporary: int = 0
     tiling: TileCarry | None = None
+    replicated_parameters: int = 0
     replicated_per_token: float = 0.0
 
 

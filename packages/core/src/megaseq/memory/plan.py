@@ -37,7 +37,8 @@ CAPABILITIES``) runs in one of two ways, by its kind:
 - an attention or a dense feed-forward is a split region: it gathers the whole sequence, so it keeps its
   gathered input (the d_model fp32 values per token of its ``saved_per_token``) and its
   ``replicated_per_token`` at full length ``N``, and the rest of ``saved_per_token`` divided by ``tp`` (its
-  heads or hidden width); its parameters and temporary are divided by ``tp``. Its exchanges hold full-length, d_model-wide fp32 buffers: leaving, its output (in
+  heads or hidden width); its parameters (but its ``replicated_parameters``) and its temporary are divided by
+  ``tp``. Its exchanges hold full-length, d_model-wide fp32 buffers: leaving, its output (in
   backward, its gathered input's gradient) before the reduce-scatter and, on a CPU rank, gloo's receive buffer
   of the same size (gloo has no reduce-scatter: ``megaseq.parallel.collectives``), elsewhere the ``1/tp``
   result; entering backward, the gradient gathered from every rank, which the part's first backward step
@@ -285,8 +286,8 @@ def estimate(
     params = vocab * m.d_model * 4 * (1 if m.tie_embeddings else 2) + 4 * m.d_model * (2 * m.n_layers + 1)
     for c in costs:
         attention_split, ffn_split = _splits(c, tp)
-        params += c.at("attention", length).parameters // attention_split
-        params += c.at("ffn", length).parameters // ffn_split  # an MoE's estimate gives its own share
+        params += _split_parameters(c.at("attention", length), attention_split)
+        params += _split_parameters(c.at("ffn", length), ffn_split)  # an MoE's estimate gives its own share
     out.weights, out.gradients = params, params
     shards = layout.dp * layout.cp if t.optimizer_shard else 1  # ZeRO-1: each rank its share
     if t.optimizer_state == "host" and machine.kind == "cuda":
@@ -396,6 +397,11 @@ def _splits(c: _LayerCost, tp: int) -> tuple[int, int]:
     split region (an attention or dense feed-forward that declares ``tensor_parallel``), else 1 (an MoE's own
     estimate, at ``ModelDims.ep_size`` and ``etp_size``, gives its share)."""
     return (tp if c.attention_tp else 1), (tp if c.ffn_tp and c.ffn_tiles else 1)
+
+
+def _split_parameters(e: MemoryEstimate, split: int) -> int:
+    """A part's parameters on one of ``split`` ranks: what it holds whole and ``1/split`` of the rest."""
+    return e.replicated_parameters + (e.parameters - e.replicated_parameters) // split
 
 
 def split_region_saved(e: MemoryEstimate, d_model: int, split: int) -> float:
