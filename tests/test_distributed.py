@@ -54,7 +54,8 @@ def test_two_ranks_cp_dp_ep_equal_one_and_ep_checkpoint_resumes_on_one(tmp_path,
     assert ranks[0][2]["parameters"].startswith(f"{whole}M parameters in all, "), ranks[0][2]["parameters"]
     assert "M on each rank (experts over ep=2); layers:" in ranks[0][2]["parameters"]
     saved = Path(ranks[0][2]["checkpoint"])  # dp=2, ep=2: experts in two blocks
-    assert sorted(p.name for p in (saved / "experts").iterdir()) == ["ep0.pt", "ep0.safetensors", "ep1.pt", "ep1.safetensors"]
+    assert sorted(p.name for p in (saved / "shards").iterdir()) == [
+        "rank0.optimizer.safetensors", "rank0.safetensors", "rank1.optimizer.safetensors", "rank1.safetensors"]
     resumed = single_trainer(hybrid, saved.parents[1])
     assert resumed.resume() and resumed.step == 2
     assert_same_run(train_single(resumed, 1), third, RTOL, "ep=2 checkpoint resumed with ep=1")

@@ -6,11 +6,14 @@ width, two optimizer steps on gloo ranks: tp=2 (every rank holds its experts who
 its sequence chunk), tp=2 with etp=2 (each rank holds half of every expert's hidden width), tp=2 with ep=2 (the
 tensor-parallel ranks share the experts), tp=2 x cp=2, and dp=2 x tp=2 x ep=2 x etp=2 on 4 processes must log the same loss, tokens, gradient norm and metrics (except
 the per-micro-batch load, ``moe/load/*``) and reach the same weights as one process (fp32, 1e-5 relative).
-Checkpoints of the tp=2 and of the 4-process layout resume in one process, and ``megaseq eval`` reads them.
+Checkpoints of the tp=2 and of the 4-process layout resume in one process, the 4-process one (each rank's
+expert blocks and tensor-parallel blocks written by that rank, none joined first) also under dp=2 x cp=2 x ep=4,
+where every block is cut differently, and ``megaseq eval`` reads them.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,13 @@ from megaseq.cli import main
 from megaseq.contracts import LOAD_STAT_KEYS
 from megaseq.distributed.layout import Layout
 from megaseq.testing.distributed import run_gloo
-from megaseq.testing.layouts import assert_same_run, single_trainer, train_single, train_under_layouts
+from megaseq.testing.layouts import (
+    assert_same_run,
+    resume_under_layout,
+    single_trainer,
+    train_single,
+    train_under_layouts,
+)
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # tests/conftest.py
 
@@ -65,14 +74,28 @@ def test_tp2_with_whole_split_and_shared_experts_equals_one_process_and_resumes_
     _resumes_on_one(Path(ranks[0][1]["checkpoint"]), moe, third, "tp=2,etp=2")
 
 
+def _train_then_resume(rank: int, world: int, raw: dict[str, Any], layouts: list[Layout], out_dir: str, other: Layout):
+    """Two steps under each layout (saving a checkpoint), then the last one's run resumed for one step under
+    ``other``."""
+    results = train_under_layouts(rank, world, raw, layouts, out_dir, 2, True)
+    return results, resume_under_layout(rank, world, raw, other, str(Path(results[-1]["checkpoint"]).parents[1]), 1)
+
+
 @pytest.mark.slow
-def test_four_ranks_tp_cp_and_tp_ep_etp_equal_one_process(tmp_path, moe, single, capsys):
+def test_four_ranks_tp_cp_and_tp_ep_etp_equal_one_process_and_resume_under_any_layout(tmp_path, moe, single, capsys):
     first_two, third = single
     layouts = [Layout(cp=2, tp=2), Layout(dp=2, tp=2, ep=2, etp=2)]
-    ranks = run_gloo(4, train_under_layouts, moe, layouts, str(tmp_path), 2, True)
-    _check(ranks[0], layouts, first_two)
-    saved = Path(ranks[0][1]["checkpoint"])  # ep=2: the experts in two blocks, each joined over etp
-    assert sorted(p.name for p in (saved / "experts").iterdir()) == ["ep0.pt", "ep0.safetensors", "ep1.pt", "ep1.safetensors"]
+    # resumed with every block cut differently: no tensor parallelism, each rank one whole expert of the four
+    other = Layout(dp=2, cp=2, ep=4)
+    ranks = run_gloo(4, _train_then_resume, moe, layouts, str(tmp_path), other)
+    _check(ranks[0][0], layouts, first_two)
+    saved = Path(ranks[0][0][1]["checkpoint"])  # every rank writes its expert blocks, the dp=0 ranks their tp blocks
+    assert sorted(p.name for p in (saved / "shards").iterdir()) == sorted(
+        f"rank{r}{kind}.safetensors" for r in range(4) for kind in ("", ".optimizer"))
+    meta = json.loads((saved / "meta.json").read_text())
+    experts = [n for n in meta["shapes"] if ".experts." in n]
+    assert experts and all(sum(n in names for names in meta["shards"].values()) == 4 for n in experts)
+    assert_same_run(ranks[0][1], third, RTOL, f"dp=2,tp=2,ep=2,etp=2 checkpoint resumed under {other}", LAYOUT_METRICS)
     _resumes_on_one(saved, moe, third, "dp=2,tp=2,ep=2,etp=2")
     capsys.readouterr()
     assert main(["eval", str(saved), "--no-baseline"]) == 0

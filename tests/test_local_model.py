@@ -8,6 +8,10 @@ meta device, filled one block at a time from the one-process model's initialisat
   every CPU allocation and free) at most at what it holds plus one whole block plus one tensor's copy and a
   small constant. Building the whole model and cutting it, the scheme this replaces, exceeds that bound: the
   measurement would catch a regression to it.
+- Checkpoints (``megaseq.distributed.sharded``): the ranks of tp=2 x ep=2 x etp=2 each write the blocks they
+  are the first holder of, and one process, ep=4, tp=2 x etp=2 and etp=2 read exactly their blocks of the
+  one-process model's weights and AdamW moments back, holding nothing but them while reading (reading every
+  tensor whole and cutting it exceeds that). A checkpoint missing a block, or of another model, is refused.
 """
 
 from __future__ import annotations
@@ -21,17 +25,30 @@ from torch.profiler import ProfilerActivity, profile
 
 from megaseq.config import validate_recipe
 from megaseq.distributed.experts import (
+    block,
     build_local_model,
     initial_parts,
+    layout_etp_dims,
     layout_expert_dims,
     layout_tp_dims,
     model_dims,
     shard,
     split_lengths,
     unshard,
+    whole_shapes,
+)
+from megaseq.distributed.sharded import (
+    Placement,
+    Split,
+    local_optimizer_state,
+    read_full_weights,
+    read_local_weights,
+    shards_meta,
+    write_shard,
 )
 from megaseq.model import build_model
 from megaseq.plugins import get_plugins
+from megaseq.train.checkpoint import CheckpointError, ShapeMismatch, optimizer_param_names
 
 DENSE: dict[str, Any] = {
     "run": {"name": "dense", "device": "cpu"},
@@ -47,12 +64,15 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measured_peak(fn):
+def measured_peak(fn, mapped=frozenset()):
     """``fn()`` and the peak of the CPU bytes it allocated and had not yet freed (torch's profiler, each allocation
-    and free once: its ``self`` figures)."""
+    and free once: its ``self`` figures). ``mapped``: the sizes of files that ``fn`` memory-maps whole (safetensors
+    does), left out: a mapping reads only the pages that are touched, into the page cache."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage
+                     and not (e.name == "[memory]" and abs(e.self_cpu_memory_usage) in mapped)),
+                    key=lambda e: e.time_range.start)
     live = peak = 0
     for e in events:
         live += e.self_cpu_memory_usage
@@ -180,3 +200,135 @@ def test_evaluation_runs_on_the_sharded_model_and_equals_one_process(hybrid, tmp
                   if b["bits_per_base"] is not None]
         for a, b in pairs:
             assert a == pytest.approx(b, rel=1e-5), (layout, a, b)
+
+
+# -- checkpoints: each rank writes its blocks, any layout reads only its part ---------------------------------
+def stepped(model):
+    """``model`` after one AdamW step whose gradient is the weights themselves: elementwise, so a rank's block of
+    the weights and of the moments is the block of the one-process model's."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = p.detach().clone()
+    optimizer.step()
+    return optimizer
+
+
+def placement_of(recipe, plugins, shapes, tp=(0, 1), ep=(0, 1), etp=(0, 1), writes=(True, True)):
+    """The placement of one rank of ``tp``, ``ep`` and ``etp`` (each ``(rank, size)``); ``writes``: whether it
+    writes its tensor-parallel and its expert blocks."""
+    return Placement.of(shapes, [
+        Split("ep", layout_expert_dims(recipe, plugins, ep[1]), *ep, writes=writes[1]),
+        Split("etp", layout_etp_dims(recipe, plugins, etp[1]), *etp, writes=writes[1]),
+        Split("tp", layout_tp_dims(recipe, plugins, tp[1]), *tp, writes=writes[0]),
+    ])
+
+
+def write_layout(path, recipe, plugins, ranks):
+    """A checkpoint's weights and optimizer state written by ``ranks`` (``{rank: (tp, ep, etp, writes)}``, every
+    block by one of them); its ``meta.json`` entries."""
+    shapes, described = whole_shapes(recipe, plugins), []
+    for rank, (tp, ep, etp, writes) in ranks.items():
+        torch.manual_seed(3)
+        model = build_local_model(recipe, plugins, tp_rank=tp[0], tp_size=tp[1], ep_rank=ep[0], ep_size=ep[1],
+                                  etp_rank=etp[0], etp_size=etp[1])
+        optimizer = stepped(model)
+        names = optimizer_param_names(optimizer, model)
+        placement = placement_of(recipe, plugins, shapes, tp, ep, etp, writes)
+        described.append(write_shard(path, model, optimizer, names, {} if rank == 0 else None, placement, rank)[1])
+    return shards_meta(described, placement)
+
+
+def test_a_checkpoint_written_per_shard_is_read_by_slices_under_any_layout(hybrid, tmp_path, capsys):
+    plugins = get_plugins()
+    recipe = validate_recipe(hybrid, plugins)
+    shapes = whole_shapes(recipe, plugins)
+    torch.manual_seed(3)
+    one = build_model(recipe, plugins)
+    one_optimizer = stepped(one)
+    whole = one.state_dict()
+    moments = {n: one_optimizer.state[p] for n, p in one.named_parameters()}
+
+    # tp=2 x ep=2 x etp=2: 8 ranks; the ep=0, etp=0 ranks write the tensor-parallel blocks, the tp=0 ranks the experts'
+    ranks = {r: ((r % 2, 2), (r // 2 % 2, 2), (r // 4, 2), (r // 2 == 0, r % 2 == 0)) for r in range(8)}
+    meta = write_layout(tmp_path, recipe, plugins, ranks)
+    assert len(meta["shards"]) == 5  # ranks 0, 1 (tensor-parallel blocks) and 0, 2, 4, 6 (the experts') write
+    assert all(n in meta["shapes"] for names in meta["shards"].values() for n in names)
+    state = torch.load(tmp_path / "state.pt", weights_only=False, mmap=True)
+
+    readers = {"one process": {}, "tp=1, ep=4": {"ep": (3, 4)}, "tp=2, etp=2": {"tp": (1, 2), "etp": (0, 2)},
+               "etp=2": {"etp": (1, 2)}}
+    dims_of = {"tp": layout_tp_dims, "ep": layout_expert_dims, "etp": layout_etp_dims}
+    lines = []
+    mapped = {f.stat().st_size for f in tmp_path.rglob("*.safetensors")}
+    for what, cuts in readers.items():
+        placement = placement_of(recipe, plugins, shapes, **cuts)
+        weights, peak = measured_peak(partial(read_local_weights, tmp_path, meta, placement), mapped)
+        saved, names = local_optimizer_state(tmp_path, meta, state, placement)
+        index = {n: i for group, group_names in zip(saved["param_groups"], names, strict=True)
+                 for i, n in zip(group["params"], group_names, strict=True)}
+        cut_by = [(dims_of[kind](recipe, plugins, size), rank, size) for kind, (rank, size) in cuts.items()]
+
+        def cut(name, t, cut_by=cut_by):
+            for dims, rank, size in cut_by:
+                t = block(t, dims[name], rank, size) if name in dims else t
+            return t
+
+        assert weights.keys() == whole.keys(), what
+        for name, value in whole.items():
+            assert torch.equal(weights[name], cut(name, value)), (what, name)
+            for key in ("exp_avg", "exp_avg_sq") if name in moments else ():
+                assert torch.equal(saved["state"][index[name]][key], cut(name, moments[name][key])), (what, name, key)
+        # reading holds this rank's weights and at most one tensor's part besides
+        held = nbytes(weights.values())
+        bound = held + max(nbytes([t]) for t in weights.values()) + SLACK
+        assert peak <= bound, (what, peak, bound)
+        lines.append(f"reading {what}: {held} B held, peaked at {peak} B (bound {bound} B)")
+        if cuts:  # reading every tensor whole and cutting it, as one process does, exceeds the bound
+            _, whole_peak = measured_peak(
+                lambda p=placement: {n: _cut(t, p.slices.get(n)) for n, t in read_full_weights(tmp_path, meta).items()}, mapped)
+            assert whole_peak > bound, (what, whole_peak, bound)
+            lines.append(f"  reading every tensor whole, then cutting: {whole_peak} B")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+def _cut(t, slices):
+    return t if slices is None else t[tuple(slice(a, min(b, n)) for (a, b), n in zip(slices, t.shape, strict=True))].clone()
+
+
+def test_a_checkpoint_missing_a_block_or_of_another_model_is_refused(hybrid, tmp_path):
+    plugins = get_plugins()
+    recipe = validate_recipe(hybrid, plugins)
+    ranks = {r: ((0, 1), (r, 2), (0, 1), (True, True)) for r in range(2)}
+    meta = write_layout(tmp_path, recipe, plugins, ranks)
+    lost = {**meta, "shards": {f: names for f, names in meta["shards"].items() if "rank1" not in f}}
+    with pytest.raises(CheckpointError, match="its shards are incomplete"):
+        read_full_weights(tmp_path, lost)
+    shapes = whole_shapes(validate_recipe({**hybrid, "moe": {"chunked": {**hybrid["moe"]["chunked"], "expert_hidden": 16}}}, plugins), plugins)
+    with pytest.raises(ShapeMismatch, match=r"does not fit the model: shapes differ: blocks\.1\.ffn\.experts\.w_gate_up \[4, 32, 2, 32\] -> \[4, 32, 2, 16\]"):
+        read_local_weights(tmp_path, meta, Placement.of(shapes, []))
+
+
+def test_a_checkpoint_whose_shards_cannot_be_re_laid_is_one_line_exit_2(hybrid, tmp_path, recipe_toml, capsys):
+    from megaseq.cli import main
+    from megaseq.train import checkpoint
+
+    plugins = get_plugins()
+    run = tmp_path / "run"
+    recipe = tmp_path / "hybrid.toml"
+    recipe.write_text(recipe_toml({**hybrid, "run": {**hybrid["run"], "out_dir": str(run)}}))
+    staged = checkpoint.staging_dir(run / "checkpoints", 2)
+    meta = write_layout(staged, validate_recipe(hybrid, plugins), plugins, {r: ((r, 2), (0, 1), (0, 1), (True, True)) for r in range(2)})
+    # the second tensor-parallel rank's blocks are left out of the description: the checkpoint verifies, yet
+    # half of every split tensor is nowhere
+    meta["shards"].pop("shards/rank1.safetensors")
+    checkpoint.commit(run / "checkpoints", 2, {"layout": {"tp": 2}, **meta})
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--workers", "2", "--parallel", "tp=2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint cannot be re-laid" in err and err.count("\n") == 1, err
+    # heads that the new tp does not divide
+    assert main(["train", str(recipe), "--workers", "4", "--parallel", "tp=4", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "n_heads 2 is not a multiple of tp 4" in err and err.count("\n") == 1, err
+    assert not (run / "metrics.jsonl").exists()  # no worker trained

@@ -78,7 +78,8 @@ def test_tp2_equals_one_process_holds_half_the_split_bytes_and_its_checkpoint_re
         assert rank[0]["parameter_bytes"] == (split + padding) // 2 + norms
 
     saved = Path(ranks[0][0]["checkpoint"])
-    assert sorted(p.name for p in (saved / "tensor").iterdir()) == ["tp0.pt", "tp0.safetensors", "tp1.pt", "tp1.safetensors"]
+    assert sorted(p.name for p in (saved / "shards").iterdir()) == [
+        "rank0.optimizer.safetensors", "rank0.safetensors", "rank1.optimizer.safetensors", "rank1.safetensors"]
     resumed = single_trainer(DENSE, saved.parents[1])
     assert resumed.resume() and resumed.step == 2
     assert_same_run(train_single(resumed, 1), third, RTOL, "tp=2 checkpoint resumed with tp=1")

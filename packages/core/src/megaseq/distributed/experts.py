@@ -15,8 +15,9 @@ hidden width, along another dimension of the expert tensors than the experts' ow
 
 The same split serves three purposes: giving every layout the same initial weights (:func:`build_local_model`:
 the local model built on the meta device, filled from the one-process model's initialisation one block at a
-time, each cut to the local block), checkpoints (each EP rank writes its block) and resuming under another
-layout (join the blocks, cut them again).
+time, each cut to the local block), checkpoints (each block written by one of its holders) and resuming under
+another layout (each rank reads the parts of the written blocks that overlap its own:
+``megaseq.distributed.sharded``).
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ def unshard(
         name: join([b[name] for b in blocks], dims[name], lengths.get(name)) if name in dims else t
         for name, t in blocks[0].items()
     }
+
+
+def whole_shapes(recipe: Recipe, plugins: Plugins) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of every tensor of the whole (one-process) model, built on the meta device."""
+    return {name: tuple(t.shape) for name, t in build_on_meta(recipe, plugins, 1).state_dict().items()}
 
 
 def split_lengths(recipe: Recipe, plugins: Plugins, dims: Mapping[str, int]) -> dict[str, int]:

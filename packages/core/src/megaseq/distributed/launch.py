@@ -133,40 +133,19 @@ def describe_plan(recipe: Recipe, plugins: Plugins, layout: Layout) -> str:
 
 
 def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:
-    """The checkpoint's whole-model tensors must be the recipe's whole model's, so any layout can cut them."""
-    from safetensors import safe_open
+    """The checkpoint's whole tensors must be the recipe's whole model's, and its blocks must hold every value
+    of them, so that any layout can read its parts (nothing but ``meta.json`` and the file headers is read)."""
+    from megaseq.distributed.experts import whole_shapes
+    from megaseq.distributed.sharded import saved_shapes
 
-    from megaseq.distributed.experts import build_on_meta
-    from megaseq.distributed.sharded import block_files
-
-    meta = checkpoint.read_meta(path)
-    layout = meta.get("layout", {})
-    joined = {"ep": meta.get("expert_dims", {}), "tp": meta.get("tp_dims", {})}
-    lengths = meta.get("tp_lengths", {})  # padded blocks: the whole length
-    shapes: dict[str, list[int]] = {}
-    files = [("", path / "model.safetensors")] + [
-        (kind, path / block_files(kind, r)[0]) for kind in joined for r in range(int(layout.get(kind, 1)) if joined[kind] else 0)
-    ]
-    for kind, file in files:
-        if not file.exists():
-            saved_with = f"{kind}={layout.get(kind)}" if kind else "its layout"
-            raise UserError(f"{path}: checkpoint saved with {saved_with} lacks {file.name}; it cannot be re-sharded")
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                shape = list(f.get_slice(name).get_shape())
-                if name in shapes:
-                    shapes[name][joined[kind][name]] += shape[joined[kind][name]]
-                else:
-                    shapes[name] = shape
-    for name, length in lengths.items():
-        if name in shapes:
-            shapes[name][joined["tp"][name]] = min(shapes[name][joined["tp"][name]], length)
-    expected = {n: list(t.shape) for n, t in build_on_meta(recipe, plugins, 1).state_dict().items()}
+    shapes = saved_shapes(path, checkpoint.read_meta(path))
+    expected = whole_shapes(recipe, plugins)
     for name in sorted(set(expected) | set(shapes)):
         if shapes.get(name) != expected.get(name):
+            saved, wanted = (list(s) if s is not None else None for s in (shapes.get(name), expected.get(name)))
             raise UserError(
-                f"{path}: cannot resume {recipe.source} from it: {name} is {shapes.get(name)} in the checkpoint "
-                f"and {expected.get(name)} in the recipe's model (the model changed, not only the layout)"
+                f"{path}: cannot resume {recipe.source} from it: {name} is {saved} in the checkpoint "
+                f"and {wanted} in the recipe's model (the model changed, not only the layout)"
             )
 
 

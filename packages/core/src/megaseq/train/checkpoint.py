@@ -68,6 +68,15 @@ class CheckpointError(UserError):
     """A checkpoint that is damaged, missing or does not fit the model; the message is one line."""
 
 
+class ShapeMismatch(CheckpointError):
+    """A checkpoint whose tensors do not fit the model's (``mismatch``: what differs, as :func:`weight_mismatch`
+    says it), found while reading it."""
+
+    def __init__(self, path: Path, mismatch: str) -> None:
+        super().__init__(f"{path}: does not fit the model: {mismatch}")
+        self.mismatch = mismatch
+
+
 def step_name(step: int) -> str:
     return f"step_{step:07d}"
 
@@ -322,6 +331,10 @@ def _shape(shape: Any) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
+def _first_three(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def weight_mismatch(path: Path, model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> str | None:
     """What differs between the checkpoint's tensors and the model's (shapes, missing, unexpected), or None.
 
@@ -339,7 +352,7 @@ def weight_mismatch(path: Path, model: torch.nn.Module, weights: dict[str, torch
     missing = [n for n, t in state.items() if n not in stored and t.untyped_storage().data_ptr() not in saved_storage]
     unexpected = sorted(set(stored) - set(state))
     parts = [
-        f"{what}: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        f"{what}: {_first_three(names)}"
         for what, names in (("shapes differ", shapes), ("not in the checkpoint", missing), ("not in the model", unexpected))
         if names
     ]
@@ -359,7 +372,8 @@ def load_weights(path: Path, model: torch.nn.Module, weights: dict[str, torch.Te
 
 
 def load_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / "state.pt", weights_only=False)
+    """``state.pt``, memory-mapped: a rank that holds a part of a tensor reads only that part of its moments."""
+    return torch.load(path / "state.pt", weights_only=False, mmap=True)
 
 
 @dataclass
@@ -381,8 +395,9 @@ def load_for_resume(
 ) -> Resumed | None:
     """Load the weights of the newest verified checkpoint under ``root`` into ``model``; None if there is none.
 
-    ``read_weights(path, meta)``: this process's tensors of a checkpoint (``megaseq.distributed.sharded``
-    joins and cuts expert blocks); default ``model.safetensors``.
+    ``read_weights(path, meta)``: this process's tensors of a checkpoint (``megaseq.distributed.sharded`` reads
+    a rank's blocks; it raises :class:`ShapeMismatch` for a checkpoint of another model); default
+    ``model.safetensors``.
 
     Damaged newer checkpoints are renamed ``*.damaged`` and reported in ``warning``. One-line CheckpointErrors: no usable checkpoint among several damaged ones,
     a model that does not fit (naming the tensors and the recipe keys that changed), non-finite weights.
@@ -400,8 +415,11 @@ def load_for_resume(
         warning += " (the damaged ones are renamed *.damaged)"
     meta = read_meta(path)
     changes = recipe_changes(meta["recipe"], recipe)
-    weights = read_weights(path, meta) if read_weights is not None else None
-    mismatch = weight_mismatch(path, model, weights)
+    try:
+        weights = read_weights(path, meta) if read_weights is not None else None
+        mismatch = weight_mismatch(path, model, weights)
+    except ShapeMismatch as exc:
+        weights, mismatch = None, exc.mismatch
     if mismatch:
         shaping = [c for c in changes if c.split(".")[0] in ("model", "attention", "ffn", "moe", "memory")]
         raise CheckpointError(
@@ -484,6 +502,7 @@ __all__ = [
     "CheckpointError",
     "Found",
     "Resumed",
+    "ShapeMismatch",
     "checkpoints",
     "commit",
     "file_entries",

@@ -15,8 +15,9 @@ that ``torch.optim.AdamW`` takes for CPU tensors), so the weights after any numb
 under dp=2).
 
 Checkpoints (``megaseq.distributed.sharded``): a whole optimizer's state is saved in ``state.pt`` by
-parameter name; a sharded one as ``optimizer/rank{r}.pt`` per rank, each by name, so that either resumes under
-any number of ranks, sharded or not. :class:`HostAdamW`'s state dict has ``torch.optim.AdamW``'s format, so
+parameter name (the moments of expert- or tensor-split parameters beside their blocks); a sharded one as
+``optimizer/rank{r}.pt`` per rank, each by name, so that either resumes under any number of ranks, sharded or
+not. :class:`HostAdamW`'s state dict has ``torch.optim.AdamW``'s format, so
 switching ``optimizer_state`` between runs keeps the moments.
 """
 

@@ -49,11 +49,18 @@ from megaseq.distributed.experts import (
     layout_etp_dims,
     layout_expert_dims,
     layout_tp_dims,
-    split_lengths,
+    whole_shapes,
 )
 from megaseq.distributed.groups import Parallel
 from megaseq.distributed.layout import Layout, check_layout
-from megaseq.distributed.sharded import Split, local_optimizer_state, read_local_weights, write_shard
+from megaseq.distributed.sharded import (
+    Placement,
+    Split,
+    local_optimizer_state,
+    read_local_weights,
+    shards_meta,
+    write_shard,
+)
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
 from megaseq.memory import heap
@@ -175,7 +182,8 @@ class Trainer:
         self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
         self.etp_dims = layout_etp_dims(recipe, plugins, p.layout.etp)
         self.tp_dims = layout_tp_dims(recipe, plugins, p.layout.tp)
-        self.tp_lengths = split_lengths(recipe, plugins, self.tp_dims)  # the vocabulary's blocks may be padded
+        self.shapes = whole_shapes(recipe, plugins)  # where this rank's blocks sit (``placement``)
+        self.tp_lengths = {name: self.shapes[name][dim] for name, dim in self.tp_dims.items()}  # blocks may be padded
         self.expert_params = {param for name, param in self.model.named_parameters()
                               if name in self.expert_dims or name in self.etp_dims}
         self.tp_params = {param for name, param in self.model.named_parameters() if name in self.tp_dims}
@@ -215,36 +223,17 @@ class Trainer:
     def checkpoint_root(self) -> Path:
         return self.out_dir / "checkpoints"
 
-    def splits(self) -> list[Split]:
-        """How this rank's model is split (expert, tensor and expert-tensor parallelism) and which blocks it
-        writes: one holder of each block. Checkpoints hold no expert-tensor-parallel blocks: those are joined
-        before writing (:meth:`_expert_blocks_joined`), so the ``etp`` split only cuts what is read."""
+    def placement(self) -> Placement:
+        """Where this rank's tensors sit in the whole model (expert, expert-tensor and tensor parallelism) and which
+        blocks it writes into a checkpoint: one holder of each (the first expert-data-parallel rank of an expert
+        block, the first data- and context-parallel rank of a tensor-parallel one)."""
         p = self.parallel
-        return [
-            Split("ep", self.expert_dims, p.ep_rank, p.layout.ep, writes=p.expert_dp_rank == 0 and p.etp_rank == 0),
-            Split("tp", self.tp_dims, p.tp_rank, p.layout.tp, writes=p.dp_rank == 0 and p.cp_rank == 0,
-                  lengths=self.tp_lengths),
-            Split("etp", self.etp_dims, p.etp_rank, p.layout.etp, writes=False),
-        ]
-
-    def _expert_blocks_joined(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        """Under expert tensor parallelism, the model's state and ``optimizer``'s with every expert-tensor-parallel
-        block gathered over its group (every rank takes part); ``None`` without it."""
-        p = self.parallel
-        if p.layout.etp == 1:
-            return None
-        state = p.gather_expert_tensor_parallel(self.model.state_dict(), self.etp_dims)
-        saved = optimizer.state_dict()
-        saved["state"] = dict(saved["state"])
-        names = checkpoint.optimizer_param_names(optimizer, self.model)
-        index_of = {name: i for group, group_names in zip(saved["param_groups"], names, strict=True)
-                    for i, name in zip(group["params"], group_names, strict=True)}
-        for name, dim in sorted(self.etp_dims.items()):  # the same order on every rank of the group
-            if (i := index_of.get(name)) in saved["state"]:
-                moments = saved["state"][i]
-                blocked = {key: dim for key, value in moments.items() if isinstance(value, torch.Tensor) and value.dim() > 0}
-                saved["state"][i] = p.gather_expert_tensor_parallel(moments, blocked)
-        return state, saved
+        expert_writer = p.expert_dp_rank == 0
+        return Placement.of(self.shapes, [
+            Split("ep", self.expert_dims, p.ep_rank, p.layout.ep, writes=expert_writer),
+            Split("etp", self.etp_dims, p.etp_rank, p.layout.etp, writes=expert_writer),
+            Split("tp", self.tp_dims, p.tp_rank, p.layout.tp, writes=p.dp_rank == 0 and p.cp_rank == 0),
+        ])
 
     def save(self) -> Path:
         """Write a checkpoint; every rank calls this (each writes its files, rank 0 publishes them)."""
@@ -263,17 +252,19 @@ class Trainer:
             "plugins": self.plugins.hooks.checkpoint_save(self.model),
         }
         local = local_optimizer(self.optimizer)
-        written = write_shard(
+        placement = self.placement()
+        written, shards = write_shard(
             staged,
             self.model,
             local,
             checkpoint.optimizer_param_names(local, self.model),
             run_state if p.is_main else None,
-            [split for split in self.splits() if split.kind != "etp"],
+            placement,
+            p.rank,
             shard=(p.rank, p.layout.world_size) if self.recipe.train.optimizer_shard else None,
-            joined=self._expert_blocks_joined(local),
         )
-        described = p.gather_on_main(checkpoint.file_entries(staged, written))  # every rank hashes its own files
+        # every rank hashes its own files and says where its blocks sit
+        described = p.gather_on_main((checkpoint.file_entries(staged, written), shards))
         path = self.checkpoint_root / checkpoint.step_name(self.step)
         if p.is_main:
             meta = {
@@ -281,12 +272,10 @@ class Trainer:
                 "recipe": self.recipe.to_dict(),
                 "plugins": self.plugins.active(),
                 "layout": vars(p.layout),
-                "expert_dims": self.expert_dims,
-                "tp_dims": self.tp_dims,
-                "tp_lengths": self.tp_lengths,
+                **shards_meta([d for _, d in described], placement),
                 **self.checkpoint_meta,
             }
-            path = checkpoint.commit(self.checkpoint_root, self.step, meta, {k: v for d in described for k, v in d.items()})
+            path = checkpoint.commit(self.checkpoint_root, self.step, meta, {k: v for d, _ in described for k, v in d.items()})
             checkpoint.prune(self.checkpoint_root, self.recipe.train.keep_checkpoints)
         p.barrier()
         return path
@@ -306,7 +295,7 @@ class Trainer:
                 self.checkpoint_root,
                 self.model,
                 self.recipe.to_dict(),
-                lambda path, meta: read_local_weights(path, meta, self.splits()),
+                lambda path, meta: read_local_weights(path, meta, self.placement()),
             )
 
         # rank 0 first: it sets damaged checkpoints aside, so that the others find the same newest good one
@@ -323,7 +312,7 @@ class Trainer:
             self.notes.append(f"weights from {resumed.path}, which holds no run state: starting at step 0")
             return True
         names = checkpoint.optimizer_param_names(self.optimizer, self.model)
-        saved, saved_names = local_optimizer_state(resumed.path, resumed.meta, state, self.splits())
+        saved, saved_names = local_optimizer_state(resumed.path, resumed.meta, state, self.placement())
         local = local_optimizer(self.optimizer)  # a shard of the state takes its tensors by name
         checkpoint.load_optimizer(local, saved, saved_names, checkpoint.optimizer_param_names(local, self.model))
         trained, saved_trained = {n for g in names for n in g}, {n for g in saved_names for n in g}
@@ -352,7 +341,7 @@ class Trainer:
         """Load the weights of ``path`` (run directory or checkpoint; train.init_from) before step 0."""
         found = checkpoint.resolve(path)
         meta = checkpoint.read_meta(found)
-        checkpoint.load_weights(found, self.model, read_local_weights(found, meta, self.splits()))
+        checkpoint.load_weights(found, self.model, read_local_weights(found, meta, self.placement()))
         self.notes.append(f"weights from {found}")
 
     # -- the loop -----------------------------------------------------------------------------------
