@@ -125,6 +125,21 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
         np.testing.assert_array_equal(loaded.log_prob_table(j), model.log_prob_table(j))
 
 
+def test_an_interrupted_save_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "markov.npz"
+    MarkovBaseline(2).fit(random_genome(np.random.default_rng(3), 400)).save(path)
+    before = path.read_bytes()
+
+    def savez_then_fail(file, **arrays):
+        file.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", savez_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        MarkovBaseline(2).save(path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["markov.npz"]
+
+
 def test_invalid_settings() -> None:
     with pytest.raises(ValueError, match=r"Markov order must be in 0\.\.12, got 13"):
         MarkovBaseline(13)

@@ -17,6 +17,7 @@ the recipe's ``data.train`` once and the counts cached next to the token cache (
 """
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -107,9 +108,17 @@ class MarkovBaseline:
         return torch.from_numpy(losses).to(inputs.device)
 
     def save(self, path: str | Path) -> None:
-        np.savez(
-            path, order=self.order, alpha=self.alpha, counts=np.concatenate([c.ravel() for c in self.counts])
-        )
+        """Written whole or not at all (a temporary file renamed into place): the cache is shared by every run,
+        and a run stopped mid-write must not leave counts that a later run would load."""
+        path = Path(path)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            with tmp.open("wb") as f:
+                np.savez(f, order=self.order, alpha=self.alpha,
+                         counts=np.concatenate([c.ravel() for c in self.counts]))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: str | Path) -> "MarkovBaseline":
