@@ -81,12 +81,16 @@ def measured_peak(fn, mapped=frozenset()):
 
 
 def layouts(hybrid):
-    """(recipe, what splits, the split dims under 2 ranks, keyword arguments of each of the 2 ranks)."""
+    """(recipe, what splits, the split dims under 2 ranks, keyword arguments of each of the 2 ranks). The hybrid
+    has wider experts here (8 of hidden width 128), so that a MoE block's expert stack outweighs its other
+    tensors, as at scale."""
     plugins = get_plugins()
-    dense, moe = validate_recipe(DENSE, plugins), validate_recipe(hybrid, plugins)
+    wide = {**hybrid, "moe": {"chunked": {**hybrid["moe"]["chunked"], "n_experts": 8, "expert_hidden": 128}}}
+    dense, moe = validate_recipe(DENSE, plugins), validate_recipe(wide, plugins)
     return [
         (dense, "tp", layout_tp_dims(dense, plugins, 2), [{"tp_rank": r, "tp_size": 2} for r in range(2)]),
         (moe, "ep", layout_expert_dims(moe, plugins, 2), [{"ep_rank": r, "ep_size": 2} for r in range(2)]),
+        (moe, "etp", layout_etp_dims(moe, plugins, 2), [{"etp_rank": r, "etp_size": 2} for r in range(2)]),
     ]
 
 
@@ -119,18 +123,37 @@ def test_every_layout_starts_from_the_one_process_model(hybrid):
 def whole_then_cut(recipe, plugins, dims, **kwargs):
     """The scheme ``build_local_model`` replaces: the whole model initialised, each rank keeping its blocks."""
     local = build_model(recipe, plugins, model_dims(recipe, **kwargs))
-    rank = kwargs.get("tp_rank", kwargs.get("ep_rank"))
+    rank = next(v for k, v in kwargs.items() if k.endswith("_rank"))
     local.load_state_dict(shard(build_model(recipe, plugins).state_dict(), dims, rank, 2))
     return local
+
+
+def whole_parts_then_cut(recipe, plugins, dims, **kwargs):
+    """A scheme between the two: the local model filled one whole block at a time (every expert of an MoE block),
+    each cut to the rank's blocks."""
+    with torch.device("meta"):
+        local = build_model(recipe, plugins, model_dims(recipe, **kwargs))
+    local = local.to_empty(device="cpu")
+    rank = next(v for k, v in kwargs.items() if k.endswith("_rank"))
+    targets = local.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for prefix, part in initial_parts(recipe, plugins):
+            for name, value in part.state_dict().items():
+                name = prefix + name
+                targets[name].copy_(block(value, dims[name], rank, 2) if name in dims else value)
+            del part
+    return local
+
+
+def expert_kwargs(kwargs):
+    """The expert-parallel and expert-tensor-parallel arguments among a rank's."""
+    return {k: v for k, v in kwargs.items() if k.startswith(("ep_", "etp_"))}
 
 
 def test_a_rank_holds_and_builds_only_its_shards(hybrid, capsys):
     plugins = get_plugins()
     lines = []
     for recipe, what, dims, ranks in layouts(hybrid):
-        parts = [m for _, m in initial_parts(recipe, plugins)]
-        largest_part = max(nbytes([*m.parameters(), *m.buffers()]) for m in parts)
-        largest_tensor = max(t.numel() * t.element_size() for m in parts for t in m.state_dict().values())
         whole = build_model(recipe, plugins).state_dict()
         split_whole = nbytes(whole[n] for n in dims)
         rest_whole = nbytes(t for n, t in whole.items() if n not in dims)
@@ -138,6 +161,10 @@ def test_a_rank_holds_and_builds_only_its_shards(hybrid, capsys):
         assert one_peak >= nbytes(one.state_dict().values())  # the profiler sees the parameters
         lines.append(f"{what}=1: holds {nbytes(one.state_dict().values())} B, building peaked at {one_peak} B")
         for kwargs in ranks:
+            # the parts a rank builds: whole blocks but for the experts, only its own
+            parts = [m for _, m in initial_parts(recipe, plugins, **expert_kwargs(kwargs))]
+            largest_part = max(nbytes([*m.parameters(), *m.buffers()]) for m in parts)
+            largest_tensor = max(t.numel() * t.element_size() for m in parts for t in m.state_dict().values())
             local, peak = measured_peak(partial(build_local_model, recipe, plugins, **kwargs))
             state = local.state_dict()
             held_split, held_rest = nbytes(state[n] for n in dims), nbytes(t for n, t in state.items() if n not in dims)
@@ -150,6 +177,10 @@ def test_a_rank_holds_and_builds_only_its_shards(hybrid, capsys):
             _, old_peak = measured_peak(partial(whole_then_cut, recipe, plugins, dims, **kwargs))
             assert old_peak > bound, (what, kwargs, old_peak, bound)  # the bound catches the whole-model scheme
             lines.append(f"  whole model then cut: {old_peak} B")
+            if expert_kwargs(kwargs):  # and a rank that builds every expert of a block, one block at a time
+                _, parts_peak = measured_peak(partial(whole_parts_then_cut, recipe, plugins, dims, **kwargs))
+                assert parts_peak > bound, (what, kwargs, parts_peak, bound)
+                lines.append(f"  whole blocks (every expert) then cut: {parts_peak} B")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 

@@ -1,10 +1,17 @@
-"""Grouped expert products (grouped_mm and the per-expert loop) against a float64 oracle; clamped SwiGLU."""
+"""Grouped expert products (grouped_mm and the per-expert loop) against a float64 oracle; clamped SwiGLU; a rank's
+experts are the one-process layer's blocks (core's ``check_local_experts``), which a layer drawing only its own
+experts fails."""
+
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megaseq.testing.moe import check_local_experts
+from megaseq_moe.config import ChunkedMoEConfig
 from megaseq_moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported, swiglu
+from megaseq_moe.layer import ChunkedMoE
 
 RTOL = 1e-5  # max abs error <= RTOL * max(1, max |reference|)
 
@@ -82,3 +89,24 @@ def test_swiglu_clamps_gate_above_and_up_both_sides() -> None:
     assert gate_up.grad[2] == 0 and gate_up.grad[3] == 0
     assert (gate_up.grad[[4, 6, 7]] == 0).all() and gate_up.grad[5] != 0
     assert torch.equal(swiglu(gate_up.detach(), None), F.silu(gate) * up)
+
+
+class LocallyDrawnExperts(GroupedExperts):
+    """Draws only its own experts, in one stack: the right shapes, but not the one-process layer's values."""
+
+    def __init__(self, n_local, d_model, hidden, limit, init_std, *whole_layer) -> None:
+        super().__init__(n_local, d_model, hidden, limit, init_std)
+
+
+def build_locally_drawn(config, dims, layer_idx):
+    with mock.patch("megaseq_moe.layer.GroupedExperts", LocallyDrawnExperts):
+        return ChunkedMoE(ChunkedMoEConfig.model_validate(config), dims, layer_idx)
+
+
+def test_local_experts_are_the_one_process_blocks_and_a_layer_drawing_only_its_own_is_caught() -> None:
+    config = {"n_experts": 4, "top_k": 2, "expert_hidden": 16, "init_std": 0.3}
+    both = frozenset({"expert_parallel", "tensor_parallel"})
+    assert check_local_experts("chunked", config, both) == 2
+    for capability in sorted(both):
+        with pytest.raises(AssertionError, match="global generator elsewhere|one-process layer's block"):
+            check_local_experts("chunked", config, frozenset({capability}), factory=f"{__name__}:build_locally_drawn")

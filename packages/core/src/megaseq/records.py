@@ -143,10 +143,12 @@ def load_target(target: str) -> Any:
 #   sequence_tiling   attention: implements ``megaseq.contracts.SequenceTiling`` (``forward_tile``) and its
 #                     ``MemoryEstimate.tiling``
 #   expert_parallel   moe: builds only its ``ModelDims.ep_rank`` share of the experts, stacked along one
-#                     dimension of each expert tensor
+#                     dimension of each expert tensor, with the one-process layer's values from the same seed
+#                     (drawing from the global generator what one process draws: ``check_local_experts``)
 #   tensor_parallel   attention, ffn, moe: builds its ``ModelDims.tp_rank`` block of heads or hidden width (an
-#                     moe: its ``ModelDims.etp_rank`` block of each expert's) and runs on its sequence chunk
-#                     (``ctx.tp``, ``megaseq.contracts.TensorParallel``)
+#                     moe: its ``ModelDims.etp_rank`` block of each expert's, with the one-process values as
+#                     under expert_parallel) and runs on its sequence chunk (``ctx.tp``,
+#                     ``megaseq.contracts.TensorParallel``)
 #   pool_sizing       memory policy: has a ``pool_bytes`` option that the planner sets to the bytes it moves
 CAPABILITIES: dict[str, frozenset[str]] = {
     "attention": frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),

@@ -51,13 +51,28 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, use_grouped_mm: bo
 class GroupedExperts(nn.Module):
     """This rank's routed experts: ``w_gate_up [E_local, d, 2, h]`` (the gate projection, then the up one) and
     ``w_down [E_local, h, d]``. The hidden width has a dimension of its own in each tensor, so that under expert
-    tensor parallelism a rank's block of it (``h = expert_hidden / etp``) is one contiguous block of each."""
+    tensor parallelism a rank's block of it (``h = expert_hidden / etp``) is one contiguous block of each.
 
-    def __init__(self, n_local: int, d_model: int, hidden: int, limit: float | None, init_std: float) -> None:
+    Experts ``first .. first + n_local - 1`` of ``n_experts``, block ``etp_rank`` of ``etp_size`` of each one's
+    hidden width: every expert is drawn whole from the global generator in turn, as one process draws them, and
+    only the local ones' blocks are kept, so any layout starts from the one-process experts while holding one
+    whole expert at a time besides its own (``expert_parallel`` in ``megaseq.records.CAPABILITIES``)."""
+
+    def __init__(
+        self, n_local: int, d_model: int, hidden: int, limit: float | None, init_std: float,
+        first: int = 0, n_experts: int | None = None, etp_rank: int = 0, etp_size: int = 1,
+    ) -> None:
         super().__init__()
         self.limit = limit
-        self.w_gate_up = nn.Parameter(torch.randn(n_local, d_model, 2, hidden) * init_std)
-        self.w_down = nn.Parameter(torch.randn(n_local, hidden, d_model) * init_std)
+        self.w_gate_up = nn.Parameter(torch.empty(n_local, d_model, 2, hidden))
+        self.w_down = nn.Parameter(torch.empty(n_local, hidden, d_model))
+        whole = hidden * etp_size
+        with torch.no_grad():
+            for weight, shape, dim in ((self.w_gate_up, (d_model, 2, whole), 2), (self.w_down, (whole, d_model), 0)):
+                for expert in range(n_local if n_experts is None else n_experts):
+                    drawn = torch.randn(shape) * init_std
+                    if first <= expert < first + n_local:
+                        weight[expert - first] = drawn.narrow(dim, etp_rank * hidden, hidden)
 
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
         """Rows grouped by local expert (``counts[e]`` rows for expert e) -> expert outputs, same order."""

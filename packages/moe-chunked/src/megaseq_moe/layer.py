@@ -63,7 +63,8 @@ class ChunkedMoE(nn.Module):
         d = dims.d_model
         self.router = Router(d, config.n_experts, config.top_k, config.routed_scaling_factor, config.init_std)
         self.experts = GroupedExperts(
-            self.n_local, d, config.expert_hidden // dims.etp_size, config.swiglu_limit, config.init_std
+            self.n_local, d, config.expert_hidden // dims.etp_size, config.swiglu_limit, config.init_std,
+            self.first_expert, config.n_experts, dims.etp_rank, dims.etp_size,
         )
         self.shared = (
             SharedExpert(d, config.shared_width, config.swiglu_limit, config.init_std)

@@ -152,14 +152,21 @@ def split_lengths(recipe: Recipe, plugins: Plugins, dims: Mapping[str, int]) -> 
     return {name: full[name].shape[dim] for name, dim in dims.items()}
 
 
-def initial_parts(recipe: Recipe, plugins: Plugins) -> Iterator[tuple[str, nn.Module]]:
+def initial_parts(
+    recipe: Recipe, plugins: Plugins, ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1
+) -> Iterator[tuple[str, nn.Module]]:
     """The one-process model's initial weights, one part at a time: ``(prefix, module)``, each block and then the
     embedding, final norm and head, with the module's tensors named as the whole model's less ``prefix``. The
     parts draw from the global generator in the order :func:`megaseq.model.build_model` does, so together they
-    are its model and leave the generator where it leaves it."""
+    are its model and leave the generator where it leaves it.
+
+    With ``ep_size`` or ``etp_size`` above 1 each MoE is built as that expert-parallel (and expert-tensor-parallel)
+    rank's: only its experts, with their one-process values (the contract of ``expert_parallel`` and of an MoE's
+    ``tensor_parallel``, ``megaseq.records.CAPABILITIES``), so no part holds every expert."""
     dims = model_dims(recipe)
+    experts = model_dims(recipe, ep_rank, ep_size, etp_rank=etp_rank, etp_size=etp_size)
     for layer in range(recipe.model.n_layers):
-        yield f"blocks.{layer}.", build_block(recipe, plugins, dims, layer)
+        yield f"blocks.{layer}.", build_block(recipe, plugins, experts, layer)
     yield "", build_model(recipe, plugins, dims, blocks=False)
 
 
@@ -171,9 +178,10 @@ def build_local_model(
     its blocks of the split tensors, with the initial weights of the one-process model cut to them.
 
     The local model is built on the meta device (no memory) and materialised on ``device``; its tensors are then
-    filled part by part from :func:`initial_parts`, so besides the local model a rank holds one whole part (one
-    block) at a time, never the whole model. Every rank draws the same numbers from the global generator as one
-    process building the whole model: every layout starts from its weights and leaves the generator as it does.
+    filled part by part from :func:`initial_parts`, so besides the local model a rank holds one part (one block,
+    with only its own experts) at a time, never the whole model, and cuts the tensor-parallel blocks from it.
+    Every rank draws the same numbers from the global generator as one process building the whole model: every
+    layout starts from its weights and leaves the generator as it does.
     """
     with torch.device("meta"):
         local = build_model(recipe, plugins, model_dims(recipe, ep_rank, ep_size, tp_rank, tp_size, etp_rank, etp_size))
@@ -185,16 +193,17 @@ def build_local_model(
         raise UserError(f"{where}: {both[0]} is split by both tensor and expert parallelism")
     if same := sorted(n for n in set(by_ep) & set(by_etp) if by_ep[n] == by_etp[n]):
         raise UserError(f"{where}: {same[0]} is split along dimension {by_ep[same[0]]} by both ep and etp")
-    cuts = [(by_ep, ep_rank, ep_size), (by_etp, etp_rank, etp_size), (by_tp, tp_rank, tp_size)]
     targets = {**dict(local.named_parameters(remove_duplicate=False)), **dict(local.named_buffers(remove_duplicate=False))}
     filled: set[str] = set()
     with torch.no_grad():
-        for prefix, part in initial_parts(recipe, plugins):
+        for prefix, part in initial_parts(recipe, plugins, ep_rank, ep_size, etp_rank, etp_size):
             for name, value in [*part.named_parameters(remove_duplicate=False), *part.named_buffers(remove_duplicate=False)]:
                 name = prefix + name
-                for dims, rank, size in cuts:
-                    if name in dims:
-                        value = block(value, dims[name], rank, size)
+                if name in by_tp:
+                    value = block(value, by_tp[name], tp_rank, tp_size)
+                if value.shape != targets[name].shape:  # copy_ would broadcast
+                    raise RuntimeError(f"{name}: the initial part holds {list(value.shape)}, the local model "
+                                       f"{list(targets[name].shape)}")
                 targets[name].copy_(value)
                 filled.add(name)
             del part

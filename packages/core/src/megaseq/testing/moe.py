@@ -19,6 +19,11 @@ and the forward (a detached expert weight) is caught by the finite-difference ch
 independently of ``route`` (e.g. the router's softmax gathered at the given experts and renormalised), and,
 independently of any formula, against the module's own choice permuted: the weight follows its expert.
 
+Under expert parallelism (``expert_parallel``) and expert tensor parallelism (an MoE's ``tensor_parallel``) each
+rank builds only its own experts (``megaseq.distributed.experts.initial_parts``), so a layer built as one rank of
+two must hold exactly the one-process layer's block of each expert tensor from the same seed, every other tensor
+equal, and leave the global generator where building the whole layer leaves it (:func:`check_local_experts`).
+
 ``load_stats()`` must report at least ``megaseq.contracts.LOAD_STAT_KEYS`` (the trainer logs them as
 ``moe/load/KEY``) for the last training forward, counting
 (token, expert) assignments, the same chunked (``chunk_tokens``) as unchunked; ``routing_entropy`` is in nats
@@ -36,7 +41,9 @@ import torch
 from torch import Tensor, nn
 
 from megaseq.contracts import LOAD_STAT_KEYS, ForwardContext, MoE, RoutingReplay
-from megaseq.testing import assert_close
+from megaseq.distributed.experts import block, split_dims
+from megaseq.records import ModelDims
+from megaseq.testing import assert_close, build_component
 from megaseq.testing.ffn import FeedForwardConformance
 
 
@@ -65,6 +72,44 @@ def _record(module: nn.Module, x: Tensor) -> tuple[Tensor, RoutingReplay]:
         f"one MoE layer must record one routing entry, got {sorted(routing.indices)}"
     )
     return out, routing
+
+
+def check_local_experts(
+    name: str, config: dict[str, Any], capabilities: frozenset[str], d_model: int = 32, factory: str | None = None
+) -> int:
+    """Each rank of two under ep (with ``expert_parallel`` declared) and under etp (with ``tensor_parallel``) builds
+    the one-process layer's block of each expert tensor and every other tensor whole, drawing what one process
+    draws from the global generator. Returns how many layouts were checked (a config the layout does not divide,
+    refused with a ValueError at construction, is not one)."""
+
+    def build(**parallel: int) -> tuple[dict[str, Tensor], Tensor]:
+        torch.manual_seed(0)
+        dims = ModelDims(d_model=d_model, n_layers=2, vocab_size=8, **parallel)
+        module = build_component("moe", name, config, dims, factory=factory)
+        return module.state_dict(), torch.rand(4)
+
+    whole, after = build()
+    checked = 0
+    for what, declared in (("ep", "expert_parallel"), ("etp", "tensor_parallel")):
+        if declared not in capabilities:
+            continue
+        try:
+            ranks = [build(**{f"{what}_rank": r, f"{what}_size": 2}) for r in range(2)]
+        except ValueError:
+            continue
+        dims = split_dims(whole, ranks[0][0], 2, what)
+        assert dims, f"moe {name!r}: built as {what} rank 0 of 2, it holds every tensor whole"
+        for rank, (local, after_local) in enumerate(ranks):
+            assert torch.equal(after_local, after), (
+                f"moe {name!r}: built as {what} rank {rank} of 2, it leaves the global generator elsewhere than the "
+                f"one-process layer does (it must draw every expert as one process does)")
+            for tensor, value in whole.items():
+                expected = block(value, dims[tensor], rank, 2) if tensor in dims else value
+                assert torch.equal(local[tensor], expected), (
+                    f"moe {name!r}: {tensor} built as {what} rank {rank} of 2 is not the one-process layer's block "
+                    f"from the same seed")
+        checked += 1
+    return checked
 
 
 class MoEConformance(FeedForwardConformance):
@@ -242,6 +287,10 @@ class MoEConformance(FeedForwardConformance):
             module(self.inputs(seed=9), ForwardContext())
         assert module.load_stats() == skewed, "an eval-mode forward changed the training load statistics"
 
+    def test_local_experts_are_blocks_of_the_one_process_layer(self) -> None:
+        """:func:`check_local_experts`, for the capabilities declared (none: nothing to check)."""
+        check_local_experts(self.name, self.config, self.declared(), self.d_model, self.factory)
+
     def test_finite_at_large_inputs(self) -> None:
         """Inputs 50x the usual scale (saturated router and gates) give finite outputs and gradients."""
         module = self.build()
@@ -254,4 +303,4 @@ class MoEConformance(FeedForwardConformance):
             assert p.grad is None or torch.isfinite(p.grad).all(), f"non-finite gradient of {pname}"
 
 
-__all__ = ["LOAD_STAT_KEYS", "MoEConformance", "dense_reference"]
+__all__ = ["LOAD_STAT_KEYS", "MoEConformance", "check_local_experts", "dense_reference"]
