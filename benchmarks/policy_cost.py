@@ -5,6 +5,8 @@ Each set runs in a fresh process (its own VmHWM); one window of ``--seq-len`` to
 seconds barely depend on what else runs on the machine; wall seconds do.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/policy_cost.py --seq-len 65536 --policies none recompute offload
+
+``--set KEY=VALUE`` overrides the recipe in every set (e.g. ``memory_policy.recompute.tile_tokens=16384``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def child(recipe_path: str, seq_len: int, policies: str) -> dict:
+def child(recipe_path: str, seq_len: int, policies: str, overrides: list[str]) -> dict:
     from megaseq.config import load_recipe
     from megaseq.plugins import get_plugins
     from megaseq.train.trainer import Trainer
@@ -30,7 +32,7 @@ def child(recipe_path: str, seq_len: int, policies: str) -> dict:
     names = [] if policies == "none" else policies.split(",")
     with tempfile.TemporaryDirectory() as out:
         sets = [f"data.seq_len={seq_len}", "train.batch_size=1", "train.grad_accum=1", "train.steps=1",
-                f"run.out_dir='{out}'", "run.device='cpu'", f"train.memory_policy={json.dumps(names)}"]
+                f"run.out_dir='{out}'", "run.device='cpu'", f"train.memory_policy={json.dumps(names)}", *overrides]
         trainer = Trainer(load_recipe(recipe_path, plugins, sets), plugins, progress=False, tensorboard=False)
         start, cpu = time.perf_counter(), time.process_time()
         metrics = trainer.train_step()
@@ -46,14 +48,16 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=65536)
     p.add_argument("--policies", nargs="+", default=["none", "recompute", "offload"],
                    help="policy sets: none, or comma-separated names configured by the recipe's sections")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.recipe, args.seq_len, args.child)))
+        print(json.dumps(child(args.recipe, args.seq_len, args.child, args.sets)))
         return
     rows = []
     for policies in args.policies:
-        cmd = [sys.executable, __file__, "--recipe", args.recipe, "--seq-len", str(args.seq_len), "--child", policies]
+        cmd = [sys.executable, __file__, "--recipe", args.recipe, "--seq-len", str(args.seq_len), "--child", policies,
+               *(f"--set={s}" for s in args.sets)]
         rows.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
     base = next((r["cpu_s"] for r in rows if r["policies"] == "none"), None)
     print("| policies | CPU s | extra | wall s | peak RSS | loss | grad norm |\n|---|---:|---:|---:|---:|---:|---:|")

@@ -3,7 +3,8 @@ their combination give the loss, auxiliary losses (the DSA indexer's and the MoE
 gradients of no policy, and ``train.memory_policy = "auto"`` trains with what the planner chooses.
 
 Recomputing whole blocks, attention or feed-forward only, and offloading keep the order of every operation,
-so their results are bitwise equal in fp32. Tiles change it (the KDA chunk grid restarts at every tile, a
+so their results are bitwise equal in fp32; a recomputed DSA layer keeps its top-k selection for the re-run,
+so every run selects once per micro-batch (per tile in tiles), as without a policy. Tiles change it (the KDA chunk grid restarts at every tile, a
 tile's queries are scored in separate blocks), so tiled runs are held to 1e-6 relative: the loss, and the
 gradient vector of the whole model, ||g - g_ref|| / ||g_ref||. Tiles of 37 tokens divide neither the
 sequence nor a KDA chunk, and the packed documents cross tile boundaries.
@@ -22,6 +23,7 @@ from megaseq.contracts import ForwardContext
 from megaseq.model import build_model, chunked_token_losses
 from megaseq.plugins import get_plugins
 from megaseq.train.trainer import Trainer
+from megaseq_dsa.testing import recorded_selections
 
 T = 150
 BOUNDS = torch.tensor([0, 40, 41, 111, 150], dtype=torch.int32)
@@ -59,6 +61,7 @@ def run(plugins, policies: list[str], configs: dict[str, dict[str, Any]], tmp_pa
         policy.apply(model)
     losses, aux, metrics = [], {}, {}
     with contextlib.ExitStack() as stack:
+        selections = stack.enter_context(recorded_selections())
         for policy in built:
             stack.enter_context(policy.step())
         for micro in range(2):
@@ -71,7 +74,7 @@ def run(plugins, policies: list[str], configs: dict[str, dict[str, Any]], tmp_pa
                 aux[k] = aux.get(k, 0) + v.detach()
             metrics.update({k: metrics.get(k, 0) + v for k, v in ctx.metrics.items()})
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return {"loss": torch.stack(losses), "aux": aux, "metrics": metrics, "grads": grads}
+    return {"loss": torch.stack(losses), "aux": aux, "metrics": metrics, "grads": grads, "selections": selections}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +106,7 @@ def test_order_preserving_policies_are_bitwise(plugins, reference, tmp_path, cas
     assert got["grads"].keys() == reference["grads"].keys()
     for n, g in reference["grads"].items():
         assert torch.equal(got["grads"][n], g), n
+    assert got["selections"] == reference["selections"] == [(T, T)] * 2  # one DSA layer, two micro-batches
     assert not list(tmp_path.iterdir())
 
 
@@ -121,6 +125,9 @@ def test_tiled_policies_within_1e6_relative(plugins, reference, tmp_path, case):
     flat = lambda grads: torch.cat([grads[n].double().flatten() for n in sorted(reference["grads"])])  # noqa: E731
     assert got["grads"].keys() == reference["grads"].keys()
     assert relative(flat(got["grads"]), flat(reference["grads"])) <= 1e-6
+    # each tile's queries select once, among the keys up to the tile's end
+    tiles = [(min(start + 37, T) - start, min(start + 37, T)) for start in range(0, T, 37)]
+    assert got["selections"] == tiles * 2
 
 
 def test_auto_trains_with_the_planners_choice(plugins, tmp_path, monkeypatch, capsys):
@@ -192,3 +199,30 @@ def test_offload_is_planned_per_saved_tensor(plugins):
     assert all(0 < some.saved_by_kind[k] < none.saved_by_kind[k] for k in kinds[1:])
     assert some.saved_by_kind["kda+swiglu"] == none.saved_by_kind["kda+swiglu"] > 0
     assert 0 < some.offloaded < everything.offloaded
+
+
+def test_recomputed_dsa_layers_are_planned_with_their_kept_selection(plugins, monkeypatch):
+    """Under recomputation of blocks (whole or in tiles) or of the attention, the DSA layer keeps its selected
+    indices (int32, ``selected_slots`` per token) until its backward: the plan counts them, by the plan of a DSA
+    whose estimate declares nothing kept; recomputing the feed-forward only keeps nothing more."""
+    import dataclasses
+
+    import megaseq_dsa.layer
+    from megaseq.distributed.layout import Layout
+    from megaseq.memory import machine as machine_module
+    from megaseq.memory import plan as plan_module
+    from megaseq_dsa.ops import selected_slots
+
+    def kept(config: dict[str, Any]) -> int:
+        r = recipe(plugins, ["recompute"], {"recompute": config}, batch_size=1)
+        return plan_module.plan(r, plugins, machine=machine_module.Machine("cpu", 2**50, None), policies=["recompute"],
+                                layout=Layout()).candidates[0].saved_by_kind["dsa+chunked"]
+
+    configs = ({"part": "block"}, {"part": "block", "tile_tokens": 37}, {"part": "attention"}, {"part": "ffn"})
+    declared = [kept(config) for config in configs]
+    estimate = megaseq_dsa.layer.memory_estimate
+    monkeypatch.setattr(megaseq_dsa.layer, "memory_estimate",
+                        lambda *args: dataclasses.replace(estimate(*args), kept_per_token=0.0))
+    undeclared = [kept(config) for config in configs]
+    indices = 4 * selected_slots(16, 4) * 96  # the recipe's topk and index_pool, 96 tokens
+    assert [a - b for a, b in zip(declared, undeclared, strict=True)] == [indices, indices, indices, 0]

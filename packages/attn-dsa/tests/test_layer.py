@@ -505,6 +505,34 @@ def test_backward_keeps_what_the_memory_estimate_says(config: dict):
     assert per_token == memory_estimate(DSAConfig(**full), dims, 512).saved_per_token
 
 
+@pytest.mark.parametrize("mode", ["sparse", "dense_warmup"])
+def test_a_recomputed_forward_keeps_its_selection_as_the_memory_estimate_says(mode: str):
+    """A forward that keeps (``ForwardContext.keep``, as a recompute unit's does) records the selection, of the
+    estimate's ``kept_per_token`` bytes per token; its re-run takes it back instead of selecting again and gives
+    bitwise the same output, loss and gradients. Dense warm-up selects nothing and keeps nothing."""
+    from megaseq.contracts import KeptValues
+    from megaseq_dsa.testing import recorded_selections
+
+    layer = build(mode=mode, topk=16, index_pool=4)
+    x, cu = inputs(150), cumulative([40, 1, 70, 39])
+
+    def step(ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
+        layer.zero_grad()
+        out = layer(x, ctx)
+        (out.square().sum() + sum(ctx.losses.values())).backward()
+        return out.detach(), *(p.grad.clone() for p in layer.parameters() if p.grad is not None)
+
+    kept = KeptValues()
+    with recorded_selections() as forward:
+        first = step(ForwardContext(cu_seqlens=cu).fork(kept))
+    with recorded_selections() as rerun:
+        again = step(ForwardContext(cu_seqlens=cu).for_recomputation(KeptValues(kept.items)))
+    nbytes = sum(value.numel() * value.element_size() for _, value in kept.items)
+    assert nbytes == memory_estimate(DSAConfig(**SMALL, mode=mode, topk=16, index_pool=4), DIMS, 150).kept_per_token * 150
+    assert len(forward) == (mode == "sparse") and not rerun
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
 def test_bf16_autocast_does_not_reach_inside_the_indexer_loss():
     """The indexer loss and its gradients under a caller's bf16 autocast are bitwise the fp32 ones."""
     from megaseq_dsa.indexer import indexer_kl

@@ -2,12 +2,14 @@
 
 Its results are checked against no policy by core's memory-policy suite (test_conformance.py); here: the
 bytes autograd saves in forward (counted by saved-tensor hooks) shrink to the recomputed parts' inputs, a
-tiled block whose feed-forward runs whole (the MoE path) equals the untiled block, decoding and forwards
-without gradients run as before, and configurations that cannot apply are one-line errors.
+tiled block whose feed-forward runs whole (the MoE path) equals the untiled block, what a unit keeps for its
+re-run (``ForwardContext.keep``) is computed once, saved beside its inputs and freed after its backward,
+decoding and forwards without gradients run as before, and configurations that cannot apply are one-line errors.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
@@ -24,7 +26,7 @@ from megaseq.testing import fresh_plugins
 from megaseq_offload.config import OffloadConfig, RecomputeConfig
 from megaseq_offload.plugin import RECOMPUTE_PRESETS
 from megaseq_offload.policies import RecomputePolicy, offload_effect, recompute_effect
-from megaseq_offload.recompute import tiled_block_forward
+from megaseq_offload.recompute import run_unit, tiled_block_forward
 
 D, LAYERS, T = 16, 4, 90
 
@@ -161,3 +163,73 @@ def test_presets_are_valid_and_effects_rank_them():
     assert recompute_effect(RecomputeConfig(part="attention", layers=(1, 3))).acts_on(2)
     assert not recompute_effect(RecomputeConfig(part="attention", layers=(1, 3))).acts_on(3)
     assert offload_effect(OffloadConfig(min_bytes=5)).offload_min_bytes == 5
+
+
+def _sorting_unit(calls: list[bool], keep_in_rerun: bool = True, name_in_rerun: str = "order"):
+    """A unit that gathers its input in an order it chooses (an integer choice, like DSA's top-k) and keeps
+    that choice; ``keep_in_rerun=False`` or another ``name_in_rerun``: a wrong component whose re-run does not
+    ask for what its forward kept."""
+
+    def fn(inputs, ctx):
+        (x,) = inputs
+
+        def choose():
+            calls.append(ctx.recomputing)
+            return x.detach().argsort(dim=-1)
+
+        if ctx.recomputing and not keep_in_rerun:
+            order = choose()
+        else:
+            order = ctx.keep(name_in_rerun if ctx.recomputing else "order", choose)
+        return (x.gather(-1, order).cumsum(-1),)
+
+    return fn
+
+
+def test_kept_values_are_computed_once_saved_beside_the_inputs_and_freed():
+    x = torch.randn(3, 7, requires_grad=True)
+    ref = x.gather(-1, x.detach().argsort(dim=-1)).cumsum(-1)
+    ref.square().sum().backward()
+    ref_grad, x.grad = x.grad.clone(), None
+    calls, saved = [], []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        (out,) = run_unit(_sorting_unit(calls), (x,), ForwardContext(), [])
+    assert [t.dtype for t in saved] == [torch.float32, torch.int64]  # the input and the kept choice
+    kept = weakref.ref(saved.pop())
+    saved.clear()
+    out.square().sum().backward()
+    assert calls == [False]  # chosen in the forward only: the re-run took it back
+    assert torch.equal(out, ref) and torch.equal(x.grad, ref_grad)
+    assert kept() is None  # freed when the unit's backward ended
+
+
+def test_keep_without_a_recompute_unit_computes_and_keeps_nothing():
+    calls = []
+    x = torch.randn(2, 5, requires_grad=True)
+    ctx = ForwardContext()
+    for _ in range(2):
+        _sorting_unit(calls)([x], ctx)[0].sum().backward()
+    with torch.no_grad():
+        run_unit(_sorting_unit(calls), (x,), ctx, [])
+    assert calls == [False, False, False] and ctx._kept is None
+
+
+@pytest.mark.parametrize(("keep_in_rerun", "name", "error"), [
+    (False, "order", r"took 0 of the 1 values its forward kept \['order'\]"),
+    (True, "other", r"keep\('other'\): the re-run .* asks for value 0 as 'other', its forward kept \['order'\]"),
+])
+def test_a_rerun_that_does_not_take_back_what_it_kept_is_an_error(keep_in_rerun, name, error):
+    x = torch.randn(2, 5, requires_grad=True)
+    (out,) = run_unit(_sorting_unit([], keep_in_rerun, name), (x,), ForwardContext(), [])
+    with pytest.raises(RuntimeError, match=error):
+        out.sum().backward()
+
+
+def test_only_values_without_gradient_can_be_kept():
+    x = torch.randn(2, 5, requires_grad=True)
+
+    def fn(inputs, ctx):
+        return (ctx.keep("scaled", lambda: inputs[0] * 2),)
+
+    with pytest.raises(TypeError, match=r"keep\('scaled'\): only a tensor without gradient .* requires grad"):
+        run_unit(fn, (x,), ForwardContext(), [])

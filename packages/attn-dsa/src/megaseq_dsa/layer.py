@@ -16,7 +16,8 @@ c_q and one key part per token from x, shared by the heads (MLA's decoupled RoPE
 Selection (``mode = "sparse"``): the indexer (``megaseq_dsa.indexer``) scores keys from the detached input,
 ``select_topk`` picks each query's top-k (with key pooling when ``index_pool > 1``; all visible keys when there
 are at most k), and ``sparse_attention`` takes the softmax over those keys only. The selection carries no
-gradient. ``mode = "dense_warmup"``: the main attention is dense causal attention (per document, through
+gradient; a recomputed layer (the ``recompute`` policy) keeps it for the re-run in backward
+(``ForwardContext.keep``), so it runs once per step. ``mode = "dense_warmup"``: the main attention is dense causal attention (per document, through
 ``scaled_dot_product_attention``, whose fused kernels keep memory O(L)); the indexer learns it. In both modes
 the indexer's KL loss (``indexer_kl``) is added as ``ctx.add_loss("dsa_indexer", coef * mean KL per token)``
 when gradients are enabled and no decoding cache is used; the indexer sees only detached inputs, so that
@@ -225,7 +226,11 @@ class DeepSeekSparseAttention(nn.Module):
         kl = None
         if self.config.mode == "sparse":
             ops = BACKENDS.load(self.config.backend, x.device)
-            indices = self._select(ops, q_idx, k_idx, idx_weights, query_pos, documents, ctx.tp)
+            # a recomputed forward keeps its selection for the re-run in backward: the same inputs, the same choice
+            indices = ctx.keep(
+                "attention.dsa.indices",
+                lambda: self._select(ops, q_idx, k_idx, idx_weights, query_pos, documents, ctx.tp),
+            )
             value = key[..., : self.config.kv_lora_rank]
             # the fused pass sees only this rank's heads: under tensor parallelism the loss is indexer_kl's
             if with_kl and ops.sparse_attention_with_indexer_kl is not None and ctx.tp is None:
@@ -371,7 +376,8 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     query and of the key (q_lora_rank + key width), with sparse
     attention's chunk buffers (a few MiB) or, dense, one chunk of the indexer loss (CHUNK_BYTES); in forward,
     the selection's score block with its CPU selection copy and mask (~2.5 x the block, at most
-    SCORE_BLOCK_BYTES). Measured with ``benchmarks/component_memory.py`` on the default recipe's sparse layer:
+    SCORE_BLOCK_BYTES). Kept for a recomputation's re-run (``ForwardContext.keep``): the selected indices.
+    Measured with ``benchmarks/component_memory.py`` on the default recipe's sparse layer:
     14, 43 and 160 MiB at 4k, 16k and 64k."""
     d, heads, latent = dims.d_model, config.n_heads, config.kv_lora_rank
     rope = config.rope_dim if config.rope else 0
@@ -418,4 +424,5 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         tiling=TileCarry(per_token=4 * (key_width + config.index_dim)),  # each tile's keys and index keys
         replicated_parameters=4 * whole,
         replicated_per_token=4 * replicated,
+        kept_per_token=4 * selected_slots(config.topk, config.index_pool) if config.mode == "sparse" else 0,
     )

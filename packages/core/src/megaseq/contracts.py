@@ -19,7 +19,7 @@ Example: a minimal attention component (see docs/writing-a-plugin.md for the pac
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -127,6 +127,42 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1  # -1 outside the autograd engine
 
 
+class KeptValues:
+    """What one recomputation unit's forward keeps for its re-run in backward (:meth:`ForwardContext.keep`).
+
+    Recording (the forward): ``keep`` computes each value and appends it, with its name, in call order.
+    Replaying (``KeptValues(items)``, the re-run): ``keep`` hands the same values out in the same order instead of
+    computing them; a re-run that asks for another name, or more values, than its forward kept is not
+    deterministic and fails. A recompute implementation makes one per unit, keeps ``items`` until the unit's
+    backward (e.g. as saved tensors, so offloading policies see them) and drops them after it.
+    """
+
+    def __init__(self, items: list[tuple[str, Tensor]] | None = None) -> None:
+        self.items: list[tuple[str, Tensor]] = [] if items is None else items
+        self.replaying = items is not None
+        self.used = 0
+
+    def get(self, name: str, compute: Callable[[], Tensor]) -> Tensor:
+        if not self.replaying:
+            value = compute()
+            if not isinstance(value, Tensor) or value.requires_grad:
+                raise TypeError(f"ForwardContext.keep({name!r}): only a tensor without gradient can be kept for a "
+                                f"re-run, got {type(value).__name__}{' that requires grad' if isinstance(value, Tensor) else ''}")
+            self.items.append((name, value))
+            return value
+        if self.used >= len(self.items) or self.items[self.used][0] != name:
+            kept = [n for n, _ in self.items]
+            raise RuntimeError(f"ForwardContext.keep({name!r}): the re-run of a recomputed part asks for value "
+                               f"{self.used} as {name!r}, its forward kept {kept}: a component's forward is not deterministic")
+        self.used += 1
+        return self.items[self.used - 1][1]
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether a re-run has taken every value its forward kept."""
+        return self.used == len(self.items)
+
+
 @dataclass
 class ForwardContext:
     """Shared state of one forward pass, handed to every component.
@@ -151,6 +187,7 @@ class ForwardContext:
     already carry their gradients. So any recompute wrapper, written with ``torch.utils.checkpoint`` or by
     hand, counts auxiliary losses and metrics once. A wrapper that re-runs a forward and differentiates the
     re-run's losses itself passes :meth:`for_recomputation`'s context, which does record them.
+    A component keeps what its re-run need not compute again with :meth:`keep`.
     """
 
     cu_seqlens: Tensor | None = None
@@ -164,6 +201,7 @@ class ForwardContext:
     metric_counts: dict[str, int] = field(default_factory=dict)
     _documents: Documents | None = field(default=None, init=False, repr=False, compare=False)
     _records_in_backward: bool = field(default=False, repr=False, compare=False)
+    _kept: KeptValues | None = field(default=None, repr=False, compare=False)
 
     @property
     def documents(self) -> Documents | None:
@@ -203,17 +241,35 @@ class ForwardContext:
         self.metrics[name] = mean + (value - mean) / n
         self.metric_counts[name] = n
 
-    def fork(self) -> ForwardContext:
+    def keep(self, name: str, compute: Callable[[], Tensor]) -> Tensor:
+        """``compute()``, computed once per recomputation unit: a forward that a recompute implementation will
+        re-run in backward keeps the value, and the re-run gets it back instead of computing it again.
+
+        For values that are expensive, carry no gradient (an integer choice: DSA's top-k key indices) and that
+        the re-run would compute bitwise again from the same inputs, so keeping them changes no result. Kept
+        values live from the unit's forward to the end of its backward, as saved tensors do (a memory policy
+        that moves saved tensors moves them too); the component declares their size
+        (``MemoryEstimate.kept_per_token``). Without a recompute implementation (no policy, ``torch.no_grad``,
+        ``torch.utils.checkpoint``) this is ``compute()`` and nothing is kept. ``name`` labels the value in
+        errors; values are handed back in call order.
+        """
+        return compute() if self._kept is None else self._kept.get(name, compute)
+
+    def fork(self, kept: KeptValues | None = None) -> ForwardContext:
         """The same context (documents, context parallelism, routing, groups) with empty losses and metrics:
-        for running part of a forward separately and merging its results with :meth:`merge`."""
+        for running part of a forward separately and merging its results with :meth:`merge`. ``kept``: where
+        :meth:`keep` records or replays in the fork (a recompute implementation's, per unit); default this
+        context's."""
         out = dataclasses.replace(self, losses={}, metrics={}, metric_counts={})
         out._documents = self._documents  # the layout is the same: built once per batch
+        out._kept = self._kept if kept is None else kept
         return out
 
-    def for_recomputation(self) -> ForwardContext:
+    def for_recomputation(self, kept: KeptValues | None = None) -> ForwardContext:
         """A :meth:`fork` that records losses and metrics also inside backward: the context a recompute
-        implementation re-runs a forward with when it differentiates that re-run's losses itself."""
-        out = self.fork()
+        implementation re-runs a forward with when it differentiates that re-run's losses itself (``kept``:
+        what the forward kept, replaying)."""
+        out = self.fork(kept)
         out._records_in_backward = True
         return out
 
@@ -496,6 +552,7 @@ __all__ = [
     "EvalInfo",
     "FeedForward",
     "ForwardContext",
+    "KeptValues",
     "MemoryPolicy",
     "MoE",
     "ModelDims",

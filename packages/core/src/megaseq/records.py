@@ -50,7 +50,9 @@ class MemoryEstimate:
     under tensor parallelism the planner counts the input gathered over the whole sequence, this part whole
     and the remainder divided by ``tp``; ``temporary``: the largest transient buffer inside one forward or
     backward call; ``tiling``: for an attention component that declares ``sequence_tiling``
-    (:data:`CAPABILITIES`), what it carries from tile to tile (required then, ignored otherwise). The memory
+    (:data:`CAPABILITIES`), what it carries from tile to tile (required then, ignored otherwise);
+    ``kept_per_token``: what the component keeps per token with ``ForwardContext.keep`` (at its own dtype, e.g.
+    int32 indices) when it is recomputed, from the forward to the end of the re-run's backward. The memory
     planner (``megaseq plan``) sums these over a recipe's layers and applies the memory policies' effects to
     them, so a third-party component is planned like a built-in one.
     """
@@ -61,6 +63,7 @@ class MemoryEstimate:
     tiling: TileCarry | None = None
     replicated_parameters: int = 0
     replicated_per_token: float = 0.0
+    kept_per_token: float = 0.0
 
 
 @dataclass(frozen=True)

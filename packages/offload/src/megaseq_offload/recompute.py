@@ -14,6 +14,9 @@ inside one autograd Function:
   are differentiated here; everything else treats the re-run as recomputation: ``ctx.recomputing`` is
   true, so components skip their own counters), and ``torch.autograd.grad`` takes the gradients of
   outputs and losses with respect to the inputs and the parameters, which the Function returns.
+- kept values: what ``fn`` keeps with ``ForwardContext.keep`` in the forward (e.g. DSA's top-k indices) is
+  saved beside the inputs (so an offloading policy moves it too) and handed back to the re-run, which does
+  not compute it again; it is freed with the inputs when the unit's backward ends.
 
 Numerics: the re-run does the same operations in the same order on the same values, so outputs and
 gradients are bitwise those of a run without the unit, as long as the components are deterministic.
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megaseq.contracts import ForwardContext, Tile
+from megaseq.contracts import ForwardContext, KeptValues, Tile
 
 UnitFn = Callable[[Sequence[Tensor], ForwardContext], Sequence[Tensor]]
 
@@ -60,6 +63,7 @@ class _Unit:
     autocast: tuple[bool, torch.dtype] = (False, torch.float32)
     n_outputs: int = 0
     loss_names: list[str] = field(default_factory=list)
+    kept_names: list[str] = field(default_factory=list)  # what the forward kept (ForwardContext.keep), in order
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -73,23 +77,27 @@ class _UnitFunction(torch.autograd.Function):
         unit.device_type = "cuda" if devices else "cpu"
         unit.autocast = (torch.is_autocast_enabled(unit.device_type), torch.get_autocast_dtype(unit.device_type))
         detached = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-        sub = unit.ctx.fork()
+        kept = KeptValues()
+        sub = unit.ctx.fork(kept)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
             outputs = tuple(unit.fn(detached, sub))
         unit.n_outputs = len(outputs)
         unit.loss_names = list(sub.losses)
         unit.metrics = dict(sub.metrics)
+        unit.kept_names = [name for name, _ in kept.items]
         fctx.unit = unit
-        fctx.save_for_backward(*inputs)
+        fctx.save_for_backward(*inputs, *(value for _, value in kept.items))
         return (*(o.detach() for o in outputs), *(v.detach() for v in sub.losses.values()))
 
     @staticmethod
     def backward(fctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         unit: _Unit = fctx.unit
-        inputs = fctx.saved_tensors
+        saved = fctx.saved_tensors
+        inputs = saved[: unit.n_inputs]
+        kept = KeptValues(list(zip(unit.kept_names, saved[unit.n_inputs :], strict=True)))
         needs = fctx.needs_input_grad[1:]
         detached = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs, strict=False)]
-        sub = unit.ctx.for_recomputation()
+        sub = unit.ctx.for_recomputation(kept)
         with torch.random.fork_rng(devices=[d for d, _ in unit.cuda_rng]):
             torch.set_rng_state(unit.cpu_rng)
             for device, state in unit.cuda_rng:
@@ -101,6 +109,11 @@ class _UnitFunction(torch.autograd.Function):
             raise RuntimeError(
                 f"megaseq_offload: the re-run of a recomputed part added losses {list(sub.losses)}, the forward "
                 f"{unit.loss_names}: a component's forward is not deterministic"
+            )
+        if not kept.exhausted:
+            raise RuntimeError(
+                f"megaseq_offload: the re-run of a recomputed part took {kept.used} of the {len(kept.items)} values "
+                f"its forward kept {unit.kept_names}: a component's forward is not deterministic"
             )
         produced = [*outputs, *sub.losses.values()]
         pairs = [(o, g) for o, g in zip(produced, grads, strict=True) if g is not None and o.requires_grad]

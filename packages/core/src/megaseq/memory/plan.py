@@ -23,6 +23,9 @@ the block's two norms, ``x``: the block input, d_model x 4 bytes):
     ... in tiles of t    x + carry          (re-creates a t, and f t for a dense feed-forward or f N for MoE,
                                              whose input h, x per token, is then kept as well)
 
+A recomputed component also keeps what it declares as ``MemoryEstimate.kept_per_token`` (what its re-run takes
+back instead of computing again, ``ForwardContext.keep``: DSA's selected indices), beside its part's input.
+
 Offloading moves what layers keep to host memory (CUDA: a pinned pool; CPU: a scratch file on disk, so it
 leaves the process's resident memory); the layer being differentiated brings back its input (on CUDA the
 layer below's as well, loaded ahead) and, while each part's backward runs, what that part saved (``a N``
@@ -307,16 +310,19 @@ def estimate(
         ffn_temp = max(ffn.temporary / ffn_split * rows, region if ffn_split > 1 else 0)
         temp = max(attention_temp, ffn_temp)
         part, tile = _combine(effects, i)
+        # what a recomputed component keeps for its re-run (ForwardContext.keep), at its own dtype
+        rerun_a = attention.kept_per_token * tokens if part in ("block", "attention") else 0.0
+        rerun_f = ffn.kept_per_token * tokens if part in ("block", "ffn") else 0.0
         # what the layer keeps, in groups sized by the tensor the offload threshold is tested on (below)
         groups: list[tuple[float, float]] = []
         if part is None:
             kept, work, unit_input = (a + f + norms) * tokens, temp, 0.0
         elif part == "ffn":
-            kept, work, unit_input = (a + norms + x) * tokens, f * tokens + temp, x * tokens
+            kept, work, unit_input = (a + norms + x) * tokens + rerun_f, f * tokens + temp, x * tokens
         elif part == "attention":
-            kept, work, unit_input = (f + norms + x) * tokens, a * tokens + temp, x * tokens
+            kept, work, unit_input = (f + norms + x) * tokens + rerun_a, a * tokens + temp, x * tokens
         elif tile is None or not c.attention_tiles or tile >= length:
-            kept, work, unit_input = x * tokens, (a + f + norms) * tokens + temp, x * tokens
+            kept, work, unit_input = x * tokens + rerun_a + rerun_f, (a + f + norms) * tokens + temp, x * tokens
         else:
             if attention.tiling is None:
                 raise UserError(f"{recipe.source}: attention of layer {i} ({c.kind}) declares sequence_tiling but its "
@@ -327,14 +333,14 @@ def estimate(
             # a tile re-creates its attention's activations and concatenates the earlier tiles' carry
             tile_temp = tile_attention.temporary + attention.tiling.temporary
             work = (a + norms / 2) * tile * rows + tile_temp * rows + carry
-            kept = x * tokens + carry
-            groups = [(kept, x * min(tile, length) * rows)]  # each tile's input slice and its carry
+            kept = x * tokens + carry + rerun_a + (rerun_f if c.ffn_tiles else 0.0)
+            groups = [(kept, x * min(tile, length) * rows)]  # each tile's input slice, its carry and kept values
             if c.ffn_tiles:
                 work += (f + norms / 2) * tile * rows + c.at("ffn", tile).temporary * rows / ffn_split
                 unit_input = x * tile * rows
             else:  # an MoE layer runs whole after the attention tiles: its input h is kept too
-                kept += x * tokens
-                groups.append((x * tokens, x * tokens))
+                kept += x * tokens + rerun_f
+                groups.append((x * tokens + rerun_f, x * tokens))
                 work = max(work, (f + norms / 2) * tokens + ffn.temporary * rows / ffn_split)
                 unit_input = x * tokens
         # The offload hooks test each saved tensor against the threshold, not a layer's sum. Each group of what
