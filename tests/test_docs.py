@@ -139,7 +139,7 @@ def test_guide_runs_end_to_end(tmp_path):
     # the "use it" sections: an MoE run whose load core logs, the same with a memory policy, RL from its checkpoint
     moe = metrics("mything-moe")
     assert all(f"moe/load/{key}" in moe[0] for key in ("tokens_per_expert_max", "routing_entropy")), moe[0]
-    assert "memory: recompute(part=block)" in listing and metrics("mything-recompute"), listing  # the run's header
+    assert "memory: recompute(part=block, reuse_kept=True)" in listing and metrics("mything-recompute"), listing  # the run's header
     rl = [row for row in metrics("mything-rl") if "policy/clip_frac_high" in row]  # the first row: step 0's eval
     assert rl and "moe/load/routing_entropy" in rl[0], metrics("mything-rl")
     assert "proposed:" in listing, listing  # megaseq plan ran

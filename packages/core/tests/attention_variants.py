@@ -162,6 +162,42 @@ class _StashedLinear(torch.autograd.Function):
         return grad @ ctx.weight, grad.reshape(-1, grad.shape[-1]).t() @ h.reshape(-1, h.shape[-1]), None
 
 
+# --- kept for a re-run ---------------------------------------------------------------------------------
+
+
+class KeepsOrder(ToyAttention):
+    """Keeps a choice for recomputation's re-run (``ForwardContext.keep``): each query's keys by score, int64,
+    which the output does not need (a correct component; its estimate must declare the bytes)."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+        self.kept = self.ctx.keep("order", lambda: (q @ k.transpose(-1, -2)).detach().argmax(-1))
+        return super().attend(q, k, v, allowed)
+
+    def forward(self, x: Tensor, ctx: ForwardContext, cache: Cache | None = None) -> Tensor:
+        self.ctx = ctx
+        return super().forward(x, ctx, cache)
+
+
+class ChangesKeptValue(KeepsOrder):
+    """Uses its kept choice and then changes it in place: a re-run gets another value than its forward used."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+        out = super().attend(q, k, v, allowed)
+        scale = 1.0 + self.kept.float().mean() / 64  # the output depends on the choice
+        self.kept.add_(1)
+        return out * scale
+
+
+def keeps_order_memory(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """``KeepsOrder``'s estimate: one int64 per token kept (``kept_per_token``), beside ``ToyAttention``'s saved bytes."""
+    return MemoryEstimate(parameters=0, saved_per_token=0.0, kept_per_token=8.0)
+
+
+def keeps_order_undeclared(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """``KeepsOrder``'s estimate without what it keeps for a re-run."""
+    return MemoryEstimate(parameters=0, saved_per_token=0.0)
+
+
 # --- memory estimates ----------------------------------------------------------------------------------
 
 

@@ -103,3 +103,28 @@ def test_suite_holds_the_memory_estimate(factory_name: str, memory: str, message
     with pytest.raises(AssertionError, match=message):
         Suite().test_memory_estimate()
 
+
+
+@pytest.mark.parametrize(
+    ("variant", "memory", "message"),
+    [
+        ("KeepsOrder", "keeps_order_memory", None),
+        ("KeepsOrder", "keeps_order_undeclared", r"at 64 tokens the estimate says it keeps 0 bytes for a re-run, it keeps 512"),
+        ("ChangesKeptValue", "keeps_order_memory", r"a re-run with the kept values, output: differs"),
+    ],
+)
+def test_suite_holds_what_is_kept_for_a_rerun(variant: str, memory: str, message: str | None) -> None:
+    """A component that keeps a choice for recomputation's re-run passes with its bytes declared; it is caught
+    when its estimate omits them, or when it changes the kept value after using it."""
+
+    class Suite(AttentionConformance):
+        name = variant
+        factory = globals()["factory"](variant)
+        d_model = 8
+
+    Suite.memory = globals()["factory"](memory)
+    if message is None:
+        Suite().test_kept_for_rerun()
+        return
+    with pytest.raises(AssertionError, match=message):
+        Suite().test_kept_for_rerun()

@@ -74,7 +74,9 @@ class MemoryEffect:
     ``recompute``: which part of each layer keeps only its input and is re-run in backward (``"block"``,
     ``"attention"``, ``"ffn"``; ``None``: nothing); ``layers``: ``(first, stop)`` of the layers it acts on
     (``None``: all); ``tile_tokens``: with ``recompute = "block"``, the blocks run in sequence tiles of this
-    many tokens where the attention can tile; ``offload_min_bytes``: saved tensors of at least this size
+    many tokens where the attention can tile; ``reuses_kept``: the recomputed components' re-runs take back what
+    they kept (``ForwardContext.keep``, ``MemoryEstimate.kept_per_token``), held from forward to backward;
+    ``offload_min_bytes``: saved tensors of at least this size
     leave device memory between forward and backward (to pinned host memory on CUDA, to a scratch file on
     local disk on CPU); ``maps_allocations_from``: on CPU the policy serves allocations of at least this many
     bytes by their own memory maps (``megaseq.memory.heap.map_large_allocations``), so the C library's heap
@@ -88,6 +90,7 @@ class MemoryEffect:
     recompute: str | None = None
     layers: tuple[int, int] | None = None
     tile_tokens: int | None = None
+    reuses_kept: bool = False
     offload_min_bytes: int | None = None
     maps_allocations_from: int | None = None
     time_cost: float = 0.0

@@ -25,6 +25,12 @@ class RecomputeConfig(ComponentConfig):
         description="with part = 'block': re-run each block in sequence tiles of this many tokens (its attention "
         "must declare sequence_tiling); default: whole blocks",
     )
+    reuse_kept: bool = Field(
+        True,
+        description="a re-run takes back what a component kept from its forward (ForwardContext.keep: dsa's top-k "
+        "selection) instead of computing it again, for those bytes held from forward to backward "
+        "(MemoryEstimate.kept_per_token); false: it computes them again",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RecomputeConfig:

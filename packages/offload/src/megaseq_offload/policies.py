@@ -53,12 +53,12 @@ class RecomputePolicy:
         return chosen
 
     def apply(self, model: nn.Module) -> None:
-        tile = self.config.tile_tokens
+        tile, reuse = self.config.tile_tokens, self.config.reuse_kept
         for layer in self.select(model):
             if tile is None:
-                layer.wrap(self.config.part, recomputed)
+                layer.wrap(self.config.part, lambda module, fwd: recomputed(module, fwd, reuse))
             else:
-                layer.wrap("block", lambda block, fwd, ffn=layer.ffn_tiles: tiled_block_forward(block, fwd, tile, ffn))
+                layer.wrap("block", lambda block, fwd, ffn=layer.ffn_tiles: tiled_block_forward(block, fwd, tile, ffn, reuse))
 
     def step(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # nothing is held between steps
@@ -187,7 +187,7 @@ def recompute_effect(config: RecomputeConfig) -> MemoryEffect:
         tiles = _TILE_COST + _TILE_COST_PER_HALVING * max(0.0, math.log2(2**20 / config.tile_tokens))
     costs = {kind: _RECOMPUTE_SHARE[config.part] * block + tiles for kind, block in _RECOMPUTE_BLOCK_COST.items()}
     return MemoryEffect(recompute=config.part, layers=config.layers, tile_tokens=config.tile_tokens,
-                        time_cost=costs["cuda"], time_costs=costs)
+                        reuses_kept=config.reuse_kept, time_cost=costs["cuda"], time_costs=costs)
 
 
 def offload_effect(config: OffloadConfig) -> MemoryEffect:

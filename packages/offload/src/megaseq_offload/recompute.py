@@ -14,9 +14,9 @@ inside one autograd Function:
   are differentiated here; everything else treats the re-run as recomputation: ``ctx.recomputing`` is
   true, so components skip their own counters), and ``torch.autograd.grad`` takes the gradients of
   outputs and losses with respect to the inputs and the parameters, which the Function returns.
-- kept values: what ``fn`` keeps with ``ForwardContext.keep`` in the forward (e.g. DSA's top-k indices) is
-  saved beside the inputs (so an offloading policy moves it too) and handed back to the re-run, which does
-  not compute it again; it is freed with the inputs when the unit's backward ends.
+- kept values (``reuse_kept``): what ``fn`` keeps with ``ForwardContext.keep`` in the forward (e.g. DSA's
+  top-k indices) is saved beside the inputs (so an offloading policy moves it too) and handed back to the
+  re-run, which does not compute it again; it is freed with the inputs when the unit's backward ends.
 
 Numerics: the re-run does the same operations in the same order on the same values, so outputs and
 gradients are bitwise those of a run without the unit, as long as the components are deterministic.
@@ -57,6 +57,7 @@ class _Unit:
     ctx: ForwardContext
     n_inputs: int
     params: list[nn.Parameter]
+    reuse_kept: bool = True
     device_type: str = "cpu"
     cpu_rng: Tensor | None = None
     cuda_rng: list[tuple[int, Tensor]] = field(default_factory=list)
@@ -78,7 +79,7 @@ class _UnitFunction(torch.autograd.Function):
         unit.autocast = (torch.is_autocast_enabled(unit.device_type), torch.get_autocast_dtype(unit.device_type))
         detached = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         kept = KeptValues()
-        sub = unit.ctx.fork(kept)
+        sub = unit.ctx.fork(kept if unit.reuse_kept else None)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
             outputs = tuple(unit.fn(detached, sub))
         unit.n_outputs = len(outputs)
@@ -97,7 +98,7 @@ class _UnitFunction(torch.autograd.Function):
         kept = KeptValues(list(zip(unit.kept_names, saved[unit.n_inputs :], strict=True)))
         needs = fctx.needs_input_grad[1:]
         detached = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs, strict=False)]
-        sub = unit.ctx.for_recomputation(kept)
+        sub = unit.ctx.for_recomputation(kept if unit.reuse_kept else None)
         with torch.random.fork_rng(devices=[d for d, _ in unit.cuda_rng]):
             torch.set_rng_state(unit.cpu_rng)
             for device, state in unit.cuda_rng:
@@ -126,8 +127,11 @@ class _UnitFunction(torch.autograd.Function):
         return (None, *(next(got) if need else None for need in needs))
 
 
-def run_unit(fn: UnitFn, inputs: Sequence[Tensor], ctx: ForwardContext, params: Sequence[nn.Parameter]) -> tuple[Tensor, ...]:
-    """``fn(inputs, ctx)``'s outputs, with only ``inputs`` kept for backward (module docstring).
+def run_unit(
+    fn: UnitFn, inputs: Sequence[Tensor], ctx: ForwardContext, params: Sequence[nn.Parameter], reuse_kept: bool = True
+) -> tuple[Tensor, ...]:
+    """``fn(inputs, ctx)``'s outputs, with only ``inputs`` (and, with ``reuse_kept``, what ``fn`` keeps for its
+    re-run) kept for backward (module docstring).
 
     ``params``: every trainable parameter ``fn`` uses. Losses ``fn`` adds to its context reach ``ctx``
     connected to the unit, metrics as logged. Without gradients ``fn`` simply runs.
@@ -136,7 +140,7 @@ def run_unit(fn: UnitFn, inputs: Sequence[Tensor], ctx: ForwardContext, params: 
         return tuple(fn(list(inputs), ctx))
     trainable = [p for p in params if p.requires_grad]
     # a fork: the unit must not hold the caller's losses, whose graph holds the unit (a cycle gc cannot break)
-    unit = _Unit(fn, ctx.fork(), len(inputs), trainable)
+    unit = _Unit(fn, ctx.fork(), len(inputs), trainable, reuse_kept)
     flat = _UnitFunction.apply(unit, *inputs, *trainable)
     if isinstance(flat, Tensor):
         flat = (flat,)
@@ -148,24 +152,28 @@ def run_unit(fn: UnitFn, inputs: Sequence[Tensor], ctx: ForwardContext, params: 
     return tuple(outputs)
 
 
-def recomputed(module: nn.Module, forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
+def recomputed(module: nn.Module, forward: Callable[..., Tensor], reuse_kept: bool = True) -> Callable[..., Tensor]:
     """A forward for ``module`` (a block, an attention or a feed-forward: ``forward(x, ctx, *rest)``) that
-    keeps only ``x`` for backward. Decoding (a cache argument) and forwards without gradients run as before."""
+    keeps only ``x`` (and what it keeps for its re-run, with ``reuse_kept``) for backward. Decoding (a cache
+    argument) and forwards without gradients run as before."""
     params = list(module.parameters())
 
     def run(x: Tensor, ctx: ForwardContext, *rest: Any) -> Tensor:
         if any(r is not None for r in rest) or not torch.is_grad_enabled():
             return forward(x, ctx, *rest)
-        (out,) = run_unit(lambda inputs, c: (forward(inputs[0], c, *rest),), (x,), ctx, params)
+        (out,) = run_unit(lambda inputs, c: (forward(inputs[0], c, *rest),), (x,), ctx, params, reuse_kept)
         return out
 
     return run
 
 
-def tiled_block_forward(block: nn.Module, forward: Callable[..., Tensor], tile_tokens: int, ffn_tiles: bool) -> Callable[..., Tensor]:
+def tiled_block_forward(
+    block: nn.Module, forward: Callable[..., Tensor], tile_tokens: int, ffn_tiles: bool, reuse_kept: bool = True
+) -> Callable[..., Tensor]:
     """A forward for a residual block (``megaseq.memory.Layer.block``) that recomputes it in sequence tiles of
     ``tile_tokens`` tokens (module docstring). The attention must implement ``SequenceTiling``; ``ffn_tiles``:
-    whether the feed-forward runs inside each tile (dense) or whole afterwards (MoE)."""
+    whether the feed-forward runs inside each tile (dense) or whole afterwards (MoE); ``reuse_kept``: as
+    :func:`run_unit`'s."""
     params = list(block.parameters())
 
     def run(x: Tensor, ctx: ForwardContext, cache: Any | None = None) -> Tensor:
@@ -193,7 +201,9 @@ def tiled_block_forward(block: nn.Module, forward: Callable[..., Tensor], tile_t
                 return (block.feed(h, c) if ffn_tiles else h, *carry)
 
             sub = ctx.fork()
-            out, *carry = run_unit(tile_fn, (x[:, tile.start : tile.stop], *(t for c in history for t in c)), sub, params)
+            out, *carry = run_unit(
+                tile_fn, (x[:, tile.start : tile.stop], *(t for c in history for t in c)), sub, params, reuse_kept
+            )
             outputs.append(out)
             history.append(tuple(carry))
             for name, value in sub.losses.items():
@@ -204,7 +214,7 @@ def tiled_block_forward(block: nn.Module, forward: Callable[..., Tensor], tile_t
             ctx.log(name, total / length)
         y = torch.cat(outputs, dim=1)
         if not ffn_tiles:
-            (y,) = run_unit(lambda inputs, c: (block.feed(inputs[0], c),), (y,), ctx, params)
+            (y,) = run_unit(lambda inputs, c: (block.feed(inputs[0], c),), (y,), ctx, params, reuse_kept)
         return y
 
     return run

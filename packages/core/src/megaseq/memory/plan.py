@@ -24,7 +24,8 @@ the block's two norms, ``x``: the block input, d_model x 4 bytes):
                                              whose input h, x per token, is then kept as well)
 
 A recomputed component also keeps what it declares as ``MemoryEstimate.kept_per_token`` (what its re-run takes
-back instead of computing again, ``ForwardContext.keep``: DSA's selected indices), beside its part's input.
+back instead of computing again, ``ForwardContext.keep``: DSA's selected indices), beside its part's input,
+where the policy's re-runs take it back (``MemoryEffect.reuses_kept``).
 
 Offloading moves what layers keep to host memory (CUDA: a pinned pool; CPU: a scratch file on disk, so it
 leaves the process's resident memory); the layer being differentiated brings back its input (on CUDA the
@@ -250,14 +251,15 @@ def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout) -> list[_Laye
     return out
 
 
-def _combine(effects: list[MemoryEffect], layer: int) -> tuple[str | None, int | None]:
-    """The recompute part and tile length acting on ``layer`` (the broadest part wins)."""
+def _combine(effects: list[MemoryEffect], layer: int) -> tuple[str | None, int | None, bool]:
+    """The recompute part, tile length and whether re-runs take back kept values, acting on ``layer`` (the
+    broadest part wins)."""
     rank = {"ffn": 1, "attention": 2, "block": 3}
-    part, tile = None, None
+    part, tile, reuse = None, None, False
     for e in effects:
         if e.recompute and e.acts_on(layer) and (part is None or rank[e.recompute] > rank[part]):
-            part, tile = e.recompute, e.tile_tokens
-    return part, tile
+            part, tile, reuse = e.recompute, e.tile_tokens, e.reuses_kept
+    return part, tile, reuse
 
 
 def estimate(
@@ -309,10 +311,11 @@ def estimate(
         attention_temp = max(attention.temporary / attention_split * rows, region if attention_split > 1 else 0)
         ffn_temp = max(ffn.temporary / ffn_split * rows, region if ffn_split > 1 else 0)
         temp = max(attention_temp, ffn_temp)
-        part, tile = _combine(effects, i)
-        # what a recomputed component keeps for its re-run (ForwardContext.keep), at its own dtype
-        rerun_a = attention.kept_per_token * tokens if part in ("block", "attention") else 0.0
-        rerun_f = ffn.kept_per_token * tokens if part in ("block", "ffn") else 0.0
+        part, tile, reuse = _combine(effects, i)
+        # what a recomputed component keeps for its re-run (ForwardContext.keep), at its own dtype, per token of
+        # its call (a split region's is gathered whole; an MoE under tp routes 1/tp of the tokens)
+        rerun_a = attention.kept_per_token * tokens if reuse and part in ("block", "attention") else 0.0
+        rerun_f = ffn.kept_per_token * tokens / moe_chunk if reuse and part in ("block", "ffn") else 0.0
         # what the layer keeps, in groups sized by the tensor the offload threshold is tested on (below)
         groups: list[tuple[float, float]] = []
         if part is None:

@@ -21,6 +21,11 @@ would catch:
 - ``test_memory_estimate``: the record's ``MemoryEstimate.saved_per_token`` times the tokens is within
   ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
   parameters not) at each of ``memory_lengths`` (a 3x underestimate; a ``[T, T]`` matrix kept for backward).
+- ``test_kept_for_rerun``: what the component keeps with ``ForwardContext.keep`` (as a recompute unit's forward
+  does), replayed to a second forward as a recompute unit's re-run gets it, gives bitwise the outputs and
+  gradients of a plain forward, every kept value taken back (a kept tensor changed in place after the forward
+  used it); its bytes are the estimate's ``kept_per_token`` at each of ``memory_lengths``, within
+  ``memory_tolerance`` (a kept value the estimate does not declare).
 - ``test_one_host_sync_per_batch``: two layers sharing one packed forward read ``cu_seqlens`` to the host
   at most once between them (a per-layer ``.tolist()``: a device stall per layer on CUDA). Components read
   the layout through ``ctx.documents``.
@@ -49,7 +54,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from megaseq.contracts import ContextParallel, ForwardContext
+from megaseq.contracts import ContextParallel, ForwardContext, KeptValues
 from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
 from megaseq.testing import (
@@ -306,6 +311,31 @@ class AttentionConformance:
 
         tokens = lambda length: length * estimate(length).saved_per_token  # noqa: E731
         check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")
+
+    def test_kept_for_rerun(self) -> None:
+        module = self.build()
+        x, grad_out = self.inputs(2, self.seq_len), self.inputs(2, self.seq_len, seed=3)
+        plain = forward_backward(module, x, grad_out, ForwardContext())
+        kept = KeptValues()
+        forward_backward(module, x, grad_out, ForwardContext().fork(kept))
+        replay = KeptValues(list(kept.items))
+        rerun = forward_backward(module, x, grad_out, ForwardContext().for_recomputation(replay))
+        assert replay.exhausted, f"{self.name}: a re-run took {replay.used} of the {len(kept.items)} values kept"
+        for key, value in plain.items():
+            assert torch.equal(rerun[key], value), f"{self.name}: a re-run with the kept values, {key}: differs from a forward"
+        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
+        estimate = memory_estimator("attention", self.name, self.config, dims, self.factory, self.memory)
+        if estimate is None:
+            return
+        for length in self.memory_lengths:
+            kept = KeptValues()
+            module(self.inputs(1, length), ForwardContext().fork(kept))
+            measured = sum(value.numel() * value.element_size() for _, value in kept.items)
+            declared = length * estimate(length).kept_per_token
+            assert abs(declared - measured) <= self.memory_tolerance * measured, (
+                f"{self.name}: at {length} tokens the estimate says it keeps {declared:.0f} bytes for a re-run, it "
+                f"keeps {measured}: fix kept_per_token"
+            )
 
     def test_deterministic(self) -> None:
         module = self.build(seed=5)
