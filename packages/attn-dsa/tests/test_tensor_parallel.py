@@ -1,21 +1,19 @@
 """Tensor parallelism of the DSA layer: the check the conformance suite runs (test_conformance.py) catches a
 layer whose ranks select keys by their own indexer heads only; the triton backend passes it too (its sparse
 attention kernel on each rank's heads, torch's selection summing the ranks' scores); heads that tp does not
-divide are refused when the layer is built, in one line; and what a rank keeps for backward is what the memory
-planner counts from the layer's estimate (its gathered input and the tensors every head reads whole, 1/tp of
-the rest), and so are the parameters it builds."""
+divide are refused when the layer is built, in one line; and what a rank keeps for backward is what the
+layer's estimate says at its tp_size (its gathered input and the tensors every head reads whole, its heads'
+share of the rest), and so are the parameters it builds."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
 
-from megaseq.memory.plan import split_region_saved
 from megaseq.records import ModelDims
 from megaseq.testing import build_component
 from megaseq.testing.distributed import run_gloo
@@ -59,28 +57,27 @@ def test_heads_that_tp_does_not_divide_are_refused(key, value):
     ],
     ids=["sparse", "dense-rope"],
 )
-def test_a_rank_keeps_what_the_planner_counts(config: dict):
+def test_a_rank_keeps_what_its_estimate_says(config: dict):
     """Bytes autograd keeps per gathered token on each of 2 ranks (the slope between two lengths) equal the
-    planner's split-region count from the estimate; counting everything but the input as split by tp (no
-    ``replicated_per_token``) would not."""
+    estimate at ``tp_size`` 2: the input it gathers, what every head reads whole, its heads' share of the rest.
+    Halving the one-process estimate (what a planner that divided it by tp would count) is short of it."""
     full = {**CONFIG, "n_heads": 4, "index_heads": 2, "query_chunk": 16, **config}
     d_model = 16
-    estimate = memory_estimate(DSAConfig(**full), ModelDims(d_model, 2, 8), 512)
-    expected = split_region_saved(estimate, d_model, 2)
+    estimate = memory_estimate(DSAConfig(**full), ModelDims(d_model, 2, 8, tp_size=2), 512)
     for short, long in run_gloo(2, tp_saved_bytes, full, d_model, [256, 512]):
-        assert (long - short) / 256 == expected
-    assert estimate.replicated_per_token > 0
-    assert split_region_saved(replace(estimate, replicated_per_token=0.0), d_model, 2) != expected
+        assert (long - short) / 256 == estimate.saved_per_token
+    whole = memory_estimate(DSAConfig(**full), ModelDims(d_model, 2, 8), 512)
+    assert whole.saved_per_token / 2 < estimate.saved_per_token
 
 
 @pytest.mark.parametrize("config", [{}, {"rope": True, "rope_dim": 8}], ids=["plain", "rope"])
 def test_the_estimate_gives_a_ranks_parameters(config: dict):
-    """The planner counts the estimate's ``replicated_parameters`` whole on every rank and 1/tp of the rest: the
-    bytes rank 0 builds at tp = 2 and 4. Counting everything as split would be short of them."""
+    """The estimate at ``tp_size`` gives the bytes rank 0 builds at tp = 1, 2 and 4 (the down-projections every
+    head reads are whole on each rank, so halving the one-process count would be short of them)."""
     full = {**CONFIG, **config}
-    estimate = memory_estimate(DSAConfig(**full), ModelDims(16, 2, 8), 64)
     for tp in (1, 2, 4):
-        rank = build_component("attention", "dsa", full, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=tp))
+        dims = ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=tp)
+        rank = build_component("attention", "dsa", full, dims)
         built = sum(p.numel() * p.element_size() for p in rank.parameters())
-        assert built == estimate.replicated_parameters + (estimate.parameters - estimate.replicated_parameters) // tp
-        assert tp == 1 or built > estimate.parameters // tp
+        assert built == memory_estimate(DSAConfig(**full), dims, 64).parameters
+        assert tp == 1 or built > memory_estimate(DSAConfig(**full), ModelDims(16, 2, 8), 64).parameters // tp

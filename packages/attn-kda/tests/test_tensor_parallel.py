@@ -34,11 +34,18 @@ def test_a_rank_projects_its_heads_q_k_and_v():
 
 @pytest.mark.parametrize("config", [CONFIG, KDAConfig(n_heads=4, head_dim=8, gate_rank=4, out_gate_bias=True)])
 def test_the_estimate_gives_a_ranks_parameters(config):
-    """The planner counts the estimate's ``replicated_parameters`` whole on every rank and 1/tp of the rest: the
-    bytes rank 0 builds at tp = 2 and 4. Counting everything as split would be short of them."""
-    estimate = memory_estimate(config, ModelDims(d_model=16, n_layers=2, vocab_size=8), 64)
+    """The estimate at ``tp_size`` gives the bytes rank 0 builds at tp = 1, 2 and 4 (the gates' down-projections
+    are whole on each rank, so halving the one-process count would be short of them)."""
     for tp in (1, 2, 4):
-        rank = build(config, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=tp), 0)
-        built = sum(p.numel() * p.element_size() for p in rank.parameters())
-        assert built == estimate.replicated_parameters + (estimate.parameters - estimate.replicated_parameters) // tp
-        assert tp == 1 or built > estimate.parameters // tp
+        dims = ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=tp)
+        built = sum(p.numel() * p.element_size() for p in build(config, dims, 0).parameters())
+        assert built == memory_estimate(config, dims, 64).parameters
+        assert tp == 1 or built > memory_estimate(config, ModelDims(16, 2, 8), 64).parameters // tp
+
+
+def test_the_estimates_chunk_group_does_not_shrink_with_the_heads():
+    """Backward's intra-chunk graph runs at most ``GROUP_HEAD_TOKENS`` (token, head) pairs at once: with one
+    head per rank at 16k tokens that is as many as with two, so a rank's temporary is more than half of it."""
+    whole = memory_estimate(KDAConfig(n_heads=2, head_dim=64), ModelDims(128, 2, 8), 16384)
+    rank = memory_estimate(KDAConfig(n_heads=2, head_dim=64), ModelDims(128, 2, 8, tp_size=2), 16384)
+    assert rank.temporary > whole.temporary / 2

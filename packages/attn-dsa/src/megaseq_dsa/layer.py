@@ -378,8 +378,14 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     the selection's score block with its CPU selection copy and mask (~2.5 x the block, at most
     SCORE_BLOCK_BYTES). Kept for a recomputation's re-run (``ForwardContext.keep``): the selected indices.
     Measured with ``benchmarks/component_memory.py`` on the default recipe's sparse layer:
-    14, 43 and 160 MiB at 4k, 16k and 64k."""
-    d, heads, latent = dims.d_model, config.n_heads, config.kv_lora_rank
+    14, 43 and 160 MiB at 4k, 16k and 64k. Under tensor parallelism (``dims.tp_size``) all of it is one rank's,
+    whose query and indexer heads run over the gathered sequence: what every head reads (module docstring) and
+    the selection's scores and indices, summed over the ranks, are whole on every rank."""
+    for key in ("n_heads", "index_heads"):
+        if getattr(config, key) % dims.tp_size:
+            raise ValueError(f"attention.dsa: {key} {getattr(config, key)} is not a multiple of tp {dims.tp_size}")
+    d, heads, latent = dims.d_model, config.n_heads // dims.tp_size, config.kv_lora_rank
+    index_heads = config.index_heads // dims.tp_size  # this rank's
     rope = config.rope_dim if config.rope else 0
     key_width = latent + rope
     parameters = (
@@ -391,11 +397,11 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         + latent
         + heads * config.head_dim * d
         + (config.q_lora_rank * heads * rope + d * rope)
-        + config.q_lora_rank * config.index_heads * config.index_dim
+        + config.q_lora_rank * index_heads * config.index_dim
         + d * config.index_dim
-        + d * config.index_heads
+        + d * index_heads
     )
-    indexer_grads = config.index_heads * config.index_dim + config.index_dim + config.index_heads
+    indexer_grads = index_heads * config.index_dim + config.index_dim + index_heads
     per_token = d + 2 * config.q_lora_rank + latent + key_width + heads * key_width + heads + 2 + indexer_grads
     per_token += 2 * rope  # the rotary cos and sin of the query and of the key
     if config.mode == "sparse":
@@ -410,19 +416,10 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         temporary = max(grads + SPARSE_CHUNK_BYTES, 5 * min(block, SCORE_BLOCK_BYTES) // 2)
     else:
         temporary = max(grads, CHUNK_BYTES)
-    # what every head reads, whole on each tensor-parallel rank (module docstring): the compressed query and the
-    # latent around their norms, the key, the index key, the rotary angles and the selected indices (dense: the
-    # padded values)
-    replicated = 2 * config.q_lora_rank + latent + key_width + 2 + config.index_dim + 2 * rope
-    replicated += selected_slots(config.topk, config.index_pool) if config.mode == "sparse" else key_width
-    # the down-projections and norms every head reads (the query's, the latent's, the rotary key's, the index key's)
-    whole = d * config.q_lora_rank + config.q_lora_rank + d * latent + latent + d * rope + d * config.index_dim
     return MemoryEstimate(
         parameters=4 * parameters,
         saved_per_token=4 * per_token,
         temporary=temporary,
         tiling=TileCarry(per_token=4 * (key_width + config.index_dim)),  # each tile's keys and index keys
-        replicated_parameters=4 * whole,
-        replicated_per_token=4 * replicated,
         kept_per_token=4 * selected_slots(config.topk, config.index_pool) if config.mode == "sparse" else 0,
     )

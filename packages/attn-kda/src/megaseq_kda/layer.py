@@ -341,22 +341,22 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     the op's gradients of q, k, v, g and the incoming one of its output (5 x width per token), then the larger
     of one group of chunks' intra-chunk graph (~40 x head_dim per token and head, at most
     ``GROUP_HEAD_TOKENS`` of them) and one block of the recomputed front or tail (~24 x width per token, at
-    most ``BLOCK_TOKENS``): backward runs them one after another."""
-    width = config.n_heads * config.head_dim
+    most ``BLOCK_TOKENS``): backward runs them one after another. Under tensor parallelism
+    (``dims.tp_size``) all of it is one rank's, whose heads run over the gathered sequence: the gates'
+    down-projections and the output norm's weight are whole on every rank."""
+    if config.n_heads % dims.tp_size:
+        raise ValueError(f"attention.kda: n_heads {config.n_heads} is not a multiple of tp {dims.tp_size}")
+    heads = config.n_heads // dims.tp_size  # this rank's
+    width = heads * config.head_dim
     rank = config.gate_rank or config.head_dim
     d = dims.d_model
-    parameters = (
-        d * 3 * width + 3 * width * config.conv_size + d * config.n_heads + 2 * (d * rank + rank * width)
-    )
-    parameters += config.n_heads + width + config.head_dim + width * d + (width if config.out_gate_bias else 0)
-    per_token = d + 5 * width + config.n_heads + config.n_heads * config.head_dim**2 / CHUNK
-    group = 40 * min(GROUP_HEAD_TOKENS, seq_len * config.n_heads) * config.head_dim
+    parameters = d * 3 * width + 3 * width * config.conv_size + d * heads + 2 * (d * rank + rank * width)
+    parameters += heads + width + config.head_dim + width * d + (width if config.out_gate_bias else 0)
+    per_token = d + 5 * width + heads + heads * config.head_dim**2 / CHUNK
+    group = 40 * min(GROUP_HEAD_TOKENS, seq_len * heads) * config.head_dim
     temporary = 5 * width * seq_len + max(group, 24 * min(BLOCK_TOKENS, seq_len) * width)
     # a sequence tile hands on the recurrent state (fp32) and the convolution's last inputs
-    carry = TileCarry(per_tile=4 * (config.n_heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))
-    # whole on every tensor-parallel rank: the gates' down-projections and the output norm's weight
-    whole = 2 * d * rank + config.head_dim
+    carry = TileCarry(per_tile=4 * (heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))
     return MemoryEstimate(
-        parameters=parameters * 4, saved_per_token=per_token * 4, temporary=int(4 * temporary), tiling=carry,
-        replicated_parameters=whole * 4,
+        parameters=parameters * 4, saved_per_token=per_token * 4, temporary=int(4 * temporary), tiling=carry
     )

@@ -42,14 +42,12 @@ class TileCarry:
 class MemoryEstimate:
     """What one component instance costs on one device for a given sequence length, all in bytes.
 
-    ``parameters``: the parameters at their stored dtype (this device's share, e.g. its experts);
-    ``replicated_parameters``: of those, what a component that declares ``tensor_parallel`` holds whole on every
-    rank (the planner divides the rest by ``tp``); ``saved_per_token``: what autograd keeps alive per token between forward and backward, including the
-    component's input (d_model fp32 values); ``replicated_per_token``: of the rest, what a component that
-    declares ``tensor_parallel`` keeps whole on every rank (what all its heads read, e.g. a shared latent):
-    under tensor parallelism the planner counts the input gathered over the whole sequence, this part whole
-    and the remainder divided by ``tp``; ``temporary``: the largest transient buffer inside one forward or
-    backward call; ``tiling``: for an attention component that declares ``sequence_tiling``
+    All of it is for one rank of the layout in ``dims``: its share of the experts (``ep_size``, ``etp_size``)
+    and, for a component that declares ``tensor_parallel``, its block of heads or hidden width (``tp_size``),
+    run over the sequence it gathers. ``parameters``: the parameters at their stored dtype;
+    ``saved_per_token``: what autograd keeps alive per token (of the sequence the component runs on) between
+    forward and backward, including the component's input; ``temporary``: the largest transient buffer inside
+    one forward or backward call; ``tiling``: for an attention component that declares ``sequence_tiling``
     (:data:`CAPABILITIES`), what it carries from tile to tile (required then, ignored otherwise);
     ``kept_per_token``: what the component keeps per token with ``ForwardContext.keep`` (at its own dtype, e.g.
     int32 indices) when it is recomputed, from the forward to the end of the re-run's backward. The memory
@@ -61,8 +59,6 @@ class MemoryEstimate:
     saved_per_token: float
     temporary: int = 0
     tiling: TileCarry | None = None
-    replicated_parameters: int = 0
-    replicated_per_token: float = 0.0
     kept_per_token: float = 0.0
 
 
@@ -113,7 +109,8 @@ class ModelDims:
     ``ep_rank`` / ``ep_size``: this process's place in the expert-parallel group, so an MoE component
     builds only its local experts (the group itself arrives in ``ForwardContext.ep_group``).
     ``tp_rank`` / ``tp_size``: this process's place in the tensor-parallel group, so a component that
-    supports tensor parallelism builds only its block of heads or hidden width (``ForwardContext.tp``).
+    supports tensor parallelism builds only its block of heads or hidden width (``ForwardContext.tp``) and its
+    memory estimate is that block's (``MemoryEstimate``).
     ``etp_rank`` / ``etp_size``: this process's place in the expert-tensor-parallel group, so an MoE
     component builds only its block of each routed expert's hidden width (``ForwardContext.etp_group``).
     """

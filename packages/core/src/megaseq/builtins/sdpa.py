@@ -197,19 +197,22 @@ def build(config: SDPAConfig, dims: ModelDims, layer_idx: int) -> SDPAttention:
 
 
 def memory_estimate(config: SDPAConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    if config.n_heads % dims.tp_size:
+        raise ValueError(f"attention.sdpa: n_heads {config.n_heads} is not a multiple of tp {dims.tp_size}")
+    heads = config.n_heads // dims.tp_size  # this rank's, over the gathered sequence under tensor parallelism
     head_dim = config.head_dim or dims.d_model // config.n_heads
-    width = config.n_heads * head_dim
+    width = heads * head_dim
     # saved per token (fp32, measured with saved-tensor hooks): the input, the q/k/v projection, the attention
     # output and one logsumexp per head; with RoPE also the rotated q and k and the cos/sin tables of both.
     # Temporary: backward's gradients of q, k, v and the output, ~3.3 floats per channel (measured, 4k-64k).
     rope = 2 * width + 2 * head_dim if config.rope else 0
     return MemoryEstimate(
         parameters=4 * dims.d_model * width * 4,
-        saved_per_token=(dims.d_model + 4 * width + rope + config.n_heads) * 4,
+        saved_per_token=(dims.d_model + 4 * width + rope + heads) * 4,
         temporary=13 * width * seq_len,
         # a tile hands on its rotated keys and its values; each block of a tile's queries (attend_suffix) builds
         # a boolean mask over the keys it sees, which scaled_dot_product_attention turns into a float one, for at
         # most TILE_SCORE_BYTES / (4 x heads x rows) query-key pairs: ~12 bytes a pair at the peak, in forward
         # and in the recomputing backward (measured, 4k tokens in 1k tiles: tests/test_plan_accuracy.py)
-        tiling=TileCarry(per_token=2 * width * 4, temporary=12 * TILE_SCORE_BYTES // (4 * config.n_heads)),
+        tiling=TileCarry(per_token=2 * width * 4, temporary=12 * TILE_SCORE_BYTES // (4 * heads)),
     )

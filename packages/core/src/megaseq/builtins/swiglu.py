@@ -68,7 +68,10 @@ def build(config: SwiGLUConfig, dims: ModelDims, layer_idx: int) -> SwiGLU:
 
 
 def memory_estimate(config: SwiGLUConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
-    h = hidden_size(config, dims)
+    hidden = hidden_size(config, dims)
+    if hidden % dims.tp_size:
+        raise ValueError(f"ffn.swiglu: hidden width {hidden} is not a multiple of tp {dims.tp_size}")
+    h = hidden // dims.tp_size  # this rank's, over the gathered sequence under tensor parallelism
     # saved for backward per token (fp32, measured with saved-tensor hooks): the input, the w1 and w3 outputs
     # and their gated product (w2's input); silu(w1 x) is recomputed in backward. Temporary: backward's
     # gradients of a hidden-wide tensor and of two model-wide ones, over the whole call (measured, 4k-64k tokens)

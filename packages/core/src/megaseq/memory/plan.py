@@ -35,22 +35,20 @@ temporary.
 
 Tensor parallelism runs with sequence parallelism (``megaseq.contracts.TensorParallel``): between components
 a rank holds ``N / tp`` tokens, so the residual stream (the block inputs ``x``, the norms, the gradient stream,
-the final norm) is divided by ``tp``. A part that declares ``tensor_parallel`` (``megaseq.records.
-CAPABILITIES``) runs in one of two ways, by its kind:
+the final norm) is divided by ``tp``. The components' estimates are one rank's (``ModelDims.tp_size``,
+``ep_size``, ``etp_size``: ``MemoryEstimate``). A part that declares ``tensor_parallel``
+(``megaseq.records.CAPABILITIES``) runs in one of two ways, by its kind:
 
-- an attention or a dense feed-forward is a split region: it gathers the whole sequence, so it keeps its
-  gathered input (the d_model fp32 values per token of its ``saved_per_token``) and its
-  ``replicated_per_token`` at full length ``N``, and the rest of ``saved_per_token`` divided by ``tp`` (its
-  heads or hidden width); its parameters (but its ``replicated_parameters``) and its temporary are divided by
-  ``tp``. Its exchanges hold full-length, d_model-wide fp32 buffers: leaving, its output (in
+- an attention or a dense feed-forward is a split region: it gathers the whole sequence and runs its block of
+  heads or hidden width over it, so its estimate is taken at full length ``N`` (what it keeps includes its
+  gathered input). Its exchanges hold full-length, d_model-wide fp32 buffers: leaving, its output (in
   backward, its gathered input's gradient) before the reduce-scatter and, on a CPU rank, gloo's receive buffer
   of the same size (gloo has no reduce-scatter: ``megaseq.parallel.collectives``), elsewhere the ``1/tp``
   result; entering backward, the gradient gathered from every rank, which the part's first backward step
   consumes. They are live before and after the part's own steps, not beside its largest temporary, so the
   part's working set is the larger of the two;
-- an MoE runs on the rank's ``N / tp`` tokens (router and shared expert whole) and is planned at that length
-  with ``ModelDims.ep_size`` and ``etp_size``: its own estimate gives its share of the experts and of their
-  hidden width.
+- an MoE runs on the rank's ``N / tp`` tokens (router and shared expert whole), so its estimate is taken at
+  that length.
 
 The loss gathers the final hidden states back (``megaseq.model.chunked_token_losses``), so the head keeps them
 at full length, and each rank computes the logits of its ``1/tp`` of the vocabulary.
@@ -230,9 +228,9 @@ def _estimate_fn(plugins: Plugins, recipe: Recipe, kind: str, name: str) -> tupl
 
 def _layer_costs(recipe: Recipe, plugins: Plugins, layout: Layout) -> list[_LayerCost]:
     m = recipe.model
-    # rank 0 of the expert groups: an MoE's estimate gives its share of the experts and of their hidden width
+    # rank 0 of the layout's groups: each estimate gives one rank's share (MemoryEstimate)
     dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size, ep_size=layout.ep,
-                     etp_size=layout.etp)
+                     etp_size=layout.etp, tp_size=layout.tp)
     shared: dict[tuple[str, str], _LayerCost] = {}
     out = []
     for layer in range(m.n_layers):
@@ -290,9 +288,7 @@ def estimate(
     vocab = -(-m.vocab_size // tp)  # this rank's block of the vocabulary (megaseq.model.LanguageModel)
     params = vocab * m.d_model * 4 * (1 if m.tie_embeddings else 2) + 4 * m.d_model * (2 * m.n_layers + 1)
     for c in costs:
-        attention_split, ffn_split = _splits(c, tp)
-        params += _split_parameters(c.at("attention", length), attention_split)
-        params += _split_parameters(c.at("ffn", length), ffn_split)  # an MoE's estimate gives its own share
+        params += c.at("attention", length).parameters + c.at("ffn", length).parameters
     out.weights, out.gradients = params, params
     shards = layout.dp * layout.cp if t.optimizer_shard else 1  # ZeRO-1: each rank its share
     if t.optimizer_state == "host" and machine.kind == "cuda":
@@ -302,14 +298,12 @@ def estimate(
 
     offloaded, kept_so_far, backward_peak, largest_input = 0, 0.0, 0.0, 0
     for i, c in enumerate(costs):
-        attention_split, ffn_split = _splits(c, tp)
         moe_chunk = tp if c.ffn_tp and not c.ffn_tiles else 1  # an MoE under tp routes the rank's 1/tp of the tokens
         attention, ffn = c.at("attention", length), c.at("ffn", length // moe_chunk)
         # bytes kept per token of the micro-batch
-        a = act * split_region_saved(attention, m.d_model, attention_split)
-        f = act * (split_region_saved(ffn, m.d_model, ffn_split) if c.ffn_tiles else ffn.saved_per_token / moe_chunk)
-        attention_temp = max(attention.temporary / attention_split * rows, region if attention_split > 1 else 0)
-        ffn_temp = max(ffn.temporary / ffn_split * rows, region if ffn_split > 1 else 0)
+        a, f = act * attention.saved_per_token, act * ffn.saved_per_token / moe_chunk
+        attention_temp = max(attention.temporary * rows, region if c.attention_tp else 0)
+        ffn_temp = max(ffn.temporary * rows, region if c.ffn_tp and c.ffn_tiles else 0)
         temp = max(attention_temp, ffn_temp)
         part, tile, reuse = _combine(effects, i)
         # what a recomputed component keeps for its re-run (ForwardContext.keep), at its own dtype, per token of
@@ -339,12 +333,12 @@ def estimate(
             kept = x * tokens + carry + rerun_a + (rerun_f if c.ffn_tiles else 0.0)
             groups = [(kept, x * min(tile, length) * rows)]  # each tile's input slice, its carry and kept values
             if c.ffn_tiles:
-                work += (f + norms / 2) * tile * rows + c.at("ffn", tile).temporary * rows / ffn_split
+                work += (f + norms / 2) * tile * rows + c.at("ffn", tile).temporary * rows
                 unit_input = x * tile * rows
             else:  # an MoE layer runs whole after the attention tiles: its input h is kept too
                 kept += x * tokens + rerun_f
                 groups.append((x * tokens + rerun_f, x * tokens))
-                work = max(work, (f + norms / 2) * tokens + ffn.temporary * rows / ffn_split)
+                work = max(work, (f + norms / 2) * tokens + ffn.temporary * rows)
                 unit_input = x * tokens
         # The offload hooks test each saved tensor against the threshold, not a layer's sum. Each group of what
         # a layer keeps holds an input of x bytes per token (the block's or a part's, whole or a tile's slice):
@@ -399,26 +393,6 @@ def estimate(
         and (machine.disk_bytes is None or out.disk <= machine.disk_bytes)
     )
     return out
-
-
-def _splits(c: _LayerCost, tp: int) -> tuple[int, int]:
-    """What divides the attention's and the feed-forward's parameters and temporary under ``tp``: ``tp`` for a
-    split region (an attention or dense feed-forward that declares ``tensor_parallel``), else 1 (an MoE's own
-    estimate, at ``ModelDims.ep_size`` and ``etp_size``, gives its share)."""
-    return (tp if c.attention_tp else 1), (tp if c.ffn_tp and c.ffn_tiles else 1)
-
-
-def _split_parameters(e: MemoryEstimate, split: int) -> int:
-    """A part's parameters on one of ``split`` ranks: what it holds whole and ``1/split`` of the rest."""
-    return e.replicated_parameters + (e.parameters - e.replicated_parameters) // split
-
-
-def split_region_saved(e: MemoryEstimate, d_model: int, split: int) -> float:
-    """What a part keeps per token of the micro-batch when it runs as a split region over ``split`` ranks: its
-    input gathered over the whole sequence (the d_model fp32 values of ``saved_per_token``), what it keeps
-    whole on every rank (``replicated_per_token``) and ``1/split`` of the rest (its heads or hidden width)."""
-    whole = 4 * d_model + e.replicated_per_token
-    return e.saved_per_token if split == 1 else whole + (e.saved_per_token - whole) / split
 
 
 def _mib(n: float) -> str:
@@ -578,5 +552,4 @@ __all__ = [
     "estimate",
     "plan",
     "planned_peak",
-    "split_region_saved",
 ]
