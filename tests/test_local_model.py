@@ -28,13 +28,11 @@ from megaseq.distributed.experts import (
     block,
     build_local_model,
     initial_parts,
+    join,
     layout_etp_dims,
     layout_expert_dims,
     layout_tp_dims,
     model_dims,
-    shard,
-    split_lengths,
-    unshard,
     whole_shapes,
 )
 from megaseq.distributed.sharded import (
@@ -62,6 +60,18 @@ SLACK = 16 * 1024  # bytes: the seed draw and the profiler's own small allocatio
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def shard(full, dims, rank, size):
+    """Rank ``rank``'s view of a full state: the split tensors cut to their block, the rest as they are."""
+    return {name: block(t, dims[name], rank, size) if name in dims else t for name, t in full.items()}
+
+
+def unshard(blocks, dims, lengths):
+    """The full state from every rank's blocks (in rank order): split tensors joined and cut to ``lengths`` (the
+    padding dropped), the rest from rank 0."""
+    return {name: join([b[name] for b in blocks], dims[name], lengths[name]) if name in dims else t
+            for name, t in blocks[0].items()}
 
 
 def measured_peak(fn, mapped=frozenset()):
@@ -110,7 +120,8 @@ def test_every_layout_starts_from_the_one_process_model(hybrid):
         assert torch.equal(torch.rand(4), after_one), what
         assert all(torch.equal(alone[n], t) for n, t in one.items()), what
         assert dims, what
-        joined = unshard(blocks, dims, split_lengths(recipe, plugins, dims))
+        shapes = whole_shapes(recipe, plugins)
+        joined = unshard(blocks, dims, {name: shapes[name][dim] for name, dim in dims.items()})
         assert joined.keys() == one.keys(), what
         for name, value in one.items():
             assert torch.equal(joined[name], value), f"{what}=2: {name} differs from the one-process model"

@@ -121,35 +121,9 @@ def join(blocks: list[Tensor], dim: int, length: int | None = None) -> Tensor:
     return whole if length is None else whole.narrow(dim, 0, length)
 
 
-def shard(full: Mapping[str, Tensor], dims: Mapping[str, int], rank: int, size: int) -> dict[str, Tensor]:
-    """Rank ``rank``'s view of a full state: the split tensors cut to their block, the rest as they are."""
-    return {name: block(t, dims[name], rank, size) if name in dims else t for name, t in full.items()}
-
-
-def unshard(
-    blocks: list[Mapping[str, Tensor]], dims: Mapping[str, int], lengths: Mapping[str, int] | None = None
-) -> dict[str, Tensor]:
-    """The full state from every rank's blocks (in rank order): split tensors joined (and cut to ``lengths``
-    where padded), the rest from rank 0."""
-    lengths = lengths or {}
-    return {
-        name: join([b[name] for b in blocks], dims[name], lengths.get(name)) if name in dims else t
-        for name, t in blocks[0].items()
-    }
-
-
 def whole_shapes(recipe: Recipe, plugins: Plugins) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of every tensor of the whole (one-process) model, built on the meta device."""
     return {name: tuple(t.shape) for name, t in build_on_meta(recipe, plugins, 1).state_dict().items()}
-
-
-def split_lengths(recipe: Recipe, plugins: Plugins, dims: Mapping[str, int]) -> dict[str, int]:
-    """``{name: length}`` of the whole model's split tensors along their split dimension (what joining blocks
-    cuts padding back to)."""
-    if not dims:
-        return {}
-    full = build_on_meta(recipe, plugins, 1).state_dict()
-    return {name: full[name].shape[dim] for name, dim in dims.items()}
 
 
 def initial_parts(
