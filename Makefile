@@ -46,10 +46,11 @@ train: setup
 # Every test. Each package's tests run in an environment holding only core and that package, so a plugin
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
 # Every test process runs one intra-op thread, so two sets run at once (-j2) to use both cores of a small
-# machine; the sets are one per package, listed longest first, so that neither core waits long for the other.
+# machine; the sets are one per package, listed longest first, so that neither core waits long for the other
+# at the end.
 PLUGIN_TESTS := $(addprefix test-,$(notdir $(PLUGINS)))
 .PHONY: $(PLUGIN_TESTS)
-TEST_SETS := test-integration test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS)) test-core
+TEST_SETS := test-integration test-core test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS))
 test:
 	$(MAKE) --jobs=2 --output-sync=target $(TEST_SETS)
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores

@@ -161,6 +161,7 @@ def expert_kwargs(kwargs):
     return {k: v for k, v in kwargs.items() if k.startswith(("ep_", "etp_"))}
 
 
+@pytest.mark.slow  # gloo ranks under torch's profiler
 def test_a_rank_holds_and_builds_only_its_shards(hybrid, capsys):
     plugins = get_plugins()
     lines = []
@@ -280,6 +281,7 @@ def write_layout(path, recipe, plugins, ranks):
     return shards_meta(described, placement)
 
 
+@pytest.mark.slow  # gloo ranks under torch's profiler
 def test_a_checkpoint_written_per_shard_is_read_by_slices_under_any_layout(hybrid, tmp_path, capsys):
     plugins = get_plugins()
     recipe = validate_recipe(hybrid, plugins)

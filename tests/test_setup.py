@@ -101,6 +101,7 @@ def test_link_venv_links_third_party_files_and_leaves_out_editables(tmp_path):
     assert not (tmp_path / "dst" / "bin").exists()
 
 
+@pytest.mark.slow  # builds an environment
 def test_the_isolated_environment_has_torch_and_no_megaseq_package(tmp_path):
     """The real thing, from this venv: third-party packages importable, no megaseq package or entry point."""
     venv = Path(sys.prefix)
