@@ -20,7 +20,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH=$(TORCH): use TORCH=cpu (the default) or TORCH=cuda)
 endif
 
-.PHONY: setup train test test-fast test-isolated test-core test-plugins test-integration lint dist clean
+.PHONY: setup train test test-fast test-isolated test-core test-plugins test-integration test-distributed lint dist clean
 
 # A venv with pip new enough for dependency groups, the chosen torch build (before the packages, so that
 # their torch requirement is already met), and every workspace package editable. One stamp per build.
@@ -50,12 +50,12 @@ train: setup
 # at the end.
 PLUGIN_TESTS := $(addprefix test-,$(notdir $(PLUGINS)))
 .PHONY: $(PLUGIN_TESTS)
-TEST_SETS := test-integration test-core test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS))
+TEST_SETS := test-integration test-distributed test-core test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS))
 test:
 	$(MAKE) --jobs=2 --output-sync=target $(TEST_SETS)
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
 # (megaseq.threads): several test processes and their gloo ranks run at once.
-test test-fast test-isolated test-core test-plugins $(PLUGIN_TESTS) test-integration: export OMP_NUM_THREADS = 1
+test test-fast test-isolated test-core test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export OMP_NUM_THREADS = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-core's pytest plugin, megaseq/pytest_plugin.py). What to run while working on a
@@ -86,9 +86,14 @@ test-plugins: $(PLUGIN_TESTS)
 $(PLUGIN_TESTS): test-%: $(ISO)/%/.installed
 	$(ISO)/$*/bin/python -m pytest $(PYTEST_ARGS) packages/$*/tests
 
+# The cross-package tests in two sets: the multi-process layouts (gloo ranks, Ray, torchrun), and the rest.
+DISTRIBUTED_TESTS := $(addprefix tests/test_,dist.py distributed.py expert_tensor_parallel.py tensor_parallel.py optimizer_dist.py local_model.py ray.py)
 test-integration: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) tests $(addsuffix /tests,$(EXAMPLES))
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) tests $(addprefix --ignore=,$(DISTRIBUTED_TESTS)) $(addsuffix /tests,$(EXAMPLES))
+
+test-distributed: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) $(DISTRIBUTED_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools

@@ -105,7 +105,7 @@ def test_the_reported_layout_dry_run_checks_prints_groups_and_plan_and_starts_no
     assert "  tp         8 of 8: 0-7  8-15  16-23" in printed and "  etp        32 of 2: 0,1  2,3" in printed
     assert "  ep         2 of 32: 0,2,4," in printed and "  expert dp  64 of 1: 0  1" in printed
     assert "\n    63" in printed  # the rank table's last row
-    assert "memory plan per cuda device" in printed and "recompute + offload: peak" in printed
+    assert "memory plan per cuda device" in printed and "recompute(reuse_kept=False) + offload: peak" in printed
     groups = printed[printed.index("groups ("):printed.index("rank -> group")]
     assert max(len(line) for line in groups.splitlines()) <= 110  # 64 ranks' groups wrapped
     assert not out.exists()
