@@ -87,7 +87,7 @@ $(PLUGIN_TESTS): test-%: $(ISO)/%/.installed
 	$(ISO)/$*/bin/python -m pytest $(PYTEST_ARGS) packages/$*/tests
 
 # The cross-package tests in two sets: the multi-process layouts (gloo ranks, Ray, torchrun), and the rest.
-DISTRIBUTED_TESTS := $(addprefix tests/test_,dist.py distributed.py expert_tensor_parallel.py tensor_parallel.py optimizer_dist.py local_model.py ray.py)
+DISTRIBUTED_TESTS := $(addprefix tests/test_,dist.py distributed.py expert_tensor_parallel.py tensor_parallel.py optimizer_dist.py local_model.py sharded_decoding.py ray.py)
 test-integration: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) tests $(addprefix --ignore=,$(DISTRIBUTED_TESTS)) $(addsuffix /tests,$(EXAMPLES))

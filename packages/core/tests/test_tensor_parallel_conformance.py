@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megaseq.builtins.config import SDPAConfig
+from megaseq.builtins.sdpa import KVCache, SDPAttention
 from megaseq.builtins.swiglu import SwiGLU
 from megaseq.contracts import ForwardContext
 from megaseq.parallel import tp_gather, tp_split
@@ -72,6 +74,27 @@ def test_wrong_tensor_parallel_components_are_caught(factory, message):
         check_tensor_parallel("ffn", "swiglu", {"hidden": 64}, factory=factory)
 
 
+class WholeCacheSDPA(SDPAttention):
+    """Splits its heads but keeps a decoding cache for every rank's heads."""
+
+    def __init__(self, d_model: int, config: SDPAConfig, n_layers: int, tp_size: int) -> None:
+        super().__init__(d_model, config, n_layers, tp_size)
+        self.tp_size = tp_size
+
+    def init_cache(self, batch_size: int, *, device: torch.device, dtype: torch.dtype) -> KVCache:
+        empty = torch.zeros(batch_size, self.n_heads * self.tp_size, 0, self.head_dim, device=device, dtype=dtype)
+        return KVCache(empty, empty.clone())
+
+
+def build_whole_cache(config: dict[str, Any], dims: ModelDims, layer_idx: int) -> SDPAttention:
+    return WholeCacheSDPA(dims.d_model, SDPAConfig(**config), dims.n_layers, dims.tp_size)
+
+
+def test_a_decoding_cache_of_every_rank_s_heads_is_caught():
+    with pytest.raises(AssertionError, match="the ranks failed"):
+        check_tensor_parallel("attention", "sdpa", {"n_heads": 4}, factory=f"{__name__}:build_whole_cache")
+
+
 def _cross_entropy_rank(rank: int, world: int, logits: Tensor, targets: Tensor, vocab: int) -> dict[str, Tensor]:
     import torch.distributed as dist
 
@@ -101,3 +124,37 @@ def test_vocab_parallel_cross_entropy_with_padded_blocks_equals_the_whole_vocabu
     for rank, got in enumerate(run_gloo(4, _cross_entropy_rank, logits, targets, 5)):
         assert_close(got["losses"], expected.detach(), 1e-6, f"rank {rank} losses")
         assert_close(got["grad"], block(whole.grad, 1, rank, 4), 1e-6, f"rank {rank} logit gradient")
+
+
+def _unsplit_sequence_rank(rank: int, world: int, x: Tensor, w: Tensor, v: Tensor, grad_out: Tensor) -> dict[str, Tensor]:
+    import torch.distributed as dist
+
+    from megaseq.contracts import TensorParallel
+    from megaseq.parallel import tp_chunk, tp_reduce_scatter
+
+    tp = TensorParallel(group=dist.group.WORLD, rank=rank, world_size=world, sequence_parallel=False)
+    x = tp_chunk(x, tp).clone().requires_grad_(True)  # every rank holds the whole sequence
+    w_block = w.chunk(world, 0)[rank].clone().requires_grad_(True)
+    v_block = v.chunk(world, 1)[rank].clone().requires_grad_(True)
+    out = tp_reduce_scatter(tp_gather(x, tp) @ w_block.t() @ v_block.t(), tp)
+    (out * grad_out).sum().backward()
+    return {"out": out.detach(), "x_grad": x.grad, "w_grad": w_block.grad, "v_grad": v_block.grad}
+
+
+def test_the_mappings_without_sequence_parallelism_equal_one_rank_forward_and_backward():
+    """Decoding's mode: the gather is the identity (backward: the gradient summed over ranks) and the
+    reduce-scatter an all-reduce (backward: the identity), around a column- then row-split product."""
+    from megaseq.testing import assert_close
+    from megaseq.testing.distributed import run_gloo
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, v, grad_out = (torch.randn(*shape, generator=gen) for shape in ((1, 5, 4), (6, 4), (4, 6), (1, 5, 4)))
+    whole = x.clone().requires_grad_(True)
+    w_whole, v_whole = w.clone().requires_grad_(True), v.clone().requires_grad_(True)
+    expected = whole @ w_whole.t() @ v_whole.t()
+    (expected * grad_out).sum().backward()
+    for rank, got in enumerate(run_gloo(2, _unsplit_sequence_rank, x, w, v, grad_out)):
+        assert_close(got["out"], expected.detach(), 1e-6, f"rank {rank} output")
+        assert_close(got["x_grad"], whole.grad, 1e-6, f"rank {rank} input gradient")
+        assert_close(got["w_grad"], w_whole.grad.chunk(2, 0)[rank], 1e-6, f"rank {rank} column block gradient")
+        assert_close(got["v_grad"], v_whole.grad.chunk(2, 1)[rank], 1e-6, f"rank {rank} row block gradient")

@@ -40,6 +40,9 @@ sequence chunks (with context parallelism: its context-parallel share), runs its
 reduce-scatters its partial output. Its indexer scores are partial sums over the indexer heads: they are
 added over the ranks before the top-k (``megaseq_dsa.ops.indexer``), so every rank selects the same keys,
 and the indexer loss is computed whole on every rank (``megaseq_dsa.indexer``), each adding ``1/tp`` of it.
+Decoding under tensor parallelism (without sequence parallelism): the cache holds what every head reads, the
+latent (with the rotary key) and the indexer's key of each token, so it is the same on every rank, as
+megatron-core's MLA keeps its compressed key-value cache.
 """
 
 from __future__ import annotations
@@ -154,8 +157,8 @@ class DeepSeekSparseAttention(nn.Module):
     def forward(self, x: Tensor, ctx: ForwardContext, cache: DSACache | None = None) -> Tensor:
         if ctx.tp is None:
             return self._forward(x, ctx, cache)[0]
-        if cache is not None:
-            raise ValueError("attention.dsa: a decoding cache cannot be combined with tensor parallelism")
+        if cache is not None and ctx.tp.sequence_parallel:
+            raise ValueError("attention.dsa: a decoding cache cannot be combined with sequence parallelism")
         return tp_reduce_scatter(self._forward(tp_gather(x, ctx.tp), ctx, cache)[0], ctx.tp)
 
     def forward_tile(

@@ -22,6 +22,8 @@ one block along the head dimension carries each head's q, k and v), of beta, of 
 output norm's weight serve every head and stay whole (their gradients are summed over the ranks). A rank
 gathers the sequence chunks (with context parallelism: its context-parallel share), runs its heads over all
 of it and reduce-scatters its partial output.
+Decoding under tensor parallelism (without sequence parallelism) keeps only the rank's heads in its
+cache: their convolution history and their recurrent states.
 
 Memory: backward keeps the input, q, k, v, g, beta, the op's output and one state per chunk (the op keeps its
 inputs and recomputes its intra-chunk tensors: ``ops/chunk.py``). The front (projections, convolution, SiLU,
@@ -167,9 +169,9 @@ class KimiDeltaAttention(nn.Module):
         return self.gate_lower_bound * torch.sigmoid(rate * f)
 
     def forward(self, x: Tensor, ctx: ForwardContext, cache: KDACache | None = None) -> Tensor:
-        if cache is not None and (ctx.cu_seqlens is not None or ctx.cp is not None or ctx.tp is not None):
+        if cache is not None and (ctx.cu_seqlens is not None or ctx.cp is not None or (ctx.tp and ctx.tp.sequence_parallel)):
             raise ValueError(
-                "attention.kda: a decoding cache cannot be combined with packing or context or tensor parallelism"
+                "attention.kda: a decoding cache cannot be combined with packing or context or sequence parallelism"
             )
         if ctx.tp is None:
             return self._forward(x, ctx, cache)

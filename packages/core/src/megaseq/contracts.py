@@ -76,11 +76,18 @@ class TensorParallel:
     tokens of the rank's window (or of its context-parallel shard). It gathers the sequence before its
     split region and reduce-scatters its partial output after it (``megaseq.parallel.tp_gather`` and
     ``tp_reduce_scatter``); ``cu_seqlens`` and ``cp`` describe the gathered sequence.
+
+    ``sequence_parallel = False`` (decoding, ``megaseq.inference.cached``: a step of one token cannot be split
+    along the sequence) is megatron's tensor parallelism without sequence parallelism: every rank holds the
+    whole sequence between split regions, the gather before a region is the identity and the reduce-scatter
+    after it an all-reduce. The mappings of ``megaseq.parallel`` read this field, so a component that uses
+    them runs in both modes unchanged.
     """
 
     group: Any  # torch.distributed.ProcessGroup
     rank: int
     world_size: int
+    sequence_parallel: bool = True
 
 
 class RoutingReplay:
@@ -175,7 +182,8 @@ class ForwardContext:
     inputs are this rank's zig-zag share and ``cu_seqlens`` (if any) are global boundaries.
     ``routing``: MoE routing record/replay, or ``None``.
     ``ep_group``: the expert-parallel process group (experts sharded as ``ModelDims.ep_rank/ep_size``), or ``None``.
-    ``tp``: the tensor-parallel group (:class:`TensorParallel`: inputs are this rank's sequence chunk), or ``None``.
+    ``tp``: the tensor-parallel group (:class:`TensorParallel`: inputs are this rank's sequence chunk, or the whole
+    sequence without sequence parallelism), or ``None``.
     ``etp_group``: the expert-tensor-parallel group (each routed expert's hidden width split as
     ``ModelDims.etp_rank/etp_size``; its ranks hold the same experts), or ``None``.
     ``losses``: auxiliary losses (already weighted) that the trainer adds to the LM loss and logs by name.

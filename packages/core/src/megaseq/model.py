@@ -15,7 +15,8 @@ this rank's block of ``ceil(vocab_size / tp)`` ids of the vocabulary (the last b
 no token looks up and the loss leaves out of its softmax); the embedding looks up the whole window's tokens in its block and
 reduce-scatters the sum, so the blocks see this rank's sequence chunk (``megaseq.contracts.TensorParallel``),
 and the final hidden states are that chunk. The loss gathers them back and uses the vocabulary-parallel
-cross-entropy.
+cross-entropy. Decoding runs tensor parallelism without sequence parallelism (every rank holds the whole
+short sequence) and gathers the sampled positions' logits over the group (:meth:`LanguageModel.logits`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext, TensorParallel, Tile
-from megaseq.parallel import tp_gather, tp_reduce_scatter, tp_split, vocab_parallel_cross_entropy
+from megaseq.parallel import all_gather, tp_gather, tp_reduce_scatter, tp_split, vocab_parallel_cross_entropy
 from megaseq.plugins import Plugins
 from megaseq.records import ModelDims
 
@@ -151,8 +152,14 @@ class LanguageModel(nn.Module):
         partial = self.embed(local.clamp(0, vocab - 1)) * here[..., None].to(self.embed.weight.dtype)
         return tp_reduce_scatter(partial, tp)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        return hidden @ self.head_weight.to(hidden.dtype).t()
+    def logits(self, hidden: Tensor, tp: TensorParallel | None = None) -> Tensor:
+        """Whole-vocabulary logits ``[..., vocab_size]`` of ``hidden [..., d_model]`` (a few positions: the sampler's
+        last ones). Under tensor parallelism each rank computes its vocabulary block's logits and gathers them over
+        the group, so every rank holds the same logits and no rank the whole head."""
+        local = hidden @ self.head_weight.to(hidden.dtype).t()
+        if tp is None:
+            return local
+        return all_gather(local, tp.group).movedim(0, -2).flatten(-2)[..., : self.dims.vocab_size]
 
     def init_caches(self, batch_size: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[Any]:
         device = torch.device(device)

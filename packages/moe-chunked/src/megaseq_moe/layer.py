@@ -18,7 +18,8 @@ sequence chunk, with the router and shared expert whole on every rank. The route
 expert tensor parallelism (``ModelDims.etp_size``, ``ctx.etp_group``): each rank of an expert-tensor-parallel
 group holds a block of every local expert's hidden width and runs it on the rows the whole group received
 (``megaseq_moe.dispatch.TensorGather``); with ``etp = 1`` every rank holds its experts whole. The balance
-loss counts each sequence over the context- and tensor-parallel ranks that hold its tokens.
+loss counts each sequence over the context- and tensor-parallel ranks that hold its tokens. Without sequence
+parallelism (decoding) every tensor-parallel rank routes the whole sequence.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class ChunkedMoE(nn.Module):
             self, tokens, indices, segments, n_segments, group, etp_group, *self._params()
         )
         if with_aux:
-            sharing = [part.group for part in (ctx.cp, ctx.tp) if part is not None]  # ranks holding a sequence's tokens
+            sharing = [part.group for part in (ctx.cp, _splitting(ctx)) if part is not None]  # ranks holding a sequence's tokens
             ctx.add_loss(AUX_LOSS_NAME, self._aux_loss(indices, segments, n_segments, affinity_sums, sharing))
         return out.view(batch, length, d)
 
@@ -188,7 +189,7 @@ class ChunkedMoE(nn.Module):
         if ctx.documents is None:
             return torch.arange(batch, device=device).repeat_interleave(length), batch
         # the tokens here: the tensor-parallel chunk of the context-parallel shard of the whole sequence
-        shard = length * (ctx.tp.world_size if ctx.tp is not None else 1)
+        shard = length * (ctx.tp.world_size if _splitting(ctx) is not None else 1)
         total = ctx.cp.seq_len if ctx.cp is not None else shard
         documents = as_documents(ctx.documents, batch=batch, length=total, who=f"moe {self.routing_key}: cu_seqlens")
         doc_ids = documents.doc_ids(device)
@@ -458,3 +459,9 @@ def memory_estimate(config: ChunkedMoEConfig, dims: ModelDims, seq_len: int) -> 
     # (the fp32 accumulators and one chunk's share). Compared with measured peaks in benchmarks/bench_moe.py.
     temporary = 4 * (rows * (4 * d + 6 * h) + chunk * (3 * e + 4 * hs + 2 * d)) + 2 * parameters
     return MemoryEstimate(parameters=parameters, saved_per_token=4 * d + 8 * k, temporary=temporary)
+
+
+def _splitting(ctx: ForwardContext) -> Any | None:
+    """The tensor-parallel rank's place when it holds a chunk of the sequence (sequence parallelism), else None:
+    without sequence parallelism every tensor-parallel rank routes all the tokens, as one rank does."""
+    return ctx.tp if ctx.tp is not None and ctx.tp.sequence_parallel else None

@@ -7,7 +7,8 @@ and flash-attn installed, plain and packed rows use flash-attn (varlen for packe
 
 Tensor parallelism: a rank holds ``n_heads / tp`` heads (the ``qkv`` rows of its heads, each head's q, k and v
 rows together, and the matching ``out`` columns); it gathers the sequence chunks, attends with its heads over
-the whole sequence and reduce-scatters its partial output (``megaseq.contracts.TensorParallel``).
+the whole sequence and reduce-scatters its partial output (``megaseq.contracts.TensorParallel``). Decoding
+(tensor parallelism without sequence parallelism) caches the keys and values of the rank's heads only.
 
 Sequence tiles (``megaseq.contracts.SequenceTiling``): a tile's queries attend to the rotated keys and the
 values of every earlier tile (its carry) and of itself, in blocks of queries whose ``[block x keys]`` score
@@ -82,8 +83,8 @@ class SDPAttention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self._qkv(x)
         if cache is not None:
-            if ctx.cu_seqlens is not None or ctx.cp is not None or ctx.tp is not None:
-                raise ValueError("sdpa: a decoding cache cannot be combined with packing or context or tensor parallelism")
+            if ctx.cu_seqlens is not None or ctx.cp is not None or (ctx.tp and ctx.tp.sequence_parallel):
+                raise ValueError("sdpa: a decoding cache cannot be combined with packing or context or sequence parallelism")
             o = self._decode(q, k, v, cache)
         elif ctx.cp is not None:
             o = self._context_parallel(q, k, v, ctx)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,9 @@ from megaseq.distributed.layout import Layout, LayoutError
 from megaseq.errors import UserError
 from megaseq.parallel import collectives, zigzag_shard
 from megaseq.records import ModelDims
+
+if TYPE_CHECKING:
+    from megaseq.distributed.sharded import Placement
 
 EXTRA_HINT = "pip install 'megaseq-core[distributed]' (megatron-core and ray[train])"
 
@@ -79,12 +82,15 @@ class Parallel:
         return replace(dims, ep_rank=self.ep_rank, ep_size=self.layout.ep, tp_rank=self.tp_rank, tp_size=self.layout.tp,
                        etp_rank=self.etp_rank, etp_size=self.layout.etp)
 
-    def forward_context(self, seq_len: int) -> ForwardContext:
+    def forward_context(self, seq_len: int, sequence_parallel: bool = True) -> ForwardContext:
+        """The context of a forward over windows of ``seq_len`` tokens; ``sequence_parallel=False``: tensor
+        parallelism without sequence parallelism (decoding, ``megaseq.contracts.TensorParallel``)."""
         cp = tp = None
         if self.layout.cp > 1:
             cp = ContextParallel(group=self.cp_group, rank=self.cp_rank, world_size=self.layout.cp, seq_len=seq_len)
         if self.layout.tp > 1:
-            tp = TensorParallel(group=self.tp_group, rank=self.tp_rank, world_size=self.layout.tp)
+            tp = TensorParallel(group=self.tp_group, rank=self.tp_rank, world_size=self.layout.tp,
+                                sequence_parallel=sequence_parallel)
         return ForwardContext(cp=cp, ep_group=self.ep_group if self.layout.ep > 1 else None, tp=tp,
                               etp_group=self.etp_group if self.layout.etp > 1 else None)
 
@@ -103,6 +109,23 @@ class Parallel:
         if ctx.tp is not None:
             losses = tp_gather(losses, ctx.tp)
         return losses if ctx.cp is None else gather_sequence(losses, ctx.cp)
+
+    def placement(
+        self, shapes: Mapping[str, tuple[int, ...]], expert_dims: Mapping[str, int], etp_dims: Mapping[str, int],
+        tp_dims: Mapping[str, int],
+    ) -> Placement:
+        """Where this rank's tensors sit in the whole model (whole ``shapes``; the tensors expert, expert-tensor and
+        tensor parallelism split) and which blocks it writes into a checkpoint: one holder of each (the first
+        expert-data-parallel rank of an expert block, the first data- and context-parallel rank of a
+        tensor-parallel one)."""
+        from megaseq.distributed.sharded import Placement, Split
+
+        expert_writer = self.expert_dp_rank == 0
+        return Placement.of(shapes, [
+            Split("ep", expert_dims, self.ep_rank, self.layout.ep, writes=expert_writer),
+            Split("etp", etp_dims, self.etp_rank, self.layout.etp, writes=expert_writer),
+            Split("tp", tp_dims, self.tp_rank, self.layout.tp, writes=self.dp_rank == 0 and self.cp_rank == 0),
+        ])
 
     def local_batch(self, batch: Batch) -> Batch:
         """This rank's part of a global micro-batch: its data-parallel share of the windows, zig-zag sharded."""

@@ -100,11 +100,7 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             f"(it is the global batch; each data-parallel rank reads an equal share)"
         )
     check_zigzag_length(recipe.data.seq_len, layout.cp, f"{where}: data.seq_len")
-    if layout.world_size % (layout.ep * layout.etp):
-        raise LayoutError(
-            f"{where}: ep x etp = {layout.ep} x {layout.etp} does not divide the {layout.world_size} workers "
-            f"(dp x cp x tp; the expert groups are cut from them)"
-        )
+    check_expert_layout(recipe, layout)
     if (layout.ep > 1 or layout.etp > 1) and recipe.train.optimizer_shard:
         raise LayoutError(
             f"{where}: train.optimizer_shard cannot shard expert-parallel parameters (each ep or etp rank holds "
@@ -118,6 +114,16 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
     if layout.tp > 1 and recipe.train.optimizer_shard:
         raise LayoutError(f"{where}: train.optimizer_shard shards over data- and context-parallel ranks only; "
                         f"set train.optimizer_shard = false or parallel.tp = 1")
+
+
+def check_expert_layout(recipe: Recipe, layout: Layout) -> None:
+    """The expert groups can be cut from the workers, and there are experts to share."""
+    where = f"{recipe.source}: parallel ({layout})"
+    if layout.world_size % (layout.ep * layout.etp):
+        raise LayoutError(
+            f"{where}: ep x etp = {layout.ep} x {layout.etp} does not divide the {layout.world_size} workers "
+            f"(dp x cp x tp; the expert groups are cut from them)"
+        )
     for name in ("ep", "etp"):
         if getattr(layout, name) > 1 and recipe.model.moe is None:
             raise LayoutError(f"{where}: {name} {getattr(layout, name)} > 1 but model.moe is not set: there are no "

@@ -250,6 +250,27 @@ def read_local_weights(path: Path, meta: Mapping[str, Any], placement: Placement
     return out
 
 
+def local_part(weights: Mapping[str, Tensor], placement: Placement) -> dict[str, Tensor]:
+    """This rank's part of a whole model's ``weights`` (held in memory, e.g. handed over by a trainer): each
+    tensor ``placement`` splits cut to its block (zeros past the whole length: the padding of a last block),
+    the others as they are. A split tensor of another whole shape is a one-line ``ValueError``."""
+    out = dict(weights)
+    for name, slices in placement.slices.items():
+        if name not in weights:
+            continue
+        t, shape = weights[name], placement.shapes[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, the whole model's is {tuple(shape)}")
+        for dim, ((start, stop), length) in enumerate(zip(slices, shape, strict=True)):
+            first, end = min(start, length), min(stop, length)
+            t = t.narrow(dim, first, end - first)
+            if end - first < stop - start:  # padding past the whole length
+                padding = t.new_zeros(*t.shape[:dim], stop - start - (end - first), *t.shape[dim + 1 :])
+                t = torch.cat([t, padding], dim)
+        out[name] = t
+    return out
+
+
 def read_full_weights(path: Path, meta: Mapping[str, Any]) -> dict[str, Tensor]:
     """The whole model's weights (every tensor read whole, one at a time)."""
     return read_local_weights(path, meta)

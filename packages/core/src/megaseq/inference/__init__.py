@@ -136,12 +136,14 @@ def sequence_logprobs(
 
     One forward over ``tokens[:, :-1]`` (with ``ctx``, e.g. replaying an engine's routing); the LM head
     runs ``chunk`` tokens at a time (recomputed in backward), so ``[T, vocab]`` logits never exist.
-    Differentiable when gradients are enabled.
+    Differentiable when gradients are enabled. Under tensor parallelism (``ctx.tp``) the head is this rank's
+    vocabulary block (the vocabulary-parallel cross-entropy); with sequence parallelism the result is this
+    rank's chunk of the positions, without it all of them.
     """
     hidden = model(tokens[:, :-1], ctx)
     if temperature != 1.0:
         hidden = hidden / temperature
-    return -chunked_token_losses(hidden, model.head_weight, tokens[:, 1:], chunk)
+    return -chunked_token_losses(hidden, model.head_weight, tokens[:, 1:], chunk, ctx.tp, model.dims.vocab_size)
 
 
 def check_tokens(tokens: Tensor, vocab_size: int, what: str) -> None:

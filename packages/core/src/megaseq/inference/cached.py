@@ -7,6 +7,19 @@ position's hidden state goes through the LM head. The attention contract (decodi
 makes the log-probabilities equal the training forward's up to floating-point order; how close they are
 is what ``megaseq logprob-gap`` measures.
 
+Sharded: built inside a launched worker with its ``Parallel`` (the process groups of a layout, as training
+creates them: ``megaseq.distributed.groups.init_process_groups``), the engine holds only this rank's shards
+of the model (``megaseq.distributed.experts.build_local_model``: the same initial weights as one process, or
+its blocks of a checkpoint of any layout, read by slices), never gathering experts or tensor-parallel blocks.
+Tensor parallelism runs without sequence parallelism (a step of one token cannot be split along the sequence;
+``megaseq.contracts.TensorParallel``): every tensor-parallel rank holds the whole short sequence, its heads'
+caches, and computes its vocabulary block's logits of the last position, gathered over the group (``[B, V]``,
+not the head). The rows of a batch are split over the data-parallel ranks (padded with copies of the last row
+to a multiple of ``dp``); each step gathers the rows' logits, so that every rank samples the same tokens from
+the whole batch with the same generator as one process does, and every rank runs the same number of steps
+(``max_new_tokens``, whatever the stop tokens), as the MoE's expert-parallel dispatch needs. Context
+parallelism is refused (one line): a decoding step holds one token per sequence.
+
 Numerics: ``dtype = "fp32"`` keeps the model in fp32; ``"bf16"`` casts weights, activations and caches
 to bf16 (as a serving engine would; components keep their own fp32 islands, e.g. KDA's state), while
 logits are taken to fp32 before the softmax. Memory: the caches (O(P + N) per DSA/sdpa layer, O(1) per
@@ -16,39 +29,110 @@ KDA layer) and one prefill forward.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from megaseq.builtins.config import CachedEngineConfig
+from megaseq.capabilities import check_components
 from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext, RoutingReplay
 from megaseq.devices import pick_device
+from megaseq.distributed.experts import (
+    build_local_model,
+    layout_etp_dims,
+    layout_expert_dims,
+    layout_tp_dims,
+    whole_shapes,
+)
+from megaseq.distributed.groups import Parallel
+from megaseq.distributed.layout import Layout, LayoutError, check_expert_layout
 from megaseq.errors import UserError
 from megaseq.inference import Generation, SamplingParams, check_tokens, policy_logprobs, sample, sequence_logprobs
 from megaseq.model import build_model
+from megaseq.parallel import collectives
 from megaseq.plugins import Plugins
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class CachedEngine:
-    """Implements ``megaseq.inference.InferenceEngine`` on a private copy of the model."""
+def check_decoding_layout(recipe: Recipe, plugins: Plugins, layout: Layout) -> None:
+    """The layouts the engine runs (one-line errors, before any worker starts): no context parallelism, expert
+    groups that the workers can form, and components that declare what the layout asks of them."""
+    if layout.cp > 1:
+        raise LayoutError(f"{recipe.source}: parallel ({layout}): the cached engine decodes without context "
+                          f"parallelism (a decoding step holds one token per sequence); use cp=1")
+    check_expert_layout(recipe, layout)
+    check_components(recipe, plugins, layout, policies=[])
 
-    def __init__(self, config: CachedEngineConfig, recipe: Recipe, plugins: Plugins) -> None:
+
+class CachedEngine:
+    """Implements ``megaseq.inference.InferenceEngine`` on a private copy of the model, or (``parallel``: this
+    worker's process groups) on this rank's shards of it. ``checkpoint``: a run directory or checkpoint whose
+    weights to decode with (of any layout), instead of the recipe's initial weights."""
+
+    def __init__(
+        self, config: CachedEngineConfig, recipe: Recipe, plugins: Plugins, parallel: Parallel | None = None,
+        checkpoint: Path | None = None,
+    ) -> None:
+        from megaseq.distributed.sharded import read_local_weights
+        from megaseq.train import checkpoint as checkpoints
+
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.model = build_model(recipe, plugins).to(self.device, self.dtype).eval()
+        self.parallel = p = parallel or Parallel()
+        layout = p.layout
+        check_decoding_layout(recipe, plugins, layout)
+        if p.distributed:
+            model = build_local_model(recipe, plugins, self.device, p.ep_rank, layout.ep, p.tp_rank, layout.tp,
+                                      p.etp_rank, layout.etp)
+        else:
+            model = build_model(recipe, plugins)
+        self.placement = p.placement(
+            whole_shapes(recipe, plugins), layout_expert_dims(recipe, plugins, layout.ep),
+            layout_etp_dims(recipe, plugins, layout.etp), layout_tp_dims(recipe, plugins, layout.tp),
+        )
+        if checkpoint is not None:
+            found = checkpoints.resolve(checkpoint)
+            checkpoints.load_weights(found, model, read_local_weights(found, checkpoints.read_meta(found), self.placement))
+        self.model = model.to(self.device, self.dtype).eval()
         self.model.requires_grad_(False)
         self.vocab_size = recipe.model.vocab_size
         self.max_model_len = config.max_model_len
+        groups = p.forward_context(0, sequence_parallel=False)
+        self._groups: dict[str, Any] = {"ep_group": groups.ep_group, "tp": groups.tp, "etp_group": groups.etp_group}
+
+    def _context(self, routing: RoutingReplay | None = None) -> ForwardContext:
+        return ForwardContext(routing=routing, **self._groups)
+
+    def _rows(self, batch: int) -> Tensor:
+        """This rank's rows of a batch of ``batch``: its contiguous share over the data-parallel ranks of the batch
+        padded to a multiple of ``dp`` (padding rows repeat the last row)."""
+        dp, rank = self.parallel.layout.dp, self.parallel.dp_rank
+        per = -(-batch // dp)
+        return torch.arange(rank * per, (rank + 1) * per).clamp_max(batch - 1)
+
+    def _all_rows(self, local: Tensor, batch: int) -> Tensor:
+        """Every rank's rows of ``local`` (this rank's, :meth:`_rows`) in batch order, the padding dropped."""
+        if self.parallel.layout.dp == 1:
+            return local[:batch]
+        return torch.cat(collectives.all_gather_tensor(local, self.parallel.tp_data_group))[:batch]
 
     def update_weights(self, weights: Mapping[str, Tensor]) -> None:
+        """``weights``: the whole model's (its ``state_dict`` names); a sharded engine keeps its blocks of them."""
         own = self.model.state_dict()
         missing, unknown = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
         if missing or unknown:
             raise ValueError(f"cached engine: weights do not match the model (missing {missing[:3]}, unknown {unknown[:3]})")
+        from megaseq.distributed.sharded import local_part
+
+        try:
+            weights = local_part(weights, self.placement)
+        except ValueError as exc:
+            raise ValueError(f"cached engine: {exc}") from None
         with torch.no_grad():
             for name, value in own.items():
                 if value.shape != weights[name].shape:
@@ -59,8 +143,10 @@ class CachedEngine:
     @torch.no_grad()
     def score(self, tokens: Tensor, temperature: float = 1.0) -> Tensor:
         check_tokens(tokens, self.vocab_size, "cached engine: score")
-        tokens = tokens.to(self.device)
-        return sequence_logprobs(self.model, tokens, ForwardContext(), temperature, self.config.loss_chunk)
+        batch = tokens.shape[0]
+        local = tokens[self._rows(batch)].to(self.device)
+        scored = sequence_logprobs(self.model, local, self._context(), temperature, self.config.loss_chunk)
+        return self._all_rows(scored, batch)
 
     @torch.no_grad()
     def generate(self, prompts: Tensor, params: SamplingParams) -> Generation:
@@ -74,26 +160,27 @@ class CachedEngine:
                 f"max_model_len {self.max_model_len} (engine config key max_model_len)"
             )
         generator = torch.Generator(self.device).manual_seed(params.seed)
-        caches = self.model.init_caches(batch, device=self.device, dtype=self.dtype)
+        rows = self._rows(batch).to(self.device)
+        caches = self.model.init_caches(len(rows), device=self.device, dtype=self.dtype)
         temperature = params.policy_temperature
         tokens, logprobs, records = [], [], []
         alive = torch.ones(batch, dtype=torch.bool, device=self.device)
         masks = []
-        x = prompts.to(self.device)
-        for step in range(params.max_new_tokens):
+        x = prompts.to(self.device)[rows]
+        for step in range(params.max_new_tokens):  # every rank runs every step: the MoE dispatch needs them all
             routing = RoutingReplay("record")
-            hidden = self.model(x, ForwardContext(routing=routing), caches)[:, -1]
-            records.append({key: idx.view(batch, x.shape[1], -1) for key, idx in routing.indices.items()})
-            logits = self.model.logits(hidden).float()
-            token = sample(logits, params, generator)
+            hidden = self.model(x, self._context(routing), caches)[:, -1]
+            records.append({key: idx.view(len(rows), x.shape[1], -1) for key, idx in routing.indices.items()})
+            logits = self._all_rows(self.model.logits(hidden, self._groups["tp"]).float(), batch)
+            token = sample(logits, params, generator)  # the whole batch's, the same on every rank
             masks.append(alive.clone())
             tokens.append(torch.where(alive, token, 0))
             logprobs.append(torch.where(alive, policy_logprobs(logits, token, temperature), 0.0))
             if params.stop_token is not None:
                 alive &= token != params.stop_token
             if step + 1 < params.max_new_tokens:  # the last token is returned, never fed back
-                x = token[:, None]
-        routing_out = {key: torch.cat([r[key] for r in records], dim=1) for key in records[0]}
+                x = token[rows, None]
+        routing_out = {key: self._all_rows(torch.cat([r[key] for r in records], dim=1), batch) for key in records[0]}
         return Generation(
             tokens=torch.stack(tokens, 1),
             logprobs=torch.stack(logprobs, 1),

@@ -1,11 +1,15 @@
-"""Tensor parallelism with sequence parallelism (``megaseq.contracts.TensorParallel``): the mappings around a
-split region, and the cross-entropy of a vocabulary split over ranks.
+"""Tensor parallelism (``megaseq.contracts.TensorParallel``): the mappings around a split region, and the
+cross-entropy of a vocabulary split over ranks.
 
-They are megatron-core's sequence-parallel mappings (``gather_from_sequence_parallel_region``,
-``reduce_scatter_to_sequence_parallel_region``, ``scatter_to_sequence_parallel_region``) and its
-``vocab_parallel_cross_entropy``, on ``[batch, tokens, ...]`` tensors along any dimension and on the
-group's device through ``megaseq.parallel.collectives``: megatron-core's own allocate their buffers on
-``torch.cuda.current_device()`` and take the sequence as dimension 0, so they cannot run on a CPU rank.
+With sequence parallelism (training) they are megatron-core's sequence-parallel mappings
+(``gather_from_sequence_parallel_region``, ``reduce_scatter_to_sequence_parallel_region``,
+``scatter_to_sequence_parallel_region``); without it (``TensorParallel.sequence_parallel = False``: decoding)
+its plain tensor-parallel ones (``copy_to_tensor_model_parallel_region``, an identity whose backward sums the
+gradient over the ranks, and ``reduce_from_tensor_model_parallel_region``, an all-reduce whose backward is the
+identity), and splitting or chunking the sequence is the identity. With ``vocab_parallel_cross_entropy`` they
+work on ``[batch, tokens, ...]`` tensors along any dimension and on the group's device through
+``megaseq.parallel.collectives``: megatron-core's own allocate their buffers on ``torch.cuda.current_device()``
+and take the sequence as dimension 0, so they cannot run on a CPU rank.
 """
 
 from __future__ import annotations
@@ -20,22 +24,53 @@ from megaseq.parallel import collectives
 
 
 def tp_chunk(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
-    """This rank's contiguous ``1/tp`` of ``x`` along ``dim`` (no gradient plumbing: for inputs)."""
+    """This rank's contiguous ``1/tp`` of ``x`` along ``dim`` (no gradient plumbing: for inputs); all of ``x``
+    without sequence parallelism."""
+    if not tp.sequence_parallel:
+        return x
     if x.shape[dim] % tp.world_size:
         raise ValueError(f"length {x.shape[dim]} along dim {dim} is not a multiple of tp {tp.world_size}")
     return x.chunk(tp.world_size, dim=dim)[tp.rank]
 
 
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:  # type: ignore[override]
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return collectives.all_reduce(grad.clone(), ctx.tp.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:  # type: ignore[override]
+        return collectives.all_reduce(x.clone(), tp.group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
 def tp_gather(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
     """The whole sequence from every rank's chunk ``x`` (along ``dim``). Backward: each chunk's gradient summed
-    over the ranks (a reduce-scatter): every rank's split region used the whole sequence."""
+    over the ranks (a reduce-scatter): every rank's split region used the whole sequence. Without sequence
+    parallelism ``x`` is the whole sequence already: the identity, whose backward sums the gradient over the
+    ranks."""
+    if not tp.sequence_parallel:
+        return _Copy.apply(x, tp)
     stacked = collectives.all_gather(x, tp.group)  # [tp, *x.shape]
     return stacked.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def tp_reduce_scatter(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
     """This rank's chunk (along ``dim``) of the sum over ranks of their partial ``x``. Backward: the chunks'
-    gradients gathered (an all-gather)."""
+    gradients gathered (an all-gather). Without sequence parallelism: the whole sum (an all-reduce; backward the
+    identity)."""
+    if not tp.sequence_parallel:
+        return _Reduce.apply(x, tp)
     n = tp.world_size
     if x.shape[dim] % n:
         raise ValueError(f"length {x.shape[dim]} along dim {dim} is not a multiple of tp {n}")
@@ -57,8 +92,9 @@ class _Split(torch.autograd.Function):
 
 def tp_split(x: Tensor, tp: TensorParallel, dim: int = 1) -> Tensor:
     """This rank's chunk of ``x``, which every rank holds alike. Backward: every rank's chunk gradient gathered,
-    so that the same whole gradient flows on every rank into what computed ``x``."""
-    return _Split.apply(x, tp, dim)
+    so that the same whole gradient flows on every rank into what computed ``x``. Without sequence parallelism
+    the rank holds all of ``x``: the identity."""
+    return _Split.apply(x, tp, dim) if tp.sequence_parallel else x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -10,11 +10,16 @@ the chunk boundary) forward and backward, and must give:
 - outputs and input gradients equal to the whole component's on its chunk;
 - for each split tensor, the gradient of the whole component's tensor cut to its block;
 - for every other parameter, gradients that sum over ranks to the whole component's (the trainer sums them);
-- auxiliary losses that sum over ranks to the whole component's, and metrics whose mean over ranks is its.
+- auxiliary losses that sum over ranks to the whole component's, and metrics whose mean over ranks is its;
+- decoding (tensor parallelism without sequence parallelism, ``TensorParallel.sequence_parallel = False``:
+  every rank holds the whole row): an attention prefills all but the last ``DECODE_STEPS`` tokens of a plain
+  row into its fresh cache (``init_cache``) and then takes them one at a time, any other component runs the
+  whole row; every rank's outputs must equal the whole component's.
 
 What it catches: a rank that leaves out the other ranks' heads (no reduce-scatter), a split region that sees
 only its chunk of the sequence (no gather), heads split in a different order than the weights, and ranks that
-run different collectives (gloo errors or times out). Error bound: ``tolerance`` relative to the largest
+run different collectives (gloo errors or times out); in decoding, a cache that holds every rank's heads and a
+component that splits the sequence by itself. Error bound: ``tolerance`` relative to the largest
 expected magnitude, as everywhere in ``megaseq.testing``.
 """
 
@@ -31,6 +36,7 @@ from megaseq.records import ModelDims
 from megaseq.testing import assert_close, build_component
 
 COLLECTIVE_TIMEOUT = 60.0
+DECODE_STEPS = 3
 
 
 def _build(kind: str, name: str, config: dict[str, Any], d_model: int, rank: int, size: int,
@@ -62,8 +68,27 @@ def _rank_step(rank: int, world: int, kind: str, name: str, config: dict[str, An
     aux = sum(ctx.losses.values(), torch.zeros(()))
     ((out * tp_chunk(grad_out, tp)).sum() + aux).backward()
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in local.named_parameters()}
+    decoding = TensorParallel(group=dist.group.WORLD, rank=rank, world_size=world, sequence_parallel=False)
     return {"out": out.detach(), "x_grad": x_local.grad, "grads": grads, "dims": dims, "aux": aux.detach(),
-            "metrics": dict(ctx.metrics)}
+            "metrics": dict(ctx.metrics), "decoded": _decode(local, kind, x, decoding)}
+
+
+@torch.no_grad()
+def _decode(module: nn.Module, kind: str, x: Tensor, tp: TensorParallel | None) -> Tensor:
+    """The module's outputs on the row ``x`` as decoding runs it (module docstring); ``tp``: without sequence
+    parallelism."""
+    import torch.distributed as dist
+
+    def ctx() -> ForwardContext:
+        return ForwardContext(tp=tp, etp_group=dist.group.WORLD if tp is not None else None)
+
+    if kind != "attention":
+        return module(x, ctx())
+    prefill = x.shape[1] - DECODE_STEPS
+    cache = module.init_cache(x.shape[0], device=x.device, dtype=x.dtype)
+    outs = [module(x[:, :prefill], ctx(), cache)]
+    outs += [module(x[:, t : t + 1], ctx(), cache) for t in range(prefill, x.shape[1])]
+    return torch.cat(outs, 1)
 
 
 def check_tensor_parallel(
@@ -122,6 +147,10 @@ def check_tensor_parallel(
     for key, value in ctx.metrics.items():
         mean = sum(r["metrics"].get(key, float("nan")) for r in ranks) / world
         assert_close(torch.tensor(mean), torch.tensor(value), tolerance, f"{what} metric {key!r} (mean over ranks)")
+    decoded = _decode(whole, kind, x, None)
+    for rank, res in enumerate(ranks):
+        assert_close(res["decoded"], decoded, tolerance,
+                     f"{what} rank {rank} decoding output (tensor parallelism without sequence parallelism)")
 
 
 __all__ = ["check_tensor_parallel"]

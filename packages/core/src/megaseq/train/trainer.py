@@ -55,7 +55,6 @@ from megaseq.distributed.groups import Parallel
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.distributed.sharded import (
     Placement,
-    Split,
     local_optimizer_state,
     read_local_weights,
     shards_meta,
@@ -224,16 +223,8 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def placement(self) -> Placement:
-        """Where this rank's tensors sit in the whole model (expert, expert-tensor and tensor parallelism) and which
-        blocks it writes into a checkpoint: one holder of each (the first expert-data-parallel rank of an expert
-        block, the first data- and context-parallel rank of a tensor-parallel one)."""
-        p = self.parallel
-        expert_writer = p.expert_dp_rank == 0
-        return Placement.of(self.shapes, [
-            Split("ep", self.expert_dims, p.ep_rank, p.layout.ep, writes=expert_writer),
-            Split("etp", self.etp_dims, p.etp_rank, p.layout.etp, writes=expert_writer),
-            Split("tp", self.tp_dims, p.tp_rank, p.layout.tp, writes=p.dp_rank == 0 and p.cp_rank == 0),
-        ])
+        """Where this rank's tensors sit in the whole model and which blocks it writes (``Parallel.placement``)."""
+        return self.parallel.placement(self.shapes, self.expert_dims, self.etp_dims, self.tp_dims)
 
     def save(self) -> Path:
         """Write a checkpoint; every rank calls this (each writes its files, rank 0 publishes them)."""
