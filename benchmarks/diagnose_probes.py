@@ -6,6 +6,8 @@
     .venv/bin/python benchmarks/diagnose_probes.py markov-data           # Markov baselines by training tokens
     .venv/bin/python benchmarks/diagnose_probes.py heldout --windows 24  # Markov baselines on the fixed held-out set, by position and by retrieval distance
     .venv/bin/python benchmarks/diagnose_probes.py repeats --windows 24  # what copying could gain past 4k there
+    .venv/bin/python benchmarks/diagnose_probes.py indexer --run OUT/long --windows 4  # does DSA select and weigh the copy?
+    .venv/bin/python benchmarks/diagnose_probes.py copy --run OUT/pretrain --windows 8  # planted repeats by distance
 
 ``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
 windows through it, printing for the embedding, every attention and feed-forward output and the residual
@@ -21,12 +23,25 @@ distance to each target's last earlier k-mer occurrence). ``repeats`` bounds wha
 long context can give on that set: for each target past ``short_len`` of context, whether the 20 tokens
 before it occurred earlier in the window, the most recent such occurrence ending within ``short_len`` tokens
 or only further back, and whether the token after that occurrence is the target (a copy would be right).
+
+``indexer`` and ``copy`` diagnose retrieval in a trained run directory (``--run``, e.g. a context-extension
+stage). ``indexer`` runs held-out windows through the model and, at every target whose preceding k-mer
+occurred earlier in the window (``megaseq_genome.retrieval``), asks each DSA layer whether the key right after
+that occurrence (what a copy reads) is among the indexer's selected keys (recall, beside chance: selected over
+visible keys), what weight the sparse softmax gives it, and, for a sample of targets, what weight full causal
+attention would give it: a missed copy is the indexer's when dense attention weighs the key and the selection
+drops it, the main attention's when neither weighs it. ``copy`` plants repeats in real held-out DNA: after 512
+bases, a segment is copied d bases further on; a model that copies predicts the copy's bases (from offset
+``--skip``, once the preceding k-mer matches) better than the same bases at the original. It prints the bits
+on the copy against the original for the model, for the model with each attention kind's output zeroed (which
+layers copy), and for the order-11 Markov baseline (a control: it cannot copy).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -183,9 +198,175 @@ def probe_repeats(args: argparse.Namespace) -> None:
           f"model gains at most {counts['far_right'] / n:.2%} of those targets' loss (if they cost the mean)")
 
 
+def _stage_model(run_dir: str) -> tuple[Any, Any]:
+    """The recipe and model of a training run directory (an experiment stage), with its newest verified weights."""
+    from megaseq.config import validate_recipe
+    from megaseq.distributed.sharded import read_full_weights
+    from megaseq.model import build_model
+    from megaseq.plugins import get_plugins
+    from megaseq.train import checkpoint
+
+    found = checkpoint.newest_verified(Path(run_dir) / "checkpoints")
+    if found.path is None:
+        raise SystemExit(f"{run_dir}: no verified checkpoint")
+    meta = checkpoint.read_meta(found.path)
+    recipe = validate_recipe(meta["recipe"], get_plugins(), str(found.path))
+    model = build_model(recipe, get_plugins()).eval()
+    checkpoint.load_weights(found.path, model, read_full_weights(found.path, meta))
+    print(f"{run_dir}: {found.path.name}, layers {[type(b.attention).__name__ for b in model.blocks]}")
+    return recipe, model
+
+
+def _heldout(args: argparse.Namespace) -> tuple[Any, Any]:
+    from megaseq.data.sources import tokenized
+    from megaseq_genome.experiment.plan import load_plan
+    from megaseq_genome.heldout_set import select_heldout
+
+    plan = load_plan(args.scale, [f"plan.eval_windows={args.windows}"])
+    tokens = tokenized(plan.heldout)
+    return select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows), tokens
+
+
+def probe_indexer(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    import megaseq_dsa.layer as dsa_layer
+    from megaseq.contracts import ForwardContext
+    from megaseq_genome.retrieval import BUCKETS, bucket_of, last_occurrence
+
+    _, model = _stage_model(args.run)
+    dsa = [i for i, b in enumerate(model.blocks) if isinstance(b.attention, dsa_layer.DeepSeekSparseAttention)]
+    if not dsa:
+        raise SystemExit(f"{args.run}: the model has no DSA layer")
+    calls: list[tuple] = []  # (q, key, indices, scale) of each DSA layer's sparse attention, in layer order
+    backends = dsa_layer.BACKENDS
+
+    class Recording:  # the layer's backend, with the sparse attention's inputs recorded
+        def load(self, name: str, device: Any) -> Any:
+            ops = backends.load(name, device)
+
+            def attend(q, key, value, indices, scale, chunk):  # type: ignore[no-untyped-def]
+                calls.append((q, key, indices, scale))
+                return ops.sparse_attention(q, key, value, indices, scale, chunk)
+
+            return dataclasses.replace(ops, sparse_attention=attend)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(backends, name)
+
+    dsa_layer.BACKENDS = Recording()
+    heldout, tokens = _heldout(args)
+    n = len(BUCKETS)
+    names = ("targets", "recall_next", "recall_span", "chance", "weight_mean", "weight_max", "dense_n", "dense_mean", "dense_max")
+    stats = {i: {name: np.zeros(n) for name in names} for i in dsa}
+    rng = np.random.default_rng(0)
+    for w, (inputs, targets) in enumerate(heldout.windows(tokens)):
+        calls.clear()
+        with torch.no_grad():
+            model(inputs, ForwardContext())
+        ids = np.concatenate([inputs[0].numpy(), targets[0, -1:].numpy()])
+        distance, _ = last_occurrence(ids, args.kmer)
+        p = np.flatnonzero(distance > 0)  # queries whose k-mer occurred earlier
+        src = p - distance[p] + 1  # the key after the earlier occurrence: what a copy reads
+        bucket = bucket_of(distance[p])
+        dense = np.zeros(len(p), dtype=bool)
+        for b in range(n):  # a sample per bucket gets the dense softmax too: would full attention copy?
+            members = np.flatnonzero(bucket == b)
+            dense[rng.choice(members, min(len(members), args.dense_sample), replace=False)] = True
+        for layer, (q, key, indices, scale) in zip(dsa, calls, strict=True):
+            qp = torch.from_numpy(p)
+            sel = indices[0, qp].long()  # [P, slots], -1 padded
+            valid = sel >= 0
+            hit = (sel == torch.from_numpy(src)[:, None]) & valid
+            lo = torch.from_numpy(src - args.kmer)[:, None]
+            span = ((sel >= lo) & (sel <= torch.from_numpy(src)[:, None]) & valid).any(1)
+            logits = torch.einsum("phd,psd->phs", q[0, qp].float(), key[0, sel.clamp(min=0)].float()) * scale
+            probs = logits.masked_fill(~valid[:, None], float("-inf")).softmax(-1)
+            weight = (probs * hit[:, None]).sum(-1)  # [P, H]
+            s = stats[layer]
+            np.add.at(s["targets"], bucket, 1)
+            np.add.at(s["recall_next"], bucket, hit.any(1).numpy())
+            np.add.at(s["recall_span"], bucket, span.numpy())
+            np.add.at(s["chance"], bucket, np.minimum(1.0, valid.sum(1).numpy() / (p + 1)))
+            np.add.at(s["weight_mean"], bucket, weight.mean(1).numpy())
+            np.add.at(s["weight_max"], bucket, weight.max(1).values.numpy())
+            for j in np.flatnonzero(dense):
+                full = (torch.einsum("hd,sd->hs", q[0, p[j]].float(), key[0, : p[j] + 1].float()) * scale).softmax(-1)
+                s["dense_n"][bucket[j]] += 1
+                s["dense_mean"][bucket[j]] += float(full[:, src[j]].mean())
+                s["dense_max"][bucket[j]] += float(full[:, src[j]].max())
+        print(f"  window {w + 1}/{len(heldout.starts)}: {len(p):,} targets with an earlier {args.kmer}-mer", flush=True)
+    print(f"\n{args.run}: DSA at targets whose preceding {args.kmer}-mer occurred earlier in the window, by distance")
+    print("recall: the key after the earlier occurrence (or any key of it) is among the selected; chance: selected / "
+          "visible keys; weight: the sparse softmax's weight on that key (0 when not selected), mean and max over "
+          "heads; dense: the same weight under full causal attention (a sample of targets)")
+    header = f"{'layer':>5} {'bucket':>8} {'targets':>9} {'recall':>7} {'any key':>8} {'chance':>7} {'weight':>7} {'max head':>8} {'dense':>7} {'max head':>8}"
+    print(header)
+    for layer in dsa:
+        s = stats[layer]
+        for b, name in enumerate(BUCKETS[:-1]):
+            c, d = max(s["targets"][b], 1), max(s["dense_n"][b], 1)
+            print(f"{layer:>5} {name:>8} {int(s['targets'][b]):>9,} {s['recall_next'][b] / c:7.3f} {s['recall_span'][b] / c:8.3f} "
+                  f"{s['chance'][b] / c:7.3f} {s['weight_mean'][b] / c:7.4f} {s['weight_max'][b] / c:8.4f} "
+                  f"{s['dense_mean'][b] / d:7.4f} {s['dense_max'][b] / d:8.4f}")
+
+
+def probe_copy(args: argparse.Namespace) -> None:
+    from megaseq.contracts import ForwardContext
+    from megaseq.model import chunked_token_losses
+    from megaseq_genome.markov import fitted_markov
+
+    recipe, model = _stage_model(args.run)
+    markov = fitted_markov("grch37-chr20", 11)
+    heldout, tokens = _heldout(args)
+    windows = [inputs[0] for inputs, _ in heldout.windows(tokens)]
+    pattern = [recipe.model.attention_of(i) for i in range(len(model.blocks))]  # each block's attention
+    silenced: set[int] = set()  # blocks whose attention output is replaced by zeros
+
+    for i, block in enumerate(model.blocks):
+        block.attention.register_forward_hook(lambda mod, a, out, i=i: torch.zeros_like(out) if i in silenced else out)
+    kinds = sorted(set(pattern))
+    rows = [("model", set())] + [(f"without {kind}", {i for i, k in enumerate(pattern) if k == kind}) for kind in kinds if len(kinds) > 1]
+    before, start = 512, args.skip
+    print(f"\nplanted repeats: {len(windows)} held-out windows; {before} bases, then a segment of S = min({args.segment}, d) "
+          f"bases, copied d bases later; bits/base on the copy's bases from offset {start} on, against the same bases "
+          "at the original (a perfect copier: 0 on the copy); gain = 1 - copy / original")
+    print(f"{'scorer':>12} " + " ".join(f"{f'd={d}':>17}" for d in args.distances))
+    results: dict[str, list[str]] = {}
+    for label, off in [*rows, ("markov-11", None)]:
+        silenced.clear()
+        silenced.update(off or ())
+        cells = []
+        for d in args.distances:
+            seg = min(args.segment, d)
+            orig = copy = 0.0
+            for ids in windows:
+                x = ids[: before + d + seg + 1].clone()
+                x[before + d : before + d + seg] = x[before : before + seg]
+                inputs, targets = x[None, :-1], x[None, 1:]
+                if off is None:
+                    loss = markov.token_losses(inputs, targets)[0]
+                else:
+                    with torch.no_grad():
+                        hidden = model(inputs, ForwardContext())
+                        loss = chunked_token_losses(hidden, model.head_weight, targets, recipe.train.loss_chunk)[0].double()
+                # target t is x[t + 1]: the segment's bases from offset `start` on are targets [first + start - 1, first + seg - 1)
+                orig += float(loss[before + start - 1 : before + seg - 1].sum())
+                copy += float(loss[before + d + start - 1 : before + d + seg - 1].sum())
+            count = len(windows) * (seg - start) * np.log(2)
+            cells.append(f"{copy / count:5.3f}/{orig / count:5.3f} {1 - copy / orig:+5.0%}")
+        results[label] = cells
+        print(f"{label:>12} " + " ".join(f"{c:>17}" for c in cells), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("probe", choices=["gate", "residual", "markov-data", "heldout", "repeats"])
+    p.add_argument("probe", choices=["gate", "residual", "markov-data", "heldout", "repeats", "indexer", "copy"])
+    p.add_argument("--run", help="a trained run directory, e.g. an experiment's OUT/pretrain (indexer, copy)")
+    p.add_argument("--dense-sample", type=int, default=200, help="targets per bucket scored under full attention too (indexer)")
+    p.add_argument("--distances", type=int, nargs="+", default=[32, 128, 512, 2048, 8192, 32768], help="copy distances (copy)")
+    p.add_argument("--segment", type=int, default=256, help="longest planted segment (copy)")
+    p.add_argument("--skip", type=int, default=20, help="segment offset from which copied bases are scored (copy)")
     p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--set", action="append", default=[], help="recipe override (residual)")
@@ -194,7 +375,7 @@ def main() -> None:
     p.add_argument("--kmer", type=int, default=20, help="repeat length (repeats)")
     args = p.parse_args()
     probes = {"gate": probe_gate, "residual": probe_residual, "markov-data": probe_markov_data, "heldout": probe_heldout,
-              "repeats": probe_repeats}
+              "repeats": probe_repeats, "indexer": probe_indexer, "copy": probe_copy}
     probes[args.probe](args)
 
 
