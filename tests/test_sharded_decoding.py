@@ -27,7 +27,7 @@ from megaseq.config import validate_recipe
 from megaseq.distributed.layout import Layout
 from megaseq.errors import UserError
 from megaseq.inference import SamplingParams
-from megaseq.inference.cached import CachedEngine, check_decoding_layout
+from megaseq.inference.cached import CachedEngine, check_decoding_layout, sharded_engine
 from megaseq.testing import assert_close, installed_plugins
 from megaseq.testing.distributed import run_gloo
 
@@ -66,7 +66,7 @@ def _one_process(raw: dict[str, Any], checkpoint: Path | None = None) -> CachedE
 def _sharded(rank: int, world: int, raw: dict[str, Any], layouts: list[Layout], weights: dict, checkpoint: str) -> list:
     """Under each layout: decoding from the recipe's initial weights, then from ``weights`` (the whole model's,
     handed over), then from ``checkpoint``; gathering a whole model is refused."""
-    from megaseq.distributed.groups import Parallel, destroy_process_groups, init_process_groups
+    from megaseq.distributed.groups import Parallel
 
     def refuse(*args, **kwargs):
         raise AssertionError("decoding gathered experts or tensor-parallel blocks onto one rank")
@@ -76,18 +76,15 @@ def _sharded(rank: int, world: int, raw: dict[str, Any], layouts: list[Layout], 
     prompts = _prompts(recipe.model.vocab_size)
     results = []
     for layout in layouts:
-        parallel = init_process_groups(layout)
-        try:
-            torch.manual_seed(SEED)
-            engine = CachedEngine(CONFIG, recipe, plugins, parallel)
+        torch.manual_seed(SEED)
+        with sharded_engine(CONFIG, recipe, plugins, layout) as engine:
             initial = _decode(engine, prompts)
             engine.update_weights(weights)
             updated = _decode(engine, prompts)
-            loaded = _decode(CachedEngine(CONFIG, recipe, plugins, parallel, checkpoint=Path(checkpoint)), prompts)
             split = {name: [stop - start for start, stop in slices] for name, slices in engine.placement.slices.items()}
-            results.append({"initial": initial, "updated": updated, "loaded": loaded, "split": split})
-        finally:
-            destroy_process_groups()
+        with sharded_engine(CONFIG, recipe, plugins, layout, Path(checkpoint)) as engine:
+            loaded = _decode(engine, prompts)
+        results.append({"initial": initial, "updated": updated, "loaded": loaded, "split": split})
     return results
 
 
@@ -115,7 +112,7 @@ def _share_bound(whole: dict[str, torch.Tensor], split: dict[str, list[int]]) ->
 
 
 @pytest.mark.slow
-def test_sharded_decoding_equals_one_process_and_holds_only_its_shards(hybrid, tmp_path):
+def test_sharded_decoding_equals_one_process_and_holds_only_its_shards(hybrid, tmp_path, capsys):
     from megaseq.testing.layouts import single_trainer
 
     trainer = single_trainer(hybrid, tmp_path / "trained")  # trained weights: what update_weights and a checkpoint carry
@@ -134,6 +131,11 @@ def test_sharded_decoding_equals_one_process_and_holds_only_its_shards(hybrid, t
     whole = dict(engine.model.named_parameters())
 
     ranks = run_gloo(2, _sharded, hybrid, LAYOUTS, weights, str(checkpoint))
+    lines = [f"decoding engine parameter bytes: one process {expected['initial']['parameter_bytes']} B"]
+    lines += [f"  {layout}: " + ", ".join(f"rank {r} {results[i]['initial']['parameter_bytes']} B"
+                                           for r, results in enumerate(ranks)) for i, layout in enumerate(LAYOUTS)]
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
     for i, layout in enumerate(LAYOUTS):
         for rank, results in enumerate(ranks):
             got = results[i]

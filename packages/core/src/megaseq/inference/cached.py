@@ -28,7 +28,8 @@ KDA layer) and one prefill forward.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,10 @@ def check_decoding_layout(recipe: Recipe, plugins: Plugins, layout: Layout) -> N
 
 class CachedEngine:
     """Implements ``megaseq.inference.InferenceEngine`` on a private copy of the model, or (``parallel``: this
-    worker's process groups) on this rank's shards of it. ``checkpoint``: a run directory or checkpoint whose
-    weights to decode with (of any layout), instead of the recipe's initial weights."""
+    worker's process groups, see :func:`sharded_engine`) on this rank's shards of it; then every rank is handed
+    the same calls (prompts, params, weights) and returns the same whole results. ``checkpoint``: a run
+    directory or checkpoint whose weights to decode with (of any layout), instead of the recipe's initial
+    weights."""
 
     def __init__(
         self, config: CachedEngineConfig, recipe: Recipe, plugins: Plugins, parallel: Parallel | None = None,
@@ -188,6 +191,23 @@ class CachedEngine:
             truncated=alive if params.stop_token is not None else torch.zeros_like(alive),
             routing=routing_out,
         )
+
+
+@contextmanager
+def sharded_engine(
+    config: CachedEngineConfig, recipe: Recipe, plugins: Plugins, layout: Layout, checkpoint: Path | None = None
+) -> Iterator[CachedEngine]:
+    """Inside a launched worker (``torch.distributed`` initialised by Ray Train, torchrun or
+    ``megaseq.testing.distributed.run_gloo``, as for training): ``layout``'s process groups, created as training
+    creates them (``init_process_groups``), and this rank's engine on them; the groups end with the block."""
+    from megaseq.distributed.groups import destroy_process_groups, init_process_groups
+
+    check_decoding_layout(recipe, plugins, layout)
+    parallel = init_process_groups(layout)
+    try:
+        yield CachedEngine(config, recipe, plugins, parallel, checkpoint)
+    finally:
+        destroy_process_groups()
 
 
 def build(config: CachedEngineConfig, recipe: Recipe, plugins: Plugins) -> CachedEngine:
