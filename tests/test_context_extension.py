@@ -58,19 +58,37 @@ MINI = [
 ]
 
 
-def experiment(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
-    """Run the command on the miniature; ``sets`` are plan keys (``--set``) or flags (``--resume``)."""
+def arguments(tmp_path: Path, sets: tuple[str, ...]) -> list[str]:
+    """The command's arguments on the miniature; ``sets`` are plan keys (``--set``) or flags (``--resume``)."""
     recipe = tmp_path / "hybrid.toml"
     recipe.write_text(RECIPE)
     args = ["context-extension", str(recipe), "--out", str(tmp_path / "out")]
     for item in sets:
         args += [item] if item.startswith("--") else ["--set", item]
+    return args
+
+
+def experiment(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
+    """Run the command on the miniature as a process, as a user does."""
     env = {**os.environ, "MEGASEQ_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "megaseq.cli", *args], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-m", "megaseq.cli", *arguments(tmp_path, sets)], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *sets: str) -> tuple[int, str]:
+    """Run the command in this process, for input it must refuse before any stage starts (a process per case
+    would import torch again for a one-line error): its exit status and what it printed to stderr."""
+    from megaseq.cli import main
+
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEGASEQ_CACHE", str(tmp_path / "cache"))
+        status = main(arguments(tmp_path, sets))
+    return status, capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_miniature_experiment_writes_the_report(tmp_path):
+def test_miniature_experiment_writes_the_report(tmp_path, capsys):
     proc = experiment(tmp_path, *MINI)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out"
@@ -121,13 +139,13 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     assert "[experiment] start" not in again.stderr, "a finished experiment ran something again"
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")} == stamps
 
-    refused = experiment(tmp_path, *MINI)  # neither --resume nor --overwrite: the run-directory rule
-    assert refused.returncode == 2 and "already holds a context-extension experiment" in refused.stderr
+    status, err = refused(tmp_path, capsys, *MINI)  # neither --resume nor --overwrite: the run-directory rule
+    assert status == 2 and "already holds a context-extension experiment" in err
     # --resume checks what it reuses: the held-out set of every evaluation, the recipe of every trained stage
-    changed = experiment(tmp_path, *MINI, "plan.eval_windows=3", "--resume")
-    assert changed.returncode == 2 and "heldout_set.npz: scored with a different heldout than this plan's" in changed.stderr
-    lower = experiment(tmp_path, *MINI, "plan.extension_lr=0.0003", "--resume")
-    assert lower.returncode == 2 and f"{out / 'long'}: trained with a different recipe (train.lr 0.0001 -> 0.0003)" in lower.stderr
+    status, err = refused(tmp_path, capsys, *MINI, "plan.eval_windows=3", "--resume")
+    assert status == 2 and "heldout_set.npz: scored with a different heldout than this plan's" in err
+    status, err = refused(tmp_path, capsys, *MINI, "plan.extension_lr=0.0003", "--resume")
+    assert status == 2 and f"{out / 'long'}: trained with a different recipe (train.lr 0.0001 -> 0.0003)" in err
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json")} == stamps
 
     # ... so a changed plan retrains only what it changes: the continuations, from the pretrain it keeps
@@ -146,11 +164,10 @@ def test_miniature_experiment_writes_the_report(tmp_path):
     assert second["long"]["bits_per_base"] != first["long"]["bits_per_base"]
 
     shutil.rmtree(out / "pretrain")  # the continuations' weights came from a pretrain that is gone
-    orphaned = experiment(tmp_path, *MINI, "plan.extension_lr=0.0003", "--resume")
-    assert orphaned.returncode == 2 and f"{out / 'long'}: continues stage pretrain, which is not finished" in orphaned.stderr
+    status, err = refused(tmp_path, capsys, *MINI, "plan.extension_lr=0.0003", "--resume")
+    assert status == 2 and f"{out / 'long'}: continues stage pretrain, which is not finished" in err
 
 
-@pytest.mark.slow  # one CLI process per case
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
@@ -161,9 +178,9 @@ def test_miniature_experiment_writes_the_report(tmp_path):
          "experiment: stage long (seq_len 1048576) does not fit with train.memory_policy = []"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(tmp_path, sets, message):
-    proc = experiment(tmp_path, *MINI, *sets)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("megaseq: error")]
-    assert len(errors) == 1 and message in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, sets, message):
+    status, err = refused(tmp_path, capsys, *MINI, *sets)
+    assert status == 2, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("megaseq: error")]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
