@@ -27,18 +27,22 @@ Parts:
    16 heads x 128, forward+backward.
 5. Training: a few steps of the default hybrid recipe (recipes/genome-cpu.toml: KDA/DSA/MoE) at 64k tokens
    on CUDA with the backends ``auto`` picks (the choices are logged into the row): tokens/s, peak memory.
-6. Distributed, on two GPUs over NCCL (one process each): two optimizer steps of a dense recipe under tp=2
-   and of a tiny hybrid recipe under cp=2 and under dp=2 x ep=2, each against the same steps in one process:
-   loss, gradient norm and tokens per step and every weight after them (``DIST_TOLERANCE``). Where fewer
-   than two GPUs are visible the rows are skipped; the rehearsal runs the tp=2 one on two gloo CPU processes
-   (the hybrid layouts run on gloo in tests/test_distributed.py).
+6. Distributed over NCCL, one process per GPU: two optimizer steps of the hybrid recipe at tiny width
+   (KDA, DSA, chunked MoE with its balance loss: the layout-equivalence tests' recipe) under tp=2, cp=2 and
+   dp=2 x ep=2 (two GPUs) and tp=2 x cp=2 (four), each against the same steps in one process: every logged
+   metric (loss and gradient norm included) of every step, the tokens and every weight after them (expert
+   and tensor-parallel blocks gathered), fp32 with TF32 off, one row per layout with the largest relative
+   difference (``DIST_TOLERANCE``). The ranks run ``megaseq.testing.layouts.train_under_layouts``, what the
+   gloo equivalence tests run, one launch per number of ranks. A layout needing more GPUs than are visible
+   is a ``skipped: needs N GPUs`` row. The rehearsal runs every layout the same way on gloo CPU processes.
 
 What it needs: Python >= 3.11, torch (a CUDA build), triton, numpy, pydantic >= 2.6, pluggy, packaging, and
 megaseq's packages (core, attn-kda, attn-dsa, moe-chunked), installed (``pip install -e packages/core
 packages/attn-kda packages/attn-dsa packages/moe-chunked``) or else imported from this repository's
-``packages/*/src`` with their plugins registered here. Optional: fla-core (import ``fla``) and flash-attn
-(``flash_attn``); without them their rows say ``missing`` (flash-attn publishes no wheels: building it
-takes longer than the whole check, so torch's flash SDPA kernel stands in). On a machine without network,
+``packages/*/src`` with their plugins registered here. Optional: fla-core (import ``fla``), flash-attn
+(``flash_attn``) and megatron-core (``megatron``: the distributed part's process groups, core's
+``distributed`` extra); without them their rows say ``missing`` or ``skipped`` (flash-attn publishes no
+wheels: building it takes longer than the whole check, so torch's flash SDPA kernel stands in). On a machine without network,
 carry the missing wheels and put them on the path before Python starts (pydantic needs a recent
 typing-extensions, which torch imports first), e.g. from the repository root:
 
@@ -83,7 +87,7 @@ SOURCES = {  # import name -> (distribution, source folder, plugin module or Non
     "megaseq_moe": ("megaseq-moe-chunked", "packages/moe-chunked/src", "megaseq_moe.plugin"),
 }
 REQUIRED = ["torch", "triton", "numpy", "pydantic", "pluggy", "packaging"]
-OPTIONAL = {"fla": "fla-core", "flash_attn": "flash-attn"}
+OPTIONAL = {"fla": "fla-core", "flash_attn": "flash-attn", "megatron": "megatron-core"}
 
 # max |x - oracle| / max(1, max |oracle|) over the output and every gradient. fp32: megaseq's kernels multiply
 # and accumulate in fp32 (ieee dots); fla's multiply fp32 in TF32 on tensor cores (10-bit mantissa). bf16:
@@ -140,8 +144,8 @@ REHEARSAL = Sizes(
     train_seq_len=512,
     train_steps=1,
     dist_seq_len=96,
-    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 90},
-    deadline=240,
+    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 150},
+    deadline=270,
 )
 
 
@@ -750,10 +754,11 @@ def part_train(env: Env, report: Report) -> None:
 
 
 def megaseq_plugins():
-    """The installed plugins, with megaseq's own registered from this checkout where they are not installed."""
-    from megaseq.plugins import get_plugins
+    """The installed plugins, with megaseq's own registered from this checkout where they are not installed:
+    ``megaseq.testing``'s manager (one per process), which ``megaseq.testing.layouts`` trains with."""
+    from megaseq.testing import installed_plugins
 
-    plugins = get_plugins()
+    plugins = installed_plugins()
     active = {info.dist for info in plugins if info.status == "active"}
     for module, (dist, _, plugin_module) in SOURCES.items():
         if plugin_module and dist not in active:  # not installed: registered from this checkout
@@ -810,99 +815,142 @@ def train_steps(env: Env) -> tuple[str, str, dict]:
 
 # ==== 6. distributed ===========================================================================================
 
-# max relative error (as ``relative_error``) of the loss, gradient norm and weights against one process: fp32
-# on the CPU sums in the same order up to the collectives' (1e-5); NCCL's reduction order and CUDA kernels
-# that split their sums differently at another shape (a rank's half of the heads) move the last bits further.
+# max relative difference (``megaseq.testing.layouts.run_differences``: max |x - one process| / max(1, max |one
+# process|)) of every logged metric (loss and gradient norm included) and every weight after the steps, with
+# TF32 off (``fp32_products``). CPU: fp32 sums in the same order up to the collectives' (1e-5, as in the gloo
+# tests). CUDA: NCCL's reduction order, and cuBLAS and the Triton kernels choosing other splits of their sums at
+# a rank's shape (half the heads, half the sequence), move the last bits of every product, and AdamW's first
+# steps (lr x g / (|g| + eps)) carry those bits into weights whose gradient is near zero: 1e-4.
 DIST_TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
 DIST_STEPS = 2
+# The hybrid recipe (KDA, DSA, chunked MoE with its balance loss) as the layout-equivalence tests run it
+# (tests/conftest.py's ``layouts_recipe``; tests/test_device_check.py holds the two equal).
+DIST_RECIPE = {
+    "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX"},
+    "model": {"d_model": 32, "n_layers": 4, "layer_pattern": ["kda", "kda", "kda", "dsa"], "moe": "chunked",
+              "dense_layers": 1},
+    "attention": {"kda": {"n_heads": 2, "head_dim": 16},
+                  "dsa": {"n_heads": 2, "head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 16, "index_heads": 2,
+                          "index_dim": 8, "topk": 16, "index_pool": 4}},
+    "moe": {"chunked": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "chunk_tokens": 40, "aux_loss_coef": 0.01}},
+    "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64, "lr": 1e-3},
+}
+# check name -> layout; each runs on one process per rank (one GPU each under NCCL)
+DIST_LAYOUTS = {"hybrid tp=2": {"tp": 2}, "hybrid cp=2": {"cp": 2}, "hybrid dp=2 x ep=2": {"dp": 2, "ep": 2},
+                "hybrid tp=2 x cp=2": {"tp": 2, "cp": 2}}
 
 
-def dist_recipes(seq_len: int, device: str) -> dict[str, tuple[dict, dict[str, int]]]:
-    """``check name -> (recipe, layout)``: a dense recipe (core's components) and a tiny hybrid (KDA, DSA, MoE)."""
-    data = {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": seq_len}
-    train = {"steps": DIST_STEPS, "batch_size": 2, "warmup_steps": 1, "log_every": 1, "loss_chunk": 64}
-    run = {"name": "dist", "device": device}
-    dense = {"run": run, "data": data, "train": train,
-             "model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["sdpa"], "tie_embeddings": False},
-             "attention": {"sdpa": {"n_heads": 4}}, "ffn": {"swiglu": {"hidden": 64}}}
-    hybrid = {"run": run, "data": data, "train": train,
-              "model": {"d_model": 32, "n_layers": 4, "layer_pattern": ["kda", "kda", "kda", "dsa"], "moe": "chunked",
-                        "dense_layers": 1},
-              "attention": {"kda": {"n_heads": 2, "head_dim": 16},
-                            "dsa": {"n_heads": 2, "head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 16, "index_heads": 2,
-                                    "index_dim": 8, "topk": 16, "index_pool": 4}},
-              "moe": {"chunked": {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "chunk_tokens": 40}}}
-    return {"dense tp=2": (dense, {"tp": 2}), "hybrid cp=2": (hybrid, {"cp": 2}),
-            "hybrid dp=2 x ep=2": (hybrid, {"dp": 2, "ep": 2})}
+def fp32_products() -> None:
+    """fp32 products in fp32 on CUDA: cuBLAS may and cuDNN's convolutions do by default multiply in TF32."""
+    import torch
+
+    if hasattr(torch.backends, "fp32_precision"):
+        torch.backends.fp32_precision = "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
 
-def _train_run(raw: dict, layout: dict[str, int], out_dir: str, parallel=None) -> dict:
-    """``DIST_STEPS`` steps of ``raw`` under ``layout``: per-step loss, gradient norm and tokens, and the
-    whole model's weights (blocks gathered) on the CPU."""
-    from megaseq.config import validate_recipe
-    from megaseq.train.trainer import Trainer
+def _dist_worker(rank: int, world: int, raw: dict, layouts: list[dict[str, int]], out_dir: str) -> list[dict]:
+    """One rank (in ``run_gloo``): the layout-equivalence tests' ``train_under_layouts`` with TF32 off."""
+    from megaseq.distributed.layout import Layout
+    from megaseq.testing.layouts import train_under_layouts
 
-    recipe = validate_recipe({**raw, "parallel": layout, "run": {**raw["run"], "out_dir": out_dir}}, megaseq_plugins())
-    trainer = Trainer(recipe, megaseq_plugins(), parallel=parallel, progress=False, tensorboard=False)
-    steps = [trainer.train_step() for _ in range(DIST_STEPS)]
-    p = trainer.parallel
-    whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), trainer.expert_dims), trainer.tp_dims,
-                                     trainer.tp_lengths)
-    return {"steps": [(m["loss"], m["grad_norm"]) for m in steps], "tokens": trainer.tokens,
-            "weights": {n: t.detach().cpu() for n, t in whole.items()}}
+    fp32_products()
+    megaseq_plugins()
+    return train_under_layouts(rank, world, raw, [Layout(**layout) for layout in layouts], out_dir, DIST_STEPS)
 
 
-def _dist_worker(rank: int, world: int, raw: dict, layout: dict[str, int], out_dir: str) -> dict:
-    from megaseq.distributed.groups import destroy_process_groups, init_process_groups
+def dist_world(layout: dict[str, int]) -> int:
     from megaseq.distributed.layout import Layout
 
-    parallel = init_process_groups(Layout(**layout))
-    try:
-        return _train_run(raw, layout, f"{out_dir}/rank{rank}", parallel)
-    finally:
-        destroy_process_groups()
+    return Layout(**layout).world_size
+
+
+@dataclass
+class DistRuns:
+    """The runs the distributed rows compare, each made once: the one-process run, and per world size one
+    launch (NCCL on CUDA, gloo in the rehearsal) that trains every layout of that size in turn (a launch costs
+    seconds per rank: every rank imports megatron-core and builds its groups)."""
+
+    env: Env
+    single: dict = field(default_factory=dict)
+    launches: dict[int, list[dict] | Exception] = field(default_factory=dict)  # world size -> rank 0's results
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.env.cuda else "gloo"
+
+    def recipe(self) -> dict:
+        return {**DIST_RECIPE, "run": {"name": "dist", "device": self.env.device.type},
+                "data": {**DIST_RECIPE["data"], "seq_len": self.env.sizes.dist_seq_len}}
+
+    def one_process(self) -> dict:
+        from megaseq.testing.layouts import single_trainer, train_single
+
+        if not self.single:
+            fp32_products()
+            megaseq_plugins()
+            with tempfile.TemporaryDirectory() as out:
+                self.single |= train_single(single_trainer(self.recipe(), Path(out)), DIST_STEPS)
+        return self.single
+
+    def under(self, layout: dict[str, int]) -> dict:
+        """Rank 0's run under ``layout`` (whole weights); a launch that failed fails every row of its size."""
+        from megaseq.testing.distributed import run_gloo
+
+        world = dist_world(layout)
+        layouts = [other for other in DIST_LAYOUTS.values() if dist_world(other) == world]
+        if world not in self.launches:
+            try:
+                with tempfile.TemporaryDirectory() as out:
+                    self.launches[world] = run_gloo(world, _dist_worker, self.recipe(), layouts, out,
+                                                    timeout=240, backend=self.backend)[0]
+            except Exception as exc:
+                self.launches[world] = exc
+        launched = self.launches[world]
+        if isinstance(launched, Exception):
+            raise launched
+        return launched[layouts.index(layout)]
 
 
 def part_distributed(env: Env, report: Report) -> None:
     import torch
 
     gpus = torch.cuda.device_count() if env.cuda else 0
-    for name, (raw, layout) in dist_recipes(env.sizes.dist_seq_len, env.device.type).items():
-        report.check(name, "fp32", lambda raw=raw, layout=layout: dist_equivalence(env, gpus, raw, layout),
-                     note=f"two ranks against one process, {DIST_STEPS} optimizer steps")
+    runs = DistRuns(env)
+    for name, layout in DIST_LAYOUTS.items():
+        report.check(name, "fp32", lambda layout=layout: dist_equivalence(runs, gpus, layout),
+                     note=f"{dist_world(layout)} ranks against one process, {DIST_STEPS} optimizer steps")
 
 
-def dist_equivalence(env: Env, gpus: int, raw: dict, layout: dict[str, int]) -> tuple[str, str, dict]:
-    import torch
-
-    from megaseq.testing.distributed import run_gloo
-
-    if env.cuda and gpus < 2:
-        raise Skip(f"needs two GPUs for NCCL, {gpus} visible")
-    if not env.cuda and (not env.rehearse or "tp" not in layout):
-        raise Skip("no CUDA: on gloo in tests/test_distributed.py" if env.rehearse else "no CUDA")
+def dist_equivalence(runs: DistRuns, gpus: int, layout: dict[str, int]) -> tuple[str, str, dict]:
+    """``DIST_STEPS`` steps of the hybrid recipe under ``layout`` against the same steps in one process."""
+    env, world = runs.env, dist_world(layout)
+    if env.cuda and gpus < world:
+        raise Skip(f"needs {world} GPUs for NCCL, {gpus} visible")
+    if not env.cuda and not env.rehearse:
+        raise Skip("no CUDA")
     if not all(env.has(m) for m in SOURCES):
         raise Skip("megaseq's packages are not importable")
-    world = 1
-    for value in layout.values():
-        world *= value
-    world //= layout.get("ep", 1)  # expert parallelism shares the data-parallel ranks
-    with tempfile.TemporaryDirectory() as out:
-        single = _train_run(raw, {}, f"{out}/single")
-        backend = "nccl" if env.cuda else "gloo"
-        ranks = run_gloo(world, _dist_worker, raw, layout, out, timeout=240, backend=backend)
-    got = ranks[0]
-    errors = {"tokens": float(got["tokens"] != single["tokens"])}
-    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got["steps"], single["steps"], strict=True), 1):
-        errors[f"step {step} loss"] = relative_error(torch.tensor(loss), torch.tensor(want_loss))
-        errors[f"step {step} grad_norm"] = relative_error(torch.tensor(norm), torch.tensor(want_norm))
-    for n, w in single["weights"].items():
-        errors[n] = relative_error(got["weights"][n], w)
-    tol = DIST_TOLERANCE[env.device.type]
-    worst = max(errors, key=errors.get)
-    status = "pass" if all(e <= tol for e in errors.values()) else "FAIL"
-    return status, f"{backend}: max error {errors[worst]:.2e} ({worst}), tol {tol:g}", {
-        "errors": errors, "tolerance": tol, "backend": backend, "layout": layout}
+    if not env.has("megatron"):
+        raise Skip("megatron-core is missing: pip install 'megaseq-core[distributed]'")
+    return judge(runs.under(layout), runs.one_process(), DIST_TOLERANCE[env.device.type], runs.backend)
+
+
+def judge(got: dict, single: dict, tol: float, backend: str) -> tuple[str, str, dict]:
+    """A row from rank 0's run (whole weights) against the one-process run: pass when every metric of every
+    step (loss and gradient norm included), the tokens and every weight are within ``tol``."""
+    from megaseq.contracts import LOAD_STAT_KEYS
+    from megaseq.testing.layouts import run_differences
+
+    # metrics that describe the layout, not the training: each MoE layer's load over the last micro-batch a rank
+    # routed, and the busiest expert-parallel rank over the mean (1 by definition with one rank)
+    layout_metrics = frozenset({"moe/rank_max_over_mean", *(f"moe/load/{key}" for key in LOAD_STAT_KEYS)})
+    differences = run_differences(got, single, layout_metrics)
+    worst = max(differences, key=differences.get)
+    status = "pass" if all(d <= tol for d in differences.values()) else "FAIL"
+    return status, f"{backend}: max rel diff {differences[worst]:.2e} ({worst}), tol {tol:g}", {
+        "differences": differences, "tolerance": tol, "backend": backend}
 
 
 # ==== main =====================================================================================================

@@ -3,12 +3,14 @@
 :func:`train_under_layouts` runs inside ``run_gloo`` workers (it must be importable, hence here): for each
 layout in turn it creates the process groups with megatron-core, trains ``steps`` optimizer steps, and
 returns per step the logged metrics and the tokens, and at the end the whole model's weights (expert and
-tensor-parallel blocks gathered) and this rank's parameter bytes; :func:`resume_under_layout` continues a saved run under a layout. :func:`train_single` is the same in this process with no group. :func:`assert_same_run`
-compares two such results: loss, tokens, gradient norm, every logged metric and the updated weights.
+tensor-parallel blocks gathered) and this rank's parameter bytes; :func:`resume_under_layout` continues a saved run under a layout. :func:`train_single` is the same in this process with no group. :func:`run_differences`
+measures how far two such results are apart (loss, tokens, gradient norm, every logged metric and the updated
+weights) and :func:`assert_same_run` holds them to a tolerance.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 from megaseq.config import validate_recipe
 from megaseq.distributed.groups import destroy_process_groups, init_process_groups
 from megaseq.distributed.layout import Layout
-from megaseq.testing import assert_close, installed_plugins
+from megaseq.testing import installed_plugins
 from megaseq.train.trainer import Trainer
 
 # metrics that measure the machine, not the training
@@ -81,22 +83,53 @@ def resume_under_layout(rank: int, world: int, raw: dict[str, Any], layout: Layo
         destroy_process_groups()
 
 
+def run_differences(
+    actual: dict[str, Any], expected: dict[str, Any], layout_metrics: frozenset[str] = frozenset()
+) -> dict[str, float]:
+    """How far ``actual`` is from ``expected``, per compared quantity: ``step N <metric>`` for every logged
+    metric (loss and gradient norm included) and ``weight <name>`` for every updated weight, each
+    ``max |actual - expected| / max(1, max |expected|)`` (:func:`megaseq.testing.assert_close`'s measure;
+    ``inf`` where ``actual`` is not finite), and ``tokens``: 0 when the token counts are equal, else ``inf``
+    (a count is exact). ``layout_metrics``: metrics that describe the layout itself (e.g.
+    the load per expert-parallel rank), present in both runs but not compared. Runs that log other metrics,
+    other steps or other weights raise ``AssertionError`` (nothing to compare them by)."""
+
+    def difference(got: Any, want: Any, what: str) -> float:
+        a, b = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
+        assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        if not bool(torch.isfinite(a).all()):
+            return math.inf
+        if not a.numel():
+            return 0.0
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+
+    differences = {"tokens": 0.0 if actual["tokens"] == expected["tokens"] else math.inf}
+    assert len(actual["metrics"]) == len(expected["metrics"]), \
+        f"{len(actual['metrics'])} steps logged, expected {len(expected['metrics'])}"
+    for step, (got, want) in enumerate(zip(actual["metrics"], expected["metrics"], strict=True), start=1):
+        names = set(want) - UNCOMPARED
+        assert set(got) - UNCOMPARED == names, f"step {step}: metrics {sorted(set(got) ^ set(want))} differ"
+        for name in sorted(names - layout_metrics):
+            differences[f"step {step} {name}"] = difference(got[name], want[name], f"step {step} {name}")
+    assert actual["weights"].keys() == expected["weights"].keys(), \
+        f"parameter names differ: {sorted(actual['weights'].keys() ^ expected['weights'].keys())}"
+    for name, value in expected["weights"].items():
+        differences[f"weight {name}"] = difference(actual["weights"][name], value, f"weight {name}")
+    return differences
+
+
 def assert_same_run(
     actual: dict[str, Any], expected: dict[str, Any], rtol: float, what: str, layout_metrics: frozenset[str] = frozenset()
 ) -> None:
-    """``layout_metrics``: metrics that describe the layout itself (e.g. the load per expert-parallel rank),
-    present in both runs but not compared."""
+    """Every quantity of :func:`run_differences` within ``rtol``; the message names the worst ones."""
     assert actual["tokens"] == expected["tokens"], f"{what}: {actual['tokens']} tokens, expected {expected['tokens']}"
-    for step, (got, want) in enumerate(zip(actual["metrics"], expected["metrics"], strict=True), start=1):
-        names = set(want) - UNCOMPARED
-        assert set(got) - UNCOMPARED == names, f"{what} step {step}: metrics {sorted(set(got) ^ set(want))} differ"
-        names -= layout_metrics
-        for name in sorted(names):
-            a, b = torch.tensor(got[name], dtype=torch.float64), torch.tensor(want[name], dtype=torch.float64)
-            assert_close(a, b, rtol, f"{what} step {step} metric {name}")
-    assert actual["weights"].keys() == expected["weights"].keys(), f"{what}: parameter names differ"
-    for name, value in expected["weights"].items():
-        assert_close(actual["weights"][name], value, rtol, f"{what}: updated {name}")
+    try:
+        differences = run_differences(actual, expected, layout_metrics)
+    except AssertionError as exc:
+        raise AssertionError(f"{what}: {exc}") from None
+    bad = sorted(((d, name) for name, d in differences.items() if not d <= rtol), reverse=True)
+    assert not bad, f"{what}: " + ", ".join(f"{name} {d:.3e}" for d, name in bad[:5]) + \
+        f" > {rtol:.1e} relative" + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
 
 
-__all__ = ["UNCOMPARED", "assert_same_run", "resume_under_layout", "single_trainer", "train_single", "train_under_layouts"]
+__all__ = ["UNCOMPARED", "assert_same_run", "resume_under_layout", "run_differences", "single_trainer", "train_single", "train_under_layouts"]
