@@ -144,8 +144,8 @@ REHEARSAL = Sizes(
     train_seq_len=512,
     train_steps=1,
     dist_seq_len=96,
-    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 150},
-    deadline=270,
+    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 180},
+    deadline=330,
 )
 
 

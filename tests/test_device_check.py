@@ -35,7 +35,7 @@ def test_rehearsal_runs_every_part(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, str(SCRIPT), "--rehearse", "--out", str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=330)
+                          capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads(out.read_text())
     rows = report["rows"]
