@@ -144,7 +144,7 @@ REHEARSAL = Sizes(
     train_seq_len=512,
     train_steps=1,
     dist_seq_len=96,
-    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 180},
+    budgets={"setup": 40, "correctness": 60, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 120},
     deadline=330,
 )
 

@@ -30,8 +30,9 @@ def _free_port() -> int:
 
 
 # Imported once by the fork server, so that every rank starts with them loaded. torch._dynamo is what the
-# first activation checkpoint imports (seconds, otherwise paid again by every rank).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megaseq.testing.attention"]
+# first activation checkpoint imports, megatron-core's parallel_state (megaseq.testing.rank_preload) what the
+# first process group imports: seconds each, otherwise paid again by every rank.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megaseq.testing.attention", "megaseq.testing.rank_preload"]
 
 
 def _worker(
