@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/diagnose_probes.py repeats --windows 24  # what copying could gain past 4k there
     .venv/bin/python benchmarks/diagnose_probes.py indexer --run OUT/long --windows 4  # does DSA select and weigh the copy?
     .venv/bin/python benchmarks/diagnose_probes.py copy --run OUT/pretrain --windows 8  # planted repeats by distance
+    .venv/bin/python benchmarks/diagnose_probes.py copy-train --set data.seq_len=4096 --steps 300 --plant 1.0 --segment 2048
 
 ``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
 windows through it, printing for the embedding, every attention and feed-forward output and the residual
@@ -34,7 +35,10 @@ drops it, the main attention's when neither weighs it. ``copy`` plants repeats i
 bases, a segment is copied d bases further on; a model that copies predicts the copy's bases (from offset
 ``--skip``, once the preceding k-mer matches) better than the same bases at the original. It prints the bits
 on the copy against the original for the model, for the model with each attention kind's output zeroed (which
-layers copy), and for the order-11 Markov baseline (a control: it cannot copy).
+layers copy), and for the order-11 Markov baseline (a control: it cannot copy). ``copy-train`` asks whether the
+recipe's model learns to copy when the training data asks for it: it trains the recipe with a repeat planted
+in a share (``--plant``) of the training windows (a random segment of 32 to ``--segment`` bases copied at least
+its length further on) and prints the ``copy`` table after chosen steps.
 """
 
 from __future__ import annotations
@@ -311,29 +315,25 @@ def probe_indexer(args: argparse.Namespace) -> None:
                   f"{s['dense_mean'][b] / d:7.4f} {s['dense_max'][b] / d:8.4f}")
 
 
-def probe_copy(args: argparse.Namespace) -> None:
+def _copy_table(recipe: Any, model: Any, windows: list[Any], args: argparse.Namespace, ablate: bool = True, markov: Any = None) -> None:
+    """Print the planted-repeat table (module docstring, ``copy``) of ``model`` on held-out ``windows``."""
     from megaseq.contracts import ForwardContext
     from megaseq.model import chunked_token_losses
-    from megaseq_genome.markov import fitted_markov
 
-    recipe, model = _stage_model(args.run)
-    markov = fitted_markov("grch37-chr20", 11)
-    heldout, tokens = _heldout(args)
-    windows = [inputs[0] for inputs, _ in heldout.windows(tokens)]
     pattern = [recipe.model.attention_of(i) for i in range(len(model.blocks))]  # each block's attention
     silenced: set[int] = set()  # blocks whose attention output is replaced by zeros
-
-    for i, block in enumerate(model.blocks):
+    hooks = [
         block.attention.register_forward_hook(lambda mod, a, out, i=i: torch.zeros_like(out) if i in silenced else out)
-    kinds = sorted(set(pattern))
+        for i, block in enumerate(model.blocks)
+    ]
+    kinds = sorted(set(pattern)) if ablate else []
     rows = [("model", set())] + [(f"without {kind}", {i for i, k in enumerate(pattern) if k == kind}) for kind in kinds if len(kinds) > 1]
     before, start = 512, args.skip
-    print(f"\nplanted repeats: {len(windows)} held-out windows; {before} bases, then a segment of S = min({args.segment}, d) "
-          f"bases, copied d bases later; bits/base on the copy's bases from offset {start} on, against the same bases "
-          "at the original (a perfect copier: 0 on the copy); gain = 1 - copy / original")
+    print(f"planted repeats: {len(windows)} held-out windows; {before} bases, then a segment of S = min({args.segment}, d) "
+          f"bases, copied d bases later; bits/base on the copy's bases from offset {start} on / the same bases at the "
+          "original (a perfect copier: 0 on the copy); gain = 1 - copy / original")
     print(f"{'scorer':>12} " + " ".join(f"{f'd={d}':>17}" for d in args.distances))
-    results: dict[str, list[str]] = {}
-    for label, off in [*rows, ("markov-11", None)]:
+    for label, off in [*rows, *([("markov-11", None)] if markov is not None else [])]:
         silenced.clear()
         silenced.update(off or ())
         cells = []
@@ -355,18 +355,74 @@ def probe_copy(args: argparse.Namespace) -> None:
                 copy += float(loss[before + d + start - 1 : before + d + seg - 1].sum())
             count = len(windows) * (seg - start) * np.log(2)
             cells.append(f"{copy / count:5.3f}/{orig / count:5.3f} {1 - copy / orig:+5.0%}")
-        results[label] = cells
         print(f"{label:>12} " + " ".join(f"{c:>17}" for c in cells), flush=True)
+    for hook in hooks:
+        hook.remove()
+
+
+def probe_copy(args: argparse.Namespace) -> None:
+    from megaseq_genome.markov import fitted_markov
+
+    recipe, model = _stage_model(args.run)
+    heldout, tokens = _heldout(args)
+    print()
+    _copy_table(recipe, model, [inputs[0] for inputs, _ in heldout.windows(tokens)], args, markov=fitted_markov("grch37-chr20", 11))
+
+
+def probe_copy_train(args: argparse.Namespace) -> None:
+    from megaseq.config import load_recipe
+    from megaseq.data.windows import Batch
+    from megaseq.plugins import get_plugins
+    from megaseq.train.trainer import Trainer
+
+    plugins = get_plugins()
+    sets = [f"train.steps={args.steps}", "run.out_dir='runs/diagnose/copy-train'", *args.set]
+    trainer = Trainer(load_recipe(args.recipe, plugins, sets), plugins, progress=False, tensorboard=False)
+    windows, rng = trainer.train_windows, np.random.default_rng(0)
+
+    class Planted:  # the training windows, a random segment of each copied further on with probability --plant
+        def __len__(self) -> int:
+            return len(windows)
+
+        def batch(self, indices: Any) -> Batch:
+            out = windows.batch(indices)
+            length = out.inputs.shape[1] + 1
+            for row in range(len(out.inputs)):
+                if rng.random() >= args.plant:
+                    continue
+                seg = int(rng.integers(32, args.segment + 1))
+                d = int(rng.integers(seg, length - seg))
+                a = int(rng.integers(0, length - d - seg + 1))
+                ids = torch.cat([out.inputs[row], out.targets[row, -1:]])
+                ids[a + d : a + d + seg] = ids[a : a + seg].clone()
+                weights = torch.cat([out.weights[row, :1], out.weights[row]])
+                weights[a + d : a + d + seg] = weights[a : a + seg].clone()
+                out.inputs[row], out.targets[row], out.weights[row] = ids[:-1], ids[1:], weights[1:]
+            return out
+
+    trainer.train_windows = Planted()
+    heldout, tokens = _heldout(args)
+    held = [inputs[0] for inputs, _ in heldout.windows(tokens)]
+    print(f"training {args.recipe} ({' '.join(sets)}) with a planted repeat in {args.plant:.0%} of the windows")
+    for step in range(1, args.steps + 1):
+        metrics = trainer.train_step()
+        if step in args.report_at or step == args.steps:
+            trainer.model.eval()
+            print(f"\nstep {step}: loss {metrics['loss']:.4f}")
+            _copy_table(trainer.recipe, trainer.model, held, args, ablate=step == args.steps)
+            trainer.model.train()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("probe", choices=["gate", "residual", "markov-data", "heldout", "repeats", "indexer", "copy"])
+    p.add_argument("probe", choices=["gate", "residual", "markov-data", "heldout", "repeats", "indexer", "copy", "copy-train"])
     p.add_argument("--run", help="a trained run directory, e.g. an experiment's OUT/pretrain (indexer, copy)")
     p.add_argument("--dense-sample", type=int, default=200, help="targets per bucket scored under full attention too (indexer)")
     p.add_argument("--distances", type=int, nargs="+", default=[32, 128, 512, 2048, 8192, 32768], help="copy distances (copy)")
     p.add_argument("--segment", type=int, default=256, help="longest planted segment (copy)")
     p.add_argument("--skip", type=int, default=20, help="segment offset from which copied bases are scored (copy)")
+    p.add_argument("--plant", type=float, default=0.5, help="share of training windows given a planted repeat (copy-train)")
+    p.add_argument("--report-at", type=int, nargs="+", default=[], help="steps after which to print the copy table (copy-train)")
     p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--set", action="append", default=[], help="recipe override (residual)")
@@ -375,7 +431,8 @@ def main() -> None:
     p.add_argument("--kmer", type=int, default=20, help="repeat length (repeats)")
     args = p.parse_args()
     probes = {"gate": probe_gate, "residual": probe_residual, "markov-data": probe_markov_data, "heldout": probe_heldout,
-              "repeats": probe_repeats, "indexer": probe_indexer, "copy": probe_copy}
+              "repeats": probe_repeats, "indexer": probe_indexer, "copy": probe_copy,
+              "copy-train": probe_copy_train}
     probes[args.probe](args)
 
 
