@@ -58,13 +58,17 @@ def layouts_recipe() -> dict[str, Any]:
             "train": {**HYBRID["train"], "lr": 1e-3}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(tmp_path_factory, layouts_recipe):
-    """One process on ``layouts_recipe``: its first two steps, then its third (what every layout must equal)."""
+    """One process on ``layouts_recipe``: its first two steps, then its third (what every layout must equal).
+    Trained once for every module that compares with it (the tests only read it), with a cache of its own: a
+    session's fixture is set up before a module's ``module_cache``."""
     from megaseq.testing.layouts import single_trainer, train_single
 
-    trainer = single_trainer(layouts_recipe, tmp_path_factory.mktemp("single"))
-    return train_single(trainer, 2), train_single(trainer, 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEGASEQ_CACHE", str(tmp_path_factory.mktemp("cache")))
+        trainer = single_trainer(layouts_recipe, tmp_path_factory.mktemp("single"))
+        return train_single(trainer, 2), train_single(trainer, 1)
 
 
 @pytest.fixture(scope="session")
