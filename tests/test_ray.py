@@ -30,7 +30,7 @@ from megaseq.testing import assert_close
 from megaseq.testing.layouts import single_trainer, train_single
 from megaseq.train.checkpoint import read_meta
 
-STEPS = 8
+STEPS = 4  # killed once the step-2 checkpoint is complete: two steps before, two after
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -88,38 +88,19 @@ def test_killed_worker_restarts_and_resumes_to_the_uninterrupted_weights(tmp_pat
     assert Path(out / "eval" / f"step_{STEPS:07d}" / "heldout.json").exists()
 
 
-@pytest.mark.slow
-def test_workers_started_from_another_directory_write_the_default_run_directory(tmp_path):
-    """The README's `--workers 2` command, run where the run directory (runs/{name}) and the cache are
-    relative to the working directory: Ray's workers run in a directory of their own, so the launcher hands
-    them absolute paths."""
+def _tiny_ray_run(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+    """The README's `--workers 2` command on the tiny recipe, long enough to be stopped, started in a directory of
+    its own where the run directory (runs/{name}, the default) and the cache are relative paths."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASEQ_CACHE": "cache"}
     cmd = [sys.executable, "-m", "megaseq.cli", "train", str(REPO / "recipes" / "tiny.toml"), "--workers", "2",
-           "--no-progress", "--set", "train.steps=2", "--set", "eval.windows=2", "--set", "data.seq_len=64"]
-    proc = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = elsewhere / "runs" / "tiny"
-    assert (run / "eval" / "step_0000002" / "heldout.json").exists() and (run / "checkpoints" / "step_0000002").is_dir()
-    assert (elsewhere / "cache" / "tokens").is_dir(), "the workers did not use the relative MEGASEQ_CACHE"
-    # Ray's own chatter is filtered (its documented settings), and rank 0's run header shows once
-    for noise in ("Failed to query Ray Train Controller actor state", "Requesting resources",
-                  "Started training worker group", "Setting up process group"):
-        assert noise not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.count("megaseq run 'tiny'") == 1, proc.stderr[-3000:]
-
-
-def _tiny_ray_run(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megaseq.cli", "train", str(REPO / "recipes" / "tiny.toml"), "--workers", "2",
-           "--no-progress", "--set", f"run.out_dir={out}", "--set", "train.steps=400", "--set", "train.checkpoint_every=2",
+           "--no-progress", "--set", "train.steps=400", "--set", "train.checkpoint_every=2",
            "--set", "eval.windows=2", "--set", "data.seq_len=64", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASEQ_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASEQ_CACHE": "cache"}
     log = tmp_path / "log"
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    return proc, out, log
+        proc = subprocess.Popen(cmd, cwd=elsewhere, stdout=f, stderr=subprocess.STDOUT, env=env)
+    return proc, elsewhere / "runs" / "tiny", log
 
 
 def _wait_for_workers(proc: subprocess.Popen, out: Path, log: Path) -> list[psutil.Process]:
@@ -135,6 +116,8 @@ def _wait_for_workers(proc: subprocess.Popen, out: Path, log: Path) -> list[psut
 
 @pytest.mark.slow
 def test_sigterm_saves_stops_the_workers_and_the_cluster_and_leaves_no_process(tmp_path):
+    """Also the relative paths: Ray's workers run in a directory of their own, so the launcher hands them absolute
+    ones, and the checkpoints land in the default run directory under the command's working directory."""
     proc, out, log = _tiny_ray_run(tmp_path)
     try:
         tree = _wait_for_workers(proc, out, log)
@@ -148,6 +131,12 @@ def test_sigterm_saves_stops_the_workers_and_the_cluster_and_leaves_no_process(t
     stopped = int(line.split("stopped after step ")[1].split(";")[0])
     assert stopped < 400 and f"step_{stopped:07d}" in line and "--resume" in line, line
     assert (out / "checkpoints" / f"step_{stopped:07d}" / "meta.json").exists()
+    assert (out.parents[1] / "cache" / "tokens").is_dir(), "the workers did not use the relative MEGASEQ_CACHE"
+    # Ray's own chatter is filtered (its documented settings), and rank 0's run header shows once
+    for noise in ("Failed to query Ray Train Controller actor state", "Requesting resources",
+                  "Started training worker group", "Setting up process group"):
+        assert noise not in text, text[-3000:]
+    assert text.count("megaseq run 'tiny'") == 1, text[-3000:]
     _, alive = psutil.wait_procs(tree, timeout=60)
     assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
     # megaseq prints no traceback. Ray's placement-group cleaner (a thread in one of its actors) dies with one when
