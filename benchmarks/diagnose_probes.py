@@ -1,4 +1,4 @@
-"""Measurements behind the diagnosis of the default recipe (docs/context-extension.md, "Diagnosis").
+"""Measurements behind the default recipe's settings and the context-extension diagnosis (docs/results.md).
 
     .venv/bin/python benchmarks/diagnose_probes.py gate                  # KDA forget gate at initialisation
     .venv/bin/python benchmarks/diagnose_probes.py residual --steps 8     # what each block writes, step by step
