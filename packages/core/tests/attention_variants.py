@@ -188,6 +188,15 @@ class ChangesKeptValue(KeepsOrder):
         return out * scale
 
 
+class ChangesKeptValueWhenPacked(ChangesKeptValue):
+    """Changes its kept choice in place only on packed documents: right on plain rows, wrong on packed ones."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+        if self.ctx.cu_seqlens is None:
+            return KeepsOrder.attend(self, q, k, v, allowed)
+        return super().attend(q, k, v, allowed)
+
+
 def keeps_order_memory(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
     """``KeepsOrder``'s estimate: one int64 per token kept (``kept_per_token``), beside ``ToyAttention``'s saved bytes."""
     return MemoryEstimate(parameters=0, saved_per_token=0.0, kept_per_token=8.0)

@@ -111,11 +111,13 @@ def test_suite_holds_the_memory_estimate(factory_name: str, memory: str, message
         ("KeepsOrder", "keeps_order_memory", None),
         ("KeepsOrder", "keeps_order_undeclared", r"at 64 tokens the estimate says it keeps 0 bytes for a re-run, it keeps 512"),
         ("ChangesKeptValue", "keeps_order_memory", r"a re-run with the kept values, output: differs"),
+        ("ChangesKeptValueWhenPacked", "keeps_order_memory", r"\(packed documents\): a re-run with the kept values, output: differs"),
     ],
 )
 def test_suite_holds_what_is_kept_for_a_rerun(variant: str, memory: str, message: str | None) -> None:
     """A component that keeps a choice for recomputation's re-run passes with its bytes declared; it is caught
-    when its estimate omits them, or when it changes the kept value after using it."""
+    when its estimate omits them, or when it changes the kept value after using it (also when only packed
+    documents do)."""
 
     class Suite(AttentionConformance):
         name = variant

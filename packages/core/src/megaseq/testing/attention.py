@@ -22,7 +22,8 @@ would catch:
   ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
   parameters not) at each of ``memory_lengths`` (a 3x underestimate; a ``[T, T]`` matrix kept for backward).
 - ``test_kept_for_rerun``: what the component keeps with ``ForwardContext.keep`` (as a recompute unit's forward
-  does), replayed to a second forward as a recompute unit's re-run gets it, gives bitwise the outputs and
+  does), replayed to a second forward as a recompute unit's re-run gets it, on plain rows and on packed
+  documents (``doc_lengths``), gives bitwise the outputs and
   gradients of a plain forward, every kept value taken back (a kept tensor changed in place after the forward
   used it); its bytes are the estimate's ``kept_per_token`` at each of ``memory_lengths``, within
   ``memory_tolerance`` (a kept value the estimate does not declare).
@@ -314,15 +315,20 @@ class AttentionConformance:
 
     def test_kept_for_rerun(self) -> None:
         module = self.build()
-        x, grad_out = self.inputs(2, self.seq_len), self.inputs(2, self.seq_len, seed=3)
-        plain = forward_backward(module, x, grad_out, ForwardContext())
-        kept = KeptValues()
-        forward_backward(module, x, grad_out, ForwardContext().fork(kept))
-        replay = KeptValues(list(kept.items))
-        rerun = forward_backward(module, x, grad_out, ForwardContext().for_recomputation(replay))
-        assert replay.exhausted, f"{self.name}: a re-run took {replay.used} of the {len(kept.items)} values kept"
-        for key, value in plain.items():
-            assert torch.equal(rerun[key], value), f"{self.name}: a re-run with the kept values, {key}: differs from a forward"
+        cu = self.packed()
+        for batch, length, ctx in ((2, self.seq_len, ForwardContext()), (1, int(cu[-1]), ForwardContext(cu_seqlens=cu))):
+            x, grad_out = self.inputs(batch, length), self.inputs(batch, length, seed=3)
+            plain = forward_backward(module, x, grad_out, ctx)
+            kept = KeptValues()
+            forward_backward(module, x, grad_out, ctx.fork(kept))
+            replay = KeptValues(list(kept.items))
+            rerun = forward_backward(module, x, grad_out, ctx.for_recomputation(replay))
+            case = "packed documents" if ctx.cu_seqlens is not None else "plain rows"
+            assert replay.exhausted, f"{self.name} ({case}): a re-run took {replay.used} of the {len(kept.items)} values kept"
+            for key, value in plain.items():
+                assert torch.equal(rerun[key], value), (
+                    f"{self.name} ({case}): a re-run with the kept values, {key}: differs from a forward"
+                )
         dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
         estimate = memory_estimator("attention", self.name, self.config, dims, self.factory, self.memory)
         if estimate is None:
