@@ -131,17 +131,13 @@ def probe_markov_data(args: argparse.Namespace) -> None:
 
 
 def probe_heldout(args: argparse.Namespace) -> None:
-    from megaseq.data.sources import tokenized
     from megaseq_genome.bootstrap import flat_within_intervals, mean_interval, resample_weights
-    from megaseq_genome.experiment.plan import load_plan
     from megaseq_genome.experiment.report import columns, per_window_bits
-    from megaseq_genome.heldout_set import score_windows, select_heldout
+    from megaseq_genome.heldout_set import score_windows
     from megaseq_genome.markov import fitted_markov
     from megaseq_genome.retrieval import RetrievalLoss, markdown, retrieval_table
 
-    plan = load_plan(args.scale, [f"plan.eval_windows={args.windows}"])
-    tokens = tokenized(plan.heldout)
-    heldout = select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows)
+    plan, heldout, tokens = _heldout(args)
     print(f"{plan.heldout} {list(plan.heldout_region)}: {heldout.candidates} windows of {plan.long_len + 1} without N, "
           f"{len(heldout.starts)} chosen; bits/base [95% interval]")
     weights = resample_weights(len(heldout.starts), plan.bootstrap_samples, seed=0)
@@ -162,13 +158,8 @@ def probe_heldout(args: argparse.Namespace) -> None:
 
 
 def probe_repeats(args: argparse.Namespace) -> None:
-    from megaseq.data.sources import tokenized
-    from megaseq_genome.experiment.plan import load_plan
-    from megaseq_genome.heldout_set import select_heldout
 
-    plan = load_plan(args.scale, [f"plan.eval_windows={args.windows}"])
-    tokens = tokenized(plan.heldout)
-    heldout = select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows)
+    plan, heldout, tokens = _heldout(args)
     k, near = args.kmer, plan.short_len
     counts = {"targets": 0, "near": 0, "near_right": 0, "far": 0, "far_right": 0}
     for inputs, targets in heldout.windows(tokens):
@@ -205,30 +196,30 @@ def probe_repeats(args: argparse.Namespace) -> None:
 def _stage_model(run_dir: str) -> tuple[Any, Any]:
     """The recipe and model of a training run directory (an experiment stage), with its newest verified weights."""
     from megaseq.config import validate_recipe
-    from megaseq.distributed.sharded import read_full_weights
     from megaseq.model import build_model
     from megaseq.plugins import get_plugins
     from megaseq.train import checkpoint
+    from megaseq_genome.experiment.context_extension import load_newest
 
     found = checkpoint.newest_verified(Path(run_dir) / "checkpoints")
     if found.path is None:
         raise SystemExit(f"{run_dir}: no verified checkpoint")
-    meta = checkpoint.read_meta(found.path)
-    recipe = validate_recipe(meta["recipe"], get_plugins(), str(found.path))
+    recipe = validate_recipe(checkpoint.read_meta(found.path)["recipe"], get_plugins(), str(found.path))
     model = build_model(recipe, get_plugins()).eval()
-    checkpoint.load_weights(found.path, model, read_full_weights(found.path, meta))
+    load_newest(Path(run_dir), model)
     print(f"{run_dir}: {found.path.name}, layers {[type(b.attention).__name__ for b in model.blocks]}")
     return recipe, model
 
 
-def _heldout(args: argparse.Namespace) -> tuple[Any, Any]:
+def _heldout(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The experiment plan of ``--scale`` with ``--windows`` held-out windows, its fixed held-out set and tokens."""
     from megaseq.data.sources import tokenized
     from megaseq_genome.experiment.plan import load_plan
     from megaseq_genome.heldout_set import select_heldout
 
     plan = load_plan(args.scale, [f"plan.eval_windows={args.windows}"])
     tokens = tokenized(plan.heldout)
-    return select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows), tokens
+    return plan, select_heldout(tokens, plan.heldout, plan.heldout_region, plan.long_len, plan.eval_windows), tokens
 
 
 def probe_indexer(args: argparse.Namespace) -> None:
@@ -259,7 +250,7 @@ def probe_indexer(args: argparse.Namespace) -> None:
             return getattr(backends, name)
 
     dsa_layer.BACKENDS = Recording()
-    heldout, tokens = _heldout(args)
+    _, heldout, tokens = _heldout(args)
     n = len(BUCKETS)
     names = ("targets", "recall_next", "recall_span", "chance", "weight_mean", "weight_max", "dense_n", "dense_mean", "dense_max")
     stats = {i: {name: np.zeros(n) for name in names} for i in dsa}
@@ -364,7 +355,7 @@ def probe_copy(args: argparse.Namespace) -> None:
     from megaseq_genome.markov import fitted_markov
 
     recipe, model = _stage_model(args.run)
-    heldout, tokens = _heldout(args)
+    _, heldout, tokens = _heldout(args)
     print()
     _copy_table(recipe, model, [inputs[0] for inputs, _ in heldout.windows(tokens)], args, markov=fitted_markov("grch37-chr20", 11))
 
@@ -401,7 +392,7 @@ def probe_copy_train(args: argparse.Namespace) -> None:
             return out
 
     trainer.train_windows = Planted()
-    heldout, tokens = _heldout(args)
+    _, heldout, tokens = _heldout(args)
     held = [inputs[0] for inputs, _ in heldout.windows(tokens)]
     print(f"training {args.recipe} ({' '.join(sets)}) with a planted repeat in {args.plant:.0%} of the windows")
     for step in range(1, args.steps + 1):

@@ -261,13 +261,7 @@ def local_part(weights: Mapping[str, Tensor], placement: Placement) -> dict[str,
         t, shape = weights[name], placement.shapes[name]
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, the whole model's is {tuple(shape)}")
-        for dim, ((start, stop), length) in enumerate(zip(slices, shape, strict=True)):
-            first, end = min(start, length), min(stop, length)
-            t = t.narrow(dim, first, end - first)
-            if end - first < stop - start:  # padding past the whole length
-                padding = t.new_zeros(*t.shape[:dim], stop - start - (end - first), *t.shape[dim + 1 :])
-                t = torch.cat([t, padding], dim)
-        out[name] = t
+        out[name] = _assemble(slices, shape, [([(0, n) for n in shape], t)], name)  # the whole tensor as one piece
     return out
 
 
