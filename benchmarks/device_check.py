@@ -1,6 +1,7 @@
 """One prepared check of megaseq on a GPU: correctness of every GPU path, speed tables, a few training steps.
 
-    python benchmarks/device_check.py --out device_check.json              # CUDA machine: <= 8 min on one H200
+    python benchmarks/device_check.py --out device_check.json              # CUDA machine: <= 15 min on one H200
+    python benchmarks/device_check.py --parts correctness train --out dc.json  # megaseq's own checks, <= 5 min
     python benchmarks/device_check.py --rehearse --out /tmp/rehearsal.json  # CPU rehearsal (CI): tiny shapes
 
 Writes one JSON file (every row with its numbers, tolerances, versions) and prints one table. Every check is
@@ -12,8 +13,7 @@ Parts:
 1. setup: what is importable (and where from), versions, the GPU.
 2. correctness on CUDA in fp32 and bf16, at awkward shapes with packed documents (1-token documents,
    lengths that are not chunk multiples), forward outputs and every gradient against float64 oracles on
-   the CPU: KDA Triton (``chunk_kda_triton``) and fla (``kda`` backend ``fla``) against the token-loop
-   oracle; the DSA Triton top-k (pool 1 and 4, queries at chosen key positions) against the torch reference
+   the CPU: KDA Triton (``chunk_kda_triton``) against the token-loop oracle; the DSA Triton top-k (pool 1 and 4, queries at chosen key positions) against the torch reference
    (equal rows, and any difference only between keys whose float64 scores tie within the tolerance); DSA
    Triton sparse attention against the dense masked softmax; the ``sdpa`` layer (flash-attn where it
    imports, else torch's flash SDPA kernel for bf16) against itself in float64 on the CPU.
@@ -35,6 +35,8 @@ Parts:
    difference (``DIST_TOLERANCE``). The ranks run ``megaseq.testing.layouts.train_under_layouts``, what the
    gloo equivalence tests run, one launch per number of ranks. A layout needing more GPUs than are visible
    is a ``skipped: needs N GPUs`` row. The rehearsal runs every layout the same way on gloo CPU processes.
+7. correctness_fla: fla's KDA (``kda`` backend ``fla``) against the same oracle as part 2. Last and apart:
+   fla autotunes at first use (fp32: over four minutes on an H200).
 
 What it needs: Python >= 3.11, torch (a CUDA build), triton, numpy, pydantic >= 2.6, pluggy, packaging, and
 megaseq's packages (core, attn-kda, attn-dsa, moe-chunked), installed (``pip install -e packages/core
@@ -85,6 +87,8 @@ SOURCES = {  # import name -> (distribution, source folder, plugin module or Non
     "megaseq_kda": ("megaseq-attn-kda", "packages/attn-kda/src", "megaseq_kda.plugin"),
     "megaseq_dsa": ("megaseq-attn-dsa", "packages/attn-dsa/src", "megaseq_dsa.plugin"),
     "megaseq_moe": ("megaseq-moe-chunked", "packages/moe-chunked/src", "megaseq_moe.plugin"),
+    # the training part's recipe (recipes/genome-cpu.toml) evaluates against genome's Markov baseline
+    "megaseq_genome": ("megaseq-genome", "packages/genome/src", "megaseq_genome.plugin"),
 }
 REQUIRED = ["torch", "triton", "numpy", "pydantic", "pluggy", "packaging"]
 OPTIONAL = {"fla": "fla-core", "flash_attn": "flash-attn", "megatron": "megatron-core"}
@@ -130,8 +134,9 @@ FULL = Sizes(
     train_seq_len=65536,
     train_steps=3,
     dist_seq_len=1024,
-    budgets={"setup": 40, "correctness": 140, "kda_speed": 90, "dsa_speed": 90, "train": 110, "distributed": 80},
-    deadline=560,
+    budgets={"setup": 40, "correctness": 140, "kda_speed": 90, "dsa_speed": 90, "train": 110, "distributed": 80,
+             "correctness_fla": 300},
+    deadline=860,
 )
 REHEARSAL = Sizes(
     kda=(70, 1, 16, 16, [0, 1, 40, 70]),
@@ -144,8 +149,9 @@ REHEARSAL = Sizes(
     train_seq_len=512,
     train_steps=1,
     dist_seq_len=96,
-    budgets={"setup": 40, "correctness": 100, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 120},
-    deadline=340,
+    budgets={"setup": 40, "correctness": 100, "kda_speed": 20, "dsa_speed": 20, "train": 40, "distributed": 120,
+             "correctness_fla": 10},
+    deadline=350,
 )
 
 
@@ -335,18 +341,13 @@ def torch_dtype(name: str):
 def part_correctness(env: Env, report: Report) -> None:
     if not env.cuda:
         for dtype in ("fp32", "bf16"):
-            for check in ("kda fla fwd+bwd", "sdpa layer flash kernels fwd+bwd"):
-                report.add("correctness", check, dtype, "skipped", note="no CUDA")
+            report.add("correctness", "sdpa layer flash kernels fwd+bwd", dtype, "skipped", note="no CUDA")
         report.add("correctness", "kda/dsa triton kernels", "bf16", "skipped",
                    note="no CUDA (the Triton interpreter's bf16 tl.dot is wrong)")
     kda_oracles: dict[str, Any] = {}
     for dtype in env.dtypes():
         report.check("kda triton fwd+bwd (chunk_kda_triton)", dtype,
                      lambda dtype=dtype: check_kda(env, "triton", dtype, kda_oracles))
-    if env.cuda:
-        for dtype in env.dtypes():
-            report.check("kda fla fwd+bwd (backend fla)", dtype,
-                         lambda dtype=dtype: check_kda(env, "fla", dtype, kda_oracles))
     for dtype in env.dtypes():
         for pool in (1, 4):
             report.check(f"dsa triton top-k pool {pool}", dtype, lambda d=dtype, p=pool: check_topk(env, d, p))
@@ -358,6 +359,18 @@ def part_correctness(env: Env, report: Report) -> None:
         for packed in (False, True):
             report.check(f"sdpa layer fwd+bwd{', packed' if packed else ''}", dtype,
                          lambda d=dtype, p=packed: check_sdpa(env, d, p))
+
+
+def part_correctness_fla(env: Env, report: Report) -> None:
+    """fla's KDA against the same oracle. A part of its own, run last: fla autotunes its kernels at first use
+    (over four minutes for fp32 on an H200), which must not use up the budget of megaseq's own checks."""
+    if not env.cuda:
+        for dtype in ("fp32", "bf16"):
+            report.add("correctness_fla", "kda fla fwd+bwd", dtype, "skipped", note="no CUDA")
+        return
+    kda_oracles: dict[str, Any] = {}
+    for dtype in env.dtypes():
+        report.check("kda fla fwd+bwd (backend fla)", dtype, lambda d=dtype: check_kda(env, "fla", d, kda_oracles))
 
 
 def kda_inputs(env: Env, seed: int = 0) -> dict:
@@ -729,14 +742,15 @@ def dense_speed(env: Env, report: Report, length: int) -> tuple[str, str, dict]:
         def attend() -> None:
             flash_attn_func(q, k, v, causal=True).backward(d_o)
     else:
-        context = contextlib.nullcontext()
-        if env.cuda:
+        def flash_only() -> contextlib.AbstractContextManager:  # a fresh context per call: it is single-use
+            if not env.cuda:
+                return contextlib.nullcontext()
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            context = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+            return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
         def attend() -> None:
-            with context:
+            with flash_only():
                 o = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
             o.transpose(1, 2).backward(d_o)
 
@@ -985,6 +999,7 @@ def main() -> int:
         "dsa_speed": part_dsa_speed,
         "train": part_train,
         "distributed": part_distributed,
+        "correctness_fla": part_correctness_fla,
     }
     for name, fn in parts.items():
         if name == "setup" or args.parts is None or name in args.parts:

@@ -213,14 +213,15 @@ def test_sparse_attention_matches_reference(length: int) -> None:
 
 
 def test_sparse_attention_ragged_documents_holes_and_wide_heads() -> None:
-    # topk = 100 gives 128 slots (two index blocks); D = 144 is three head-dim chunks, the last partial; -1
-    # holes sit in the middle of rows, not only at the end.
+    # topk = 100 gives 128 slots (two index blocks); D = 144 is three head-dim chunks and Dv = 100 two
+    # value-dim chunks (the backward's), the last of each partial; -1 holes sit in the middle of rows, not only
+    # at the end.
     q_idx, k_idx, weights = indexer_inputs(1, 120, seed=3)
     cu_seqlens = torch.tensor([0, 47, 48, 120])
     indices = select_topk_reference(q_idx, k_idx, weights, 100, cu_seqlens)
     holes = torch.rand(indices.shape, generator=torch.Generator().manual_seed(3)) < 0.2
     indices = indices.masked_fill(holes, -1)
-    check_sparse_attention(indices, heads=3, dim=144, dim_v=40, seed=3)
+    check_sparse_attention(indices, heads=3, dim=144, dim_v=100, seed=3)
 
 
 def test_sparse_attention_keys_longer_than_queries() -> None:

@@ -11,7 +11,8 @@ The backward recomputes the probabilities from the saved logsumexp, P = exp(S - 
 delta = rowsum(dO * O): dS = P * (dO V^T - delta), dq = scale dS K (the program owns its token's dq),
 dK[idx] += scale dS^T q and dV[idx] += P^T dO by fp32 atomic adds, since many tokens select one row.
 All accumulation is fp32. An index listed twice in one row counts twice (as a gather-based softmax would).
-GPU speed is unmeasured.
+GPU speed is unmeasured: every launch is compiled for sm_90 on the CPU and fits its shared memory
+(tests/test_hopper_fit.py).
 """
 
 import torch
@@ -22,9 +23,14 @@ from megaseq_dsa.ops.triton._launch import check_runnable
 
 BLOCK_S = 64  # index slots per step; selected lists are padded to a multiple of 64
 BLOCK_D = 64  # head-dim chunk of q/k
-# ptxas for sm_90 at H=16, D=576, Dv=512 (bf16): 4 warps spill ~1.4 KB (fwd) / 2.7 KB (bwd) per thread,
-# 8 warps 0.1 KB / 1 KB.
+# ptxas for sm_90 at H=16, D=576, Dv=512 (bf16): 4 warps spill ~1.4 KB per thread in the forward, 8 warps
+# 0.1 KB.
 NUM_WARPS = 8
+# Software-pipelining stages by (pass, element size), sized for sm_90's 227 KiB of shared memory per block at
+# H=16, D=576, Dv=512 (packages/attn-dsa/tests/test_hopper_fit.py): the forward in bf16 fits the default 3
+# stages (157 KiB); fp32 needs 312 KiB with 2 or 3 stages and 168 KiB with 1. The backward, which gathers K
+# twice and V once per block, asks for 295 KiB in bf16 with 2 or 3 stages and 16 KiB with 1.
+STAGES = {("fwd", 2): 3, ("fwd", 4): 1, ("bwd", 2): 1, ("bwd", 4): 1}
 
 
 @triton.jit
@@ -142,6 +148,7 @@ def _sparse_attention_bwd_kernel(
     DV_P: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     batch = tl.program_id(1).to(tl.int64)
     token = batch * TQ + tl.program_id(0)
@@ -165,11 +172,19 @@ def _sparse_attention_bwd_kernel(
             q_ptr, k_ptr, token, heads, head_ok, rows, valid, D, BLOCK_D, HEADS, HEADS_P, BLOCK_S
         )
         p = tl.where(valid[None, :] & head_ok[:, None], tl.exp(scores * scale - lse[:, None]), 0.0)
-        v = tl.load(v_ptr + rows[:, None] * DV + dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)
-        d_p = tl.dot(d_out, tl.trans(v), input_precision="ieee")
+        # The value dim in chunks, as the head dim: whole [BLOCK_S, 512] value and dV tiles asked for 401 KiB
+        # of shared memory on an H200 (227 KiB there).
+        d_p = tl.zeros([HEADS_P, BLOCK_S], dtype=tl.float32)
+        for dv_start in tl.static_range(0, DV, BLOCK_DV):
+            dvs = dv_start + tl.arange(0, BLOCK_DV)
+            v_mask = valid[:, None] & (dvs < DV)[None, :]
+            v = tl.load(v_ptr + rows[:, None] * DV + dvs[None, :], mask=v_mask, other=0.0)
+            d_out_part = tl.load(do_ptr + (token * HEADS + heads[:, None]) * DV + dvs[None, :],
+                                 mask=head_ok[:, None] & (dvs < DV)[None, :], other=0.0)
+            d_p += tl.dot(d_out_part, tl.trans(v), input_precision="ieee")
+            d_v = tl.dot(tl.trans(p.to(d_out_part.dtype)), d_out_part, input_precision="ieee")
+            tl.atomic_add(dv_ptr + rows[:, None] * DV + dvs[None, :], d_v, mask=v_mask)
         d_scores = p * (d_p - delta[:, None]) * scale
-        d_v = tl.dot(tl.trans(p.to(d_out.dtype)), d_out, input_precision="ieee")
-        tl.atomic_add(dv_ptr + rows[:, None] * DV + dv[None, :], d_v, mask=valid[:, None] & dv_ok[None, :])
         d_scores_in = d_scores.to(q_ptr.dtype.element_ty)
         for d_start in tl.static_range(0, D, BLOCK_D):
             dims = d_start + tl.arange(0, BLOCK_D)
@@ -225,6 +240,7 @@ class SparseAttentionTriton(torch.autograd.Function):
                 k.shape[1],
                 indices.shape[2],
                 num_warps=NUM_WARPS,
+                num_stages=STAGES["fwd", q.element_size()],
                 **_launch_config(q, v),
             )
         ctx.save_for_backward(q, k, v, indices, out, lse)
@@ -238,6 +254,7 @@ class SparseAttentionTriton(torch.autograd.Function):
         d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         d_k = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         d_v = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        config = _launch_config(q, v)
         if length > 0:
             _sparse_attention_bwd_kernel[(length, batch)](
                 q,
@@ -255,7 +272,9 @@ class SparseAttentionTriton(torch.autograd.Function):
                 k.shape[1],
                 indices.shape[2],
                 num_warps=NUM_WARPS,
-                **_launch_config(q, v),
+                num_stages=STAGES["bwd", q.element_size()],
+                BLOCK_DV=min(BLOCK_D, config["DV_P"]),
+                **config,
             )
         return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None
 

@@ -167,9 +167,12 @@ def backward_grads(
     du_new = torch.empty_like(mid.u_new)
     dh0 = torch.empty_like(h0) if h0 is not None else None
     grid = (triton.cdiv(v_dim, lay.block_v), heads, lay.num_docs)
+    # fp32 operands at K = 128 with the default software pipelining ask for 241 KiB of shared memory, over an
+    # H200's 227 KiB: one stage fits (the loop carries d_state from chunk to chunk, so prefetching gains little)
+    stages = {"num_stages": 1} if q.element_size() == 4 else {}
     state_bwd_kernel[grid](
         q, k, mid.gcum, mid.w, mid.aqk, do, dht, d_states, du_new, dh0, lay.bounds, lay.doc_chunks, scale,
-        heads, k_dim, v_dim, CHUNK, lay.block_k_full, lay.block_v, dht is not None, h0 is not None,
+        heads, k_dim, v_dim, CHUNK, lay.block_k_full, lay.block_v, dht is not None, h0 is not None, **stages,
     )
 
     dq_state, dk_state, dg_state = (torch.empty_like(mid.w) for _ in range(3))
