@@ -378,6 +378,9 @@ def probe_copy_train(args: argparse.Namespace) -> None:
         def batch(self, indices: Any) -> Batch:
             out = windows.batch(indices)
             length = out.inputs.shape[1] + 1
+            if args.synthetic:  # i.i.d. uniform bases: only the planted copies can be predicted
+                ids = torch.from_numpy(rng.integers(0, 4, (len(out.inputs), length))).to(out.inputs.dtype)
+                out = Batch(ids[:, :-1].clone(), ids[:, 1:].clone(), torch.ones_like(out.weights))
             for row in range(len(out.inputs)):
                 if rng.random() >= args.plant:
                     continue
@@ -394,13 +397,18 @@ def probe_copy_train(args: argparse.Namespace) -> None:
     trainer.train_windows = Planted()
     _, heldout, tokens = _heldout(args)
     held = [inputs[0] for inputs, _ in heldout.windows(tokens)]
-    print(f"training {args.recipe} ({' '.join(sets)}) with a planted repeat in {args.plant:.0%} of the windows")
+    uniform = [torch.from_numpy(np.random.default_rng(1).integers(0, 4, len(ids))).to(ids.dtype) for ids in held]
+    print(f"training {args.recipe} ({' '.join(sets)}) with a planted repeat in {args.plant:.0%} of the "
+          f"{'i.i.d. uniform' if args.synthetic else 'training'} windows")
     for step in range(1, args.steps + 1):
         metrics = trainer.train_step()
         if step in args.report_at or step == args.steps:
             trainer.model.eval()
             print(f"\nstep {step}: loss {metrics['loss']:.4f}")
             _copy_table(trainer.recipe, trainer.model, held, args, ablate=step == args.steps)
+            if args.synthetic:
+                print("the same on i.i.d. uniform bases (the original bases: 2 bits/base to any model)")
+                _copy_table(trainer.recipe, trainer.model, uniform, args, ablate=False)
             trainer.model.train()
 
 
@@ -413,6 +421,8 @@ def main() -> None:
     p.add_argument("--segment", type=int, default=256, help="longest planted segment (copy)")
     p.add_argument("--skip", type=int, default=20, help="segment offset from which copied bases are scored (copy)")
     p.add_argument("--plant", type=float, default=0.5, help="share of training windows given a planted repeat (copy-train)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="train on i.i.d. uniform bases instead of the genome, so that copies are all there is to learn (copy-train)")
     p.add_argument("--report-at", type=int, nargs="+", default=[], help="steps after which to print the copy table (copy-train)")
     p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
     p.add_argument("--steps", type=int, default=8)
