@@ -9,6 +9,8 @@
     .venv/bin/python benchmarks/diagnose_probes.py indexer --run OUT/long --windows 4  # does DSA select and weigh the copy?
     .venv/bin/python benchmarks/diagnose_probes.py copy --run OUT/pretrain --windows 8  # planted repeats by distance
     .venv/bin/python benchmarks/diagnose_probes.py copy-train --set data.seq_len=4096 --steps 300 --plant 1.0 --segment 2048
+    .venv/bin/python benchmarks/diagnose_probes.py copy-train --synthetic --set data.seq_len=512 --set train.batch_size=8 \
+        --steps 1200 --plant 1.0 --segment 128 --distances 32 128 512
 
 ``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
 windows through it, printing for the embedding, every attention and feed-forward output and the residual
@@ -38,7 +40,9 @@ on the copy against the original for the model, for the model with each attentio
 layers copy), and for the order-11 Markov baseline (a control: it cannot copy). ``copy-train`` asks whether the
 recipe's model learns to copy when the training data asks for it: it trains the recipe with a repeat planted
 in a share (``--plant``) of the training windows (a random segment of 32 to ``--segment`` bases copied at least
-its length further on) and prints the ``copy`` table after chosen steps.
+its length further on) and prints the ``copy`` table after chosen steps. With ``--synthetic`` the training
+windows are i.i.d. uniform bases, so that the planted copies are all there is to learn, and the table is also
+printed on uniform bases.
 """
 
 from __future__ import annotations
