@@ -1,10 +1,16 @@
 """ZeRO-1 and the host optimizer under data parallelism equal one process with torch.optim.AdamW.
 
 Two gloo ranks (dp=2) train with the optimizer state sharded (``train.optimizer_shard``), in device memory and
-in host memory (``train.optimizer_state = "host"``), and must reach the weights of the one-process run with
-the default optimizer (fp32, 1e-6 relative). The sharded checkpoint (``optimizer/rank{r}.pt``) resumes in one
-process without sharding, and a one-process sharded checkpoint resumes on two sharded ranks: both continue
-exactly where the one-process run is.
+in host memory (``train.optimizer_state = "host"``), and must reach the weights of two ranks with the default
+optimizer (fp32, 1e-6 relative), and one process sharding its state those of one process without. The sharded
+checkpoint (``optimizer/rank{r}.pt``) resumes in one process without sharding, and a one-process sharded
+checkpoint resumes on two sharded ranks: both continue where the one-process run is.
+
+Across layouts (dp=2 against one process) the tolerance is the distributed tests' 1e-5: the two ranks' gradient
+sum rounds differently from one process's batch, and Adam's first steps divide each gradient element by its own
+magnitude, so an element whose gradient is near Adam's eps turns that rounding into a weight difference
+(2.1e-6 on ``blocks.1.ffn.w1`` on an AMD EPYC, with and without sharding alike). A sharding fault moves
+weights by about the learning rate (3e-3).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from megaseq.testing.layouts import (
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # tests/conftest.py
 
-RTOL = 1e-6
+RTOL = 1e-6  # the same layout, with and without sharding
+DP_RTOL = 1e-5  # dp=2 against one process (module docstring)
 TINY = {
     "run": {"name": "t", "device": "cpu"},
     "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 64},
@@ -50,13 +57,20 @@ def single(tmp_path_factory):
     return train_single(trainer, 2), train_single(trainer, 2)
 
 
+@pytest.fixture(scope="module")
+def unsharded_dp2(tmp_path_factory):
+    """Two ranks with the default optimizer: their first two steps."""
+    return run_gloo(2, train_under_layouts, TINY, [Layout(dp=2)], str(tmp_path_factory.mktemp("dp2")), 2)[0][0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("state", ["device", "host"])
-def test_sharded_on_two_ranks_equals_one_process_and_resumes_unsharded(tmp_path, single, state):
+def test_sharded_on_two_ranks_equals_unsharded_and_resumes_on_one_process(tmp_path, single, unsharded_dp2, state):
     first_two, next_two = single
     raw = _with(optimizer_shard=True, optimizer_state=state)
     [result] = run_gloo(2, train_under_layouts, raw, [Layout(dp=2)], str(tmp_path), 2, True)[0]
-    assert_same_run(result, first_two, RTOL, f"dp=2, optimizer_shard, {state}")
+    assert_same_run(result, unsharded_dp2, RTOL, f"dp=2, optimizer_shard, {state}, against dp=2 unsharded")
+    assert_same_run(result, first_two, DP_RTOL, f"dp=2, optimizer_shard, {state}, against one process")
 
     saved = Path(result["checkpoint"])
     assert sorted(p.name for p in (saved / "optimizer").iterdir()) == ["rank0.pt", "rank1.pt"]
@@ -65,7 +79,7 @@ def test_sharded_on_two_ranks_equals_one_process_and_resumes_unsharded(tmp_path,
     assert shards[0] | shards[1] == set(result["weights"])
     resumed = single_trainer(TINY, saved.parents[1])  # one process, whole optimizer on the device
     assert resumed.resume() and resumed.step == 2
-    assert_same_run(train_single(resumed, 2), next_two, RTOL, f"dp=2 sharded ({state}) resumed on one process")
+    assert_same_run(train_single(resumed, 2), next_two, DP_RTOL, f"dp=2 sharded ({state}) resumed on one process")
 
 
 @pytest.mark.slow
@@ -76,4 +90,4 @@ def test_one_process_checkpoint_resumes_sharded_on_two_ranks(tmp_path, single):
     assert_same_run(train_single(trainer, 2), first_two, RTOL, "one process, optimizer_shard")
     assert (trainer.save() / "optimizer" / "rank0.pt").is_file()
     ranks = run_gloo(2, resume_under_layout, raw, Layout(dp=2), str(tmp_path), 2)
-    assert_same_run(ranks[0], next_two, RTOL, "one-process sharded checkpoint resumed on dp=2")
+    assert_same_run(ranks[0], next_two, DP_RTOL, "one-process sharded checkpoint resumed on dp=2")
