@@ -11,6 +11,8 @@
     .venv/bin/python benchmarks/diagnose_probes.py copy-train --set data.seq_len=4096 --steps 300 --plant 1.0 --segment 2048
     .venv/bin/python benchmarks/diagnose_probes.py copy-train --synthetic --set data.seq_len=512 --set train.batch_size=8 \
         --steps 1200 --plant 1.0 --segment 128 --distances 32 128 512
+    .venv/bin/python benchmarks/diagnose_probes.py copy-train --synthetic --set data.seq_len=512 --set train.batch_size=8 \
+        --steps 5500 --plant 1.0 --segment 256 --windows-until 128:2500 256:3500  # a window-length curriculum
 
 ``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
 windows through it, printing for the embedding, every attention and feed-forward output and the residual
@@ -42,7 +44,9 @@ recipe's model learns to copy when the training data asks for it: it trains the 
 in a share (``--plant``) of the training windows (a random segment of 32 to ``--segment`` bases copied at least
 its length further on) and prints the ``copy`` table after chosen steps. With ``--synthetic`` the training
 windows are i.i.d. uniform bases, so that the planted copies are all there is to learn, and the table is also
-printed on uniform bases.
+printed on uniform bases. ``--windows-until W:S ...`` is a window-length curriculum: until step S, each
+training window of ``data.seq_len`` bases is cut into windows of W bases (the same tokens per step, more rows),
+each planted on its own; after the last S, windows are whole.
 """
 
 from __future__ import annotations
@@ -364,6 +368,18 @@ def probe_copy(args: argparse.Namespace) -> None:
     _copy_table(recipe, model, [inputs[0] for inputs, _ in heldout.windows(tokens)], args, markov=fitted_markov("grch37-chr20", 11))
 
 
+def _window_stage(text: str, seq_len: int) -> tuple[int, int]:
+    """``W:S`` of ``--windows-until``: (S, W), W a divisor of ``seq_len`` of at least 66 bases (a planted
+    segment of 32 bases and its copy fit)."""
+    try:
+        width, until = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--windows-until {text!r}: expected W:S, a window length and a step, e.g. 128:2500") from None
+    if width < 66 or seq_len % width or until < 1:
+        raise SystemExit(f"--windows-until {text!r}: W must divide data.seq_len={seq_len} and be at least 66; S at least 1")
+    return until, width
+
+
 def probe_copy_train(args: argparse.Namespace) -> None:
     from megaseq.config import load_recipe
     from megaseq.data.windows import Batch
@@ -374,6 +390,7 @@ def probe_copy_train(args: argparse.Namespace) -> None:
     sets = [f"train.steps={args.steps}", "run.out_dir='runs/diagnose/copy-train'", *args.set]
     trainer = Trainer(load_recipe(args.recipe, plugins, sets), plugins, progress=False, tensorboard=False)
     windows, rng = trainer.train_windows, np.random.default_rng(0)
+    schedule = sorted(_window_stage(text, trainer.recipe.data.seq_len) for text in args.windows_until)  # (until step, W)
 
     class Planted:  # the training windows, a random segment of each copied further on with probability --plant
         def __len__(self) -> int:
@@ -381,14 +398,17 @@ def probe_copy_train(args: argparse.Namespace) -> None:
 
         def batch(self, indices: Any) -> Batch:
             out = windows.batch(indices)
-            length = out.inputs.shape[1] + 1
             if args.synthetic:  # i.i.d. uniform bases: only the planted copies can be predicted
-                ids = torch.from_numpy(rng.integers(0, 4, (len(out.inputs), length))).to(out.inputs.dtype)
+                ids = torch.from_numpy(rng.integers(0, 4, (len(out.inputs), out.inputs.shape[1] + 1))).to(out.inputs.dtype)
                 out = Batch(ids[:, :-1].clone(), ids[:, 1:].clone(), torch.ones_like(out.weights))
+            width = next((w for until, w in schedule if trainer.step < until), out.inputs.shape[1])
+            # row r's targets are its inputs shifted by one, so cutting both into W-wide pieces gives W-base windows
+            out = Batch(*(t.reshape(-1, width).clone() for t in (out.inputs, out.targets, out.weights)))
+            length = width + 1
             for row in range(len(out.inputs)):
                 if rng.random() >= args.plant:
                     continue
-                seg = int(rng.integers(32, args.segment + 1))
+                seg = int(rng.integers(32, min(args.segment, (length - 1) // 2) + 1))
                 d = int(rng.integers(seg, length - seg))
                 a = int(rng.integers(0, length - d - seg + 1))
                 ids = torch.cat([out.inputs[row], out.targets[row, -1:]])
@@ -403,7 +423,8 @@ def probe_copy_train(args: argparse.Namespace) -> None:
     held = [inputs[0] for inputs, _ in heldout.windows(tokens)]
     uniform = [torch.from_numpy(np.random.default_rng(1).integers(0, 4, len(ids))).to(ids.dtype) for ids in held]
     print(f"training {args.recipe} ({' '.join(sets)}) with a planted repeat in {args.plant:.0%} of the "
-          f"{'i.i.d. uniform' if args.synthetic else 'training'} windows")
+          f"{'i.i.d. uniform' if args.synthetic else 'training'} windows"
+          + "".join(f"; {w}-base windows until step {until}" for until, w in schedule))
     for step in range(1, args.steps + 1):
         metrics = trainer.train_step()
         if step in args.report_at or step == args.steps:
@@ -427,6 +448,8 @@ def main() -> None:
     p.add_argument("--plant", type=float, default=0.5, help="share of training windows given a planted repeat (copy-train)")
     p.add_argument("--synthetic", action="store_true",
                    help="train on i.i.d. uniform bases instead of the genome, so that copies are all there is to learn (copy-train)")
+    p.add_argument("--windows-until", nargs="+", default=[], metavar="W:S",
+                   help="train in W-base windows until step S, a window-length curriculum (copy-train)")
     p.add_argument("--report-at", type=int, nargs="+", default=[], help="steps after which to print the copy table (copy-train)")
     p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
     p.add_argument("--steps", type=int, default=8)
