@@ -13,6 +13,8 @@
         --steps 1200 --plant 1.0 --segment 128 --distances 32 128 512
     .venv/bin/python benchmarks/diagnose_probes.py copy-train --synthetic --set data.seq_len=512 --set train.batch_size=8 \
         --steps 5500 --plant 1.0 --segment 256 --windows-until 128:2500 256:3500  # a window-length curriculum
+    .venv/bin/python benchmarks/diagnose_probes.py copy-train --set data.seq_len=1024 --set train.batch_size=4 \
+        --steps 1500 --plant 1.0 --windows-until 128:1000 256:1250 --retrieval  # and the natural repeats
 
 ``residual`` trains the recipe (1024-base windows, 2 per step) and after chosen steps runs 4 fixed chr20
 windows through it, printing for the embedding, every attention and feed-forward output and the residual
@@ -46,7 +48,10 @@ its length further on) and prints the ``copy`` table after chosen steps. With ``
 windows are i.i.d. uniform bases, so that the planted copies are all there is to learn, and the table is also
 printed on uniform bases. ``--windows-until W:S ...`` is a window-length curriculum: until step S, each
 training window of ``data.seq_len`` bases is cut into windows of W bases (the same tokens per step, more rows),
-each planted on its own; after the last S, windows are whole.
+each planted on its own; after the last S, windows are whole. ``--retrieval`` adds, after the last step, the
+retrieval table of the held-out windows' own (natural) repeats, each window cut into windows of
+``data.seq_len`` bases: does copying learned on planted repeats reach the genome's repeats, which the Markov
+baselines partly know?
 """
 
 from __future__ import annotations
@@ -380,6 +385,42 @@ def _window_stage(text: str, seq_len: int) -> tuple[int, int]:
     return until, width
 
 
+def _natural_retrieval(recipe: Any, model: Any, held: list[Any], plan: Any) -> None:
+    """Print the retrieval table (``megaseq_genome.retrieval``) of ``model`` on the natural repeats of the held-out
+    windows ``held``, each cut into windows of the training length: does copying learned on planted repeats reach
+    the genome's own repeats, against the Markov baselines (which know the repeat families)?"""
+    from megaseq.contracts import ForwardContext
+    from megaseq.model import chunked_token_losses
+    from megaseq_genome.bootstrap import resample_weights
+    from megaseq_genome.markov import fitted_markov
+    from megaseq_genome.retrieval import RetrievalLoss, markdown, retrieval_table
+
+    length = recipe.data.seq_len
+    markov = {f"markov-{order}": fitted_markov("grch37-chr20", order) for order in plan.markov_orders}
+    scores = {name: RetrievalLoss(len(held)) for name in ["model", *markov]}
+    for w, ids in enumerate(held):
+        starts = range(0, len(ids) - length, length)  # pieces of length + 1 tokens, as training windows are cut
+        pieces = torch.stack([ids[s : s + length + 1] for s in starts])
+        inputs, targets = pieces[:, :-1], pieces[:, 1:]
+        with torch.no_grad():
+            hidden = model(inputs, ForwardContext())
+            losses = {"model": chunked_token_losses(hidden, model.head_weight, targets, recipe.train.loss_chunk).double()}
+        losses |= {name: baseline.token_losses(inputs, targets) for name, baseline in markov.items()}
+        for name, loss in losses.items():
+            for piece, row in zip(pieces, loss, strict=True):  # every piece's sums go to its held-out window
+                one = RetrievalLoss(1, scores[name].ks)
+                one.add(0, piece.numpy(), row.numpy())
+                for field in RetrievalLoss.FIELDS:
+                    getattr(scores[name], field)[w] += getattr(one, field)[0]
+    weights = resample_weights(len(held), plan.bootstrap_samples, seed=0)
+    table = retrieval_table(scores, f"markov-{max(plan.markov_orders)}", weights, plan.confidence)
+    print(f"\nnatural repeats: {len(held)} held-out windows cut into {length}-base windows; intervals over the "
+          "held-out windows")
+    for k in (12, 20):
+        print()
+        print(markdown(table, k), end="", flush=True)
+
+
 def probe_copy_train(args: argparse.Namespace) -> None:
     from megaseq.config import load_recipe
     from megaseq.data.windows import Batch
@@ -419,7 +460,7 @@ def probe_copy_train(args: argparse.Namespace) -> None:
             return out
 
     trainer.train_windows = Planted()
-    _, heldout, tokens = _heldout(args)
+    plan, heldout, tokens = _heldout(args)
     held = [inputs[0] for inputs, _ in heldout.windows(tokens)]
     uniform = [torch.from_numpy(np.random.default_rng(1).integers(0, 4, len(ids))).to(ids.dtype) for ids in held]
     print(f"training {args.recipe} ({' '.join(sets)}) with a planted repeat in {args.plant:.0%} of the "
@@ -434,6 +475,8 @@ def probe_copy_train(args: argparse.Namespace) -> None:
             if args.synthetic:
                 print("the same on i.i.d. uniform bases (the original bases: 2 bits/base to any model)")
                 _copy_table(trainer.recipe, trainer.model, uniform, args, ablate=False)
+            if args.retrieval and step == args.steps:
+                _natural_retrieval(trainer.recipe, trainer.model, [torch.cat([i[0], t[0, -1:]]) for i, t in heldout.windows(tokens)], plan)
             trainer.model.train()
 
 
@@ -450,6 +493,8 @@ def main() -> None:
                    help="train on i.i.d. uniform bases instead of the genome, so that copies are all there is to learn (copy-train)")
     p.add_argument("--windows-until", nargs="+", default=[], metavar="W:S",
                    help="train in W-base windows until step S, a window-length curriculum (copy-train)")
+    p.add_argument("--retrieval", action="store_true",
+                   help="after the last step, also print the retrieval table on the held-out windows' natural repeats (copy-train)")
     p.add_argument("--report-at", type=int, nargs="+", default=[], help="steps after which to print the copy table (copy-train)")
     p.add_argument("--recipe", default=str(REPO / "recipes" / "genome-cpu.toml"))
     p.add_argument("--steps", type=int, default=8)
