@@ -1,6 +1,6 @@
 """Grouped expert products (grouped_mm and the per-expert loop) against a float64 oracle; clamped SwiGLU; a rank's
 experts are the one-process layer's blocks (core's ``check_local_experts``), which a layer drawing only its own
-experts fails."""
+experts fails; a layer built on the meta device draws nothing."""
 
 from unittest import mock
 
@@ -110,3 +110,16 @@ def test_local_experts_are_the_one_process_blocks_and_a_layer_drawing_only_its_o
     for capability in sorted(both):
         with pytest.raises(AssertionError, match="global generator elsewhere|one-process layer's block"):
             check_local_experts("chunked", config, frozenset({capability}), factory=f"{__name__}:build_locally_drawn")
+
+
+def test_experts_built_on_meta_have_the_rank_shapes_and_draw_nothing() -> None:
+    """A launch's pre-flight builds every layer on the meta device for its shapes: the same parameters as a real
+    build, no draws (which would also leave the generator unchanged: a meta draw has no values)."""
+    args = dict(n_local=2, d_model=8, hidden=3, limit=None, init_std=0.02, first=2, n_experts=6, etp_rank=1, etp_size=2)
+    real = GroupedExperts(**args)
+    with mock.patch("torch.randn", side_effect=AssertionError("drew on meta")), torch.device("meta"):
+        meta = GroupedExperts(**args)
+    assert {n: (p.shape, p.dtype) for n, p in meta.named_parameters()} == {
+        n: (p.shape, p.dtype) for n, p in real.named_parameters()
+    }
+    assert all(p.is_meta for p in meta.parameters())

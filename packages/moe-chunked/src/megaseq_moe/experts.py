@@ -66,6 +66,10 @@ class GroupedExperts(nn.Module):
         self.limit = limit
         self.w_gate_up = nn.Parameter(torch.empty(n_local, d_model, 2, hidden))
         self.w_down = nn.Parameter(torch.empty(n_local, hidden, d_model))
+        if self.w_down.is_meta:
+            # built without memory (a launch's pre-flight): meta draws have no values and leave the generator
+            # where it is, and drawing every expert of every layer one at a time took a minute at GLM's shapes
+            return
         whole = hidden * etp_size
         with torch.no_grad():
             for weight, shape, dim in ((self.w_gate_up, (d_model, 2, whole), 2), (self.w_down, (whole, d_model), 0)):
