@@ -68,7 +68,7 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_local, hidden, d_model))
         if self.w_down.is_meta:
             # built without memory (a launch's pre-flight): meta draws have no values and leave the generator
-            # where it is, and drawing every expert of every layer one at a time took a minute at GLM's shapes
+            # where it is, and drawing every expert of every layer one at a time costs over a minute at GLM's shapes
             return
         whole = hidden * etp_size
         with torch.no_grad():
