@@ -9,8 +9,8 @@ TORCH ?= cpu
 TORCH_VERSION := 2.13.0
 VENV := .venv
 ISO := .venv-isolated
-PACKAGES := packages/core packages/attn-kda packages/attn-dsa packages/moe-chunked packages/offload packages/rl packages/genome
-PLUGINS := $(filter-out packages/core,$(PACKAGES))
+PACKAGES := packages/core packages/testkit packages/attn-kda packages/attn-dsa packages/moe-chunked packages/offload packages/rl packages/genome
+PLUGINS := $(filter-out packages/core packages/testkit,$(PACKAGES))
 EXAMPLES := examples/megaseq-sliding-window
 RECIPE ?= recipes/genome-cpu.toml
 # make train continues the run in runs/<name> when there is one; TRAIN_FLAGS=--overwrite starts it over
@@ -20,7 +20,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH=$(TORCH): use TORCH=cpu (the default) or TORCH=cuda)
 endif
 
-.PHONY: setup train test test-fast test-isolated test-core test-plugins test-integration test-distributed lint dist clean
+.PHONY: setup train test test-fast test-isolated test-core test-testkit test-plugins test-integration test-distributed lint dist clean
 
 # A venv with pip new enough for dependency groups, the chosen torch build (before the packages, so that
 # their torch requirement is already met), and every workspace package editable. One stamp per build.
@@ -28,7 +28,7 @@ $(VENV)/.installed-$(TORCH): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAG
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q "pip>=25.1"
 	$(VENV)/bin/python tools/install_torch.py $(TORCH) $(TORCH_VERSION)
-	$(VENV)/bin/python -m pip install -q --group dev -e "packages/core[distributed,hf]" $(addprefix -e ,$(PLUGINS) $(EXAMPLES))
+	$(VENV)/bin/python -m pip install -q --group dev -e "packages/core[distributed,hf]" -e "packages/testkit[hopper]" $(addprefix -e ,$(PLUGINS) $(EXAMPLES))
 	# the Hugging Face equality tests' dependencies (fla's KDA model, transformers): attn-kda's extra
 	$(VENV)/bin/python -m pip install -q -e "packages/attn-kda[hf]"
 	rm -f $(VENV)/.installed $(VENV)/.installed-*
@@ -43,22 +43,22 @@ train: setup
 	$(VENV)/bin/megaseq data fetch grch37-chrX
 	$(VENV)/bin/megaseq train $(RECIPE) $(TRAIN_FLAGS)
 
-# Every test. Each package's tests run in an environment holding only core and that package, so a plugin
+# Every test. Each package's tests run in an environment holding only core, the test kit and that package, so a plugin
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
 # Every test process runs one intra-op thread, so two sets run at once (-j2) to use both cores of a small
 # machine; the sets are one per package, listed longest first, so that neither core waits long for the other
 # at the end.
 PLUGIN_TESTS := $(addprefix test-,$(notdir $(PLUGINS)))
 .PHONY: $(PLUGIN_TESTS)
-TEST_SETS := test-integration test-distributed test-core test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS))
+TEST_SETS := test-integration test-distributed test-core test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS)) test-testkit
 test:
 	$(MAKE) --jobs=2 --output-sync=target $(TEST_SETS)
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
 # (megaseq.threads): several test processes and their gloo ranks run at once.
-test test-fast test-isolated test-core test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export OMP_NUM_THREADS = 1
+test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export OMP_NUM_THREADS = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
-# the marker is megaseq-core's pytest plugin, megaseq/pytest_plugin.py). What to run while working on a
+# the marker is megaseq-testkit's pytest plugin, megaseq_testkit/pytest_plugin.py). What to run while working on a
 # plugin; make test runs everything and is what CI runs.
 PYTEST_ARGS ?=
 test-fast:
@@ -68,18 +68,21 @@ test-fast:
 # third-party packages (torch, triton, pytest, ...) through hard links (tools/link_venv.py), never its megaseq
 # packages: each costs megabytes, not a second 2.2 GB venv.
 ISO_ENVS := $(addprefix $(ISO)/,$(notdir $(PACKAGES)))
-$(ISO)/%/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml packages/%/pyproject.toml tools/link_venv.py
+$(ISO)/%/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml packages/testkit/pyproject.toml packages/%/pyproject.toml tools/link_venv.py
 	rm -rf $(ISO)/$*
 	$(PYTHON) -m venv --without-pip $(ISO)/$*
 	$(VENV)/bin/python tools/link_venv.py $(VENV) $(ISO)/$* > /dev/null
-	$(ISO)/$*/bin/python -m pip install -q --no-deps -e packages/core $(if $(filter core,$*),,-e packages/$*)
+	$(ISO)/$*/bin/python -m pip install -q --no-deps -e packages/core -e packages/testkit $(if $(filter core testkit,$*),,-e packages/$*)
 	$(ISO)/$*/bin/python -m pip check
 	touch $@
 
-test-isolated: test-core test-plugins
+test-isolated: test-core test-testkit test-plugins
 
 test-core: $(ISO)/core/.installed
 	$(ISO)/core/bin/python -m pytest $(PYTEST_ARGS) packages/core/tests
+
+test-testkit: $(ISO)/testkit/.installed
+	$(ISO)/testkit/bin/python -m pytest $(PYTEST_ARGS) packages/testkit/tests
 
 test-plugins: $(PLUGIN_TESTS)
 

@@ -32,7 +32,7 @@ Parts:
    dp=2 x ep=2 (two GPUs) and tp=2 x cp=2 (four), each against the same steps in one process: every logged
    metric (loss and gradient norm included) of every step, the tokens and every weight after them (expert
    and tensor-parallel blocks gathered), fp32 with TF32 off, one row per layout with the largest relative
-   difference (``DIST_TOLERANCE``). The ranks run ``megaseq.testing.layouts.train_under_layouts``, what the
+   difference (``DIST_TOLERANCE``). The ranks run ``megaseq_testkit.layouts.train_under_layouts``, what the
    gloo equivalence tests run, one launch per number of ranks. A layout needing more GPUs than are visible
    is a ``skipped: needs N GPUs`` row. The rehearsal runs every layout the same way on gloo CPU processes.
 7. correctness_fla: fla's KDA (``kda`` backend ``fla``) against the same oracle as part 2. Last and apart:
@@ -771,8 +771,8 @@ def part_train(env: Env, report: Report) -> None:
 
 def megaseq_plugins():
     """The installed plugins, with megaseq's own registered from this checkout where they are not installed:
-    ``megaseq.testing``'s manager (one per process), which ``megaseq.testing.layouts`` trains with."""
-    from megaseq.testing import installed_plugins
+    ``megaseq_testkit``'s manager (one per process), which ``megaseq_testkit.layouts`` trains with."""
+    from megaseq_testkit import installed_plugins
 
     plugins = installed_plugins()
     active = {info.dist for info in plugins if info.status == "active"}
@@ -831,7 +831,7 @@ def train_steps(env: Env) -> tuple[str, str, dict]:
 
 # ==== 6. distributed ===========================================================================================
 
-# max relative difference (``megaseq.testing.layouts.run_differences``: max |x - one process| / max(1, max |one
+# max relative difference (``megaseq_testkit.layouts.run_differences``: max |x - one process| / max(1, max |one
 # process|)) of every logged metric (loss and gradient norm included) and every weight after the steps, with
 # TF32 off (``fp32_products``). CPU: fp32 sums in the same order up to the collectives' (1e-5, as in the gloo
 # tests). CUDA: NCCL's reduction order, and cuBLAS and the Triton kernels choosing other splits of their sums at
@@ -869,7 +869,7 @@ def fp32_products() -> None:
 def _dist_worker(rank: int, world: int, raw: dict, layouts: list[dict[str, int]], out_dir: str) -> list[dict]:
     """One rank (in ``run_gloo``): the layout-equivalence tests' ``train_under_layouts`` with TF32 off."""
     from megaseq.distributed.layout import Layout
-    from megaseq.testing.layouts import train_under_layouts
+    from megaseq_testkit.layouts import train_under_layouts
 
     fp32_products()
     megaseq_plugins()
@@ -901,7 +901,7 @@ class DistRuns:
                 "data": {**DIST_RECIPE["data"], "seq_len": self.env.sizes.dist_seq_len}}
 
     def one_process(self) -> dict:
-        from megaseq.testing.layouts import single_trainer, train_single
+        from megaseq_testkit.layouts import single_trainer, train_single
 
         if not self.single:
             fp32_products()
@@ -912,7 +912,7 @@ class DistRuns:
 
     def under(self, layout: dict[str, int]) -> dict:
         """Rank 0's run under ``layout`` (whole weights); a launch that failed fails every row of its size."""
-        from megaseq.testing.distributed import run_gloo
+        from megaseq_testkit.distributed import run_gloo
 
         world = dist_world(layout)
         layouts = [other for other in DIST_LAYOUTS.values() if dist_world(other) == world]
@@ -957,7 +957,7 @@ def judge(got: dict, single: dict, tol: float, backend: str) -> tuple[str, str, 
     """A row from rank 0's run (whole weights) against the one-process run: pass when every metric of every
     step (loss and gradient norm included), the tokens and every weight are within ``tol``."""
     from megaseq.contracts import LOAD_STAT_KEYS
-    from megaseq.testing.layouts import run_differences
+    from megaseq_testkit.layouts import run_differences
 
     # metrics that describe the layout, not the training: each MoE layer's load over the last micro-batch a rank
     # routed, and the busiest expert-parallel rank over the mean (1 by definition with one rank)

@@ -1,7 +1,7 @@
 """Training throughput and peak memory per worker under process layouts: 1 worker vs 2 (DP, CP, TP).
 
 Every configuration trains the same global batch (``--batch`` windows per step) from the same recipe, in
-fresh processes joined by gloo (``megaseq.testing.distributed.run_gloo``; one process for one worker), so
+fresh processes joined by gloo (``megaseq_testkit.distributed.run_gloo``; one process for one worker), so
 each worker's peak RSS (``VmHWM``) is its own. The ``--threads`` intra-op threads (default: every core) are
 shared out: one worker gets all, two get half each. On a busy machine use ``--threads 1`` (several threads
 per process spin-wait when the cores are taken). One warm-up step is excluded from the timing. Prints tables; writes nothing else.
@@ -69,7 +69,7 @@ def _train(rank: int, world: int, recipe: str, overrides: list[str], dp: int, cp
 def run_layout(recipe: str, overrides: list[str], dp: int, cp: int, steps: int, threads: int, tp: int = 1) -> list[dict]:
     """One process per worker (one process for one worker too, so that its peak RSS is its own); the
     ``threads`` intra-op threads are shared out among the workers."""
-    from megaseq.testing.distributed import run_gloo
+    from megaseq_testkit.distributed import run_gloo
 
     world = dp * cp * tp
     return run_gloo(world, _train, recipe, overrides, dp, cp, tp, steps, max(1, threads // world), timeout=3600)
@@ -127,7 +127,7 @@ def ray_overhead(args: argparse.Namespace) -> None:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from megaseq.testing.distributed import run_gloo
+    from megaseq_testkit.distributed import run_gloo
 
     start = time.perf_counter()
     run_gloo(2, _gloo_join)

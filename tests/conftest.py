@@ -63,7 +63,7 @@ def single(tmp_path_factory, layouts_recipe):
     """One process on ``layouts_recipe``: its first two steps, then its third (what every layout must equal).
     Trained once for every module that compares with it (the tests only read it), with a cache of its own: a
     session's fixture is set up before a module's ``module_cache``."""
-    from megaseq.testing.layouts import single_trainer, train_single
+    from megaseq_testkit.layouts import single_trainer, train_single
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MEGASEQ_CACHE", str(tmp_path_factory.mktemp("cache")))

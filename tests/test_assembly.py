@@ -17,8 +17,8 @@ from megaseq.config import load_recipe, validate_recipe
 from megaseq.contracts import ForwardContext, RoutingReplay
 from megaseq.model import build_model
 from megaseq.plugins import get_plugins
-from megaseq.testing import assert_close
 from megaseq.train.trainer import Trainer
+from megaseq_testkit import assert_close
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -158,16 +158,16 @@ def test_every_hook_is_documented_in_the_guide():
 
 
 SUITES = {
-    "attention": "megaseq.testing.attention:AttentionConformance",
-    "ffn": "megaseq.testing.ffn:FeedForwardConformance",
-    "moe": "megaseq.testing.moe:MoEConformance",
-    "tiling": "megaseq.testing.tiling:SequenceTilingConformance",
-    "memory policy": "megaseq.testing.memory_policy:MemoryPolicyConformance",
-    "rl": "megaseq.testing.rl:RLAlgorithmConformance",
-    "engine": "megaseq.testing.engine:EngineConformance",
-    "data source": "megaseq.testing.data_source:DataSourceConformance",
-    "baseline": "megaseq.testing.baseline:BaselineConformance",
-    "eval analysis": "megaseq.testing.eval_analysis:EvalAnalysisConformance",
+    "attention": "megaseq_testkit.attention:AttentionConformance",
+    "ffn": "megaseq_testkit.ffn:FeedForwardConformance",
+    "moe": "megaseq_testkit.moe:MoEConformance",
+    "tiling": "megaseq_testkit.tiling:SequenceTilingConformance",
+    "memory policy": "megaseq_testkit.memory_policy:MemoryPolicyConformance",
+    "rl": "megaseq_testkit.rl:RLAlgorithmConformance",
+    "engine": "megaseq_testkit.engine:EngineConformance",
+    "data source": "megaseq_testkit.data_source:DataSourceConformance",
+    "baseline": "megaseq_testkit.baseline:BaselineConformance",
+    "eval analysis": "megaseq_testkit.eval_analysis:EvalAnalysisConformance",
 }
 KNOB_HEADER = "| knob | suites | default | meaning |"
 
@@ -182,10 +182,10 @@ def knob_table(text: str) -> list[str]:
 
 
 def test_one_knob_table_in_the_guide_and_the_testing_docstring():
-    import megaseq.testing
+    import megaseq_testkit
 
-    assert knob_table(GUIDE.read_text()) == knob_table(megaseq.testing.__doc__), (
-        "the knob tables of docs/writing-a-plugin.md and megaseq.testing's docstring differ"
+    assert knob_table(GUIDE.read_text()) == knob_table(megaseq_testkit.__doc__), (
+        "the knob tables of docs/writing-a-plugin.md and megaseq_testkit's docstring differ"
     )
 
 
@@ -208,7 +208,7 @@ def test_the_knob_table_lists_every_suite_knob_and_only_those():
 
 def test_the_knob_table_check_catches_a_missing_knob():
     """The check above fails on a suite with a knob the table does not list."""
-    from megaseq.testing.rl import RLAlgorithmConformance
+    from megaseq_testkit.rl import RLAlgorithmConformance
 
     RLAlgorithmConformance.__annotations__["undocumented_knob"] = "ClassVar[int]"
     try:

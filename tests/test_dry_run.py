@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core", reason="needs the distributed extra: pip in
 from megaseq.cli import main
 from megaseq.distributed.groups import rank_groups
 from megaseq.distributed.layout import Layout
-from megaseq.testing.distributed import run_gloo
+from megaseq_testkit.distributed import run_gloo
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # tests/conftest.py
 

@@ -24,8 +24,8 @@ pytest.importorskip("megatron.core", reason="needs the distributed extra: pip in
 from megaseq.cli import main
 from megaseq.contracts import LOAD_STAT_KEYS
 from megaseq.distributed.layout import Layout
-from megaseq.testing.distributed import run_gloo
-from megaseq.testing.layouts import (
+from megaseq_testkit.distributed import run_gloo
+from megaseq_testkit.layouts import (
     assert_same_run,
     resume_under_layout,
     single_trainer,

@@ -1,6 +1,7 @@
 """Repository rules that keep the plugin architecture honest.
 
-- Core never imports a plugin; a plugin never imports another plugin (they meet only through core).
+- Core never imports a plugin; a plugin never imports another plugin (they meet only through core). The test
+  kit (megaseq-testkit) is no plugin: a plugin's test helpers may import it, core never does.
 - Every package has the layout docs/architecture.md describes: hatchling, src/ layout, static version,
   README, CHANGELOG, tests, and (plugins) a ranged megaseq-core dependency and a `megaseq` entry point.
 - Every package declares the distributions it imports (dependencies or extras).
@@ -50,7 +51,7 @@ ALL_IMPORT_NAMES = {import_name(p) for p in PACKAGES + EXAMPLES}
 @pytest.mark.parametrize("package", PACKAGES + EXAMPLES, ids=lambda p: p.name)
 def test_no_cross_plugin_imports(package):
     own = import_name(package)
-    allowed = {own} if own == "megaseq" else {own, "megaseq"}
+    allowed = {own} if own == "megaseq" else {own, "megaseq", "megaseq_testkit"}
     forbidden = (imported_roots(package) & ALL_IMPORT_NAMES) - allowed
     assert not forbidden, f"{package.name} imports {sorted(forbidden)}"
 
@@ -70,7 +71,13 @@ def test_package_layout(package):
         reqs = [Requirement(r) for r in meta["project"]["dependencies"]]
         core = [r for r in reqs if r.name == "megaseq-core"]
         assert core and core[0].specifier and "<" in str(core[0].specifier), "needs a ranged megaseq-core dependency"
+    if name == "megaseq_testkit":
+        assert meta["project"]["entry-points"]["pytest11"], "the kit's pytest plugin registers the markers"
+    elif name != "megaseq":
         assert meta["project"]["entry-points"]["megaseq"], "no megaseq entry point"
+        extras = meta["project"].get("optional-dependencies", {})
+        kit = [Requirement(r) for r in extras.get("test", []) if Requirement(r).name == "megaseq-testkit"]
+        assert kit and "<" in str(kit[0].specifier), "a plugin lists a ranged megaseq-testkit in its `test` extra"
 
 
 def registered_components(package: Path) -> dict[tuple[str, str], str]:
@@ -79,7 +86,7 @@ def registered_components(package: Path) -> dict[tuple[str, str], str]:
 
     meta = tomllib.loads((package / "pyproject.toml").read_text())["project"]
     dist = meta["name"]
-    modules = ["megaseq.builtins"] if dist == "megaseq-core" else list(meta["entry-points"]["megaseq"].values())
+    modules = ["megaseq.builtins"] if dist == "megaseq-core" else list(meta["entry-points"].get("megaseq", {}).values())
     found = {}
     for module_name in modules:
         module = importlib.import_module(module_name)
@@ -111,7 +118,7 @@ def test_no_citation_of_documents_outside_the_repository():
 
 
 # import name -> distribution name, where they differ
-DISTRIBUTION_OF = {"fla": "fla-core", "flash_attn": "flash-attn", "megaseq": "megaseq-core", "megatron": "megatron-core"}
+DISTRIBUTION_OF = {"fla": "fla-core", "flash_attn": "flash-attn", "megaseq": "megaseq-core", "megaseq_testkit": "megaseq-testkit", "megatron": "megatron-core"}
 
 
 @pytest.mark.parametrize("package", PACKAGES + EXAMPLES, ids=lambda p: p.name)

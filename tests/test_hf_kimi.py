@@ -16,7 +16,7 @@ from megaseq.interop.convert import model_to_hf
 from megaseq.interop.files import read_tensors, same_tensors, write_model
 from megaseq.model import build_model
 from megaseq.plugins import get_plugins
-from megaseq.testing.hf import assert_round_trip
+from megaseq_testkit.hf import assert_round_trip
 
 RAW = {
     "model": {"d_model": 32, "n_layers": 3, "layer_pattern": ["kda"], "moe": "chunked", "dense_layers": 1,

@@ -202,9 +202,9 @@ def _evaluate_under_layouts(rank: int, world: int, raw: dict[str, Any], layouts:
     from pathlib import Path
 
     from megaseq.distributed.groups import Parallel, destroy_process_groups, init_process_groups
-    from megaseq.testing import installed_plugins
-    from megaseq.testing.layouts import _recipe
     from megaseq.train.trainer import Trainer
+    from megaseq_testkit import installed_plugins
+    from megaseq_testkit.layouts import _recipe
 
     def refuse(*args, **kwargs):
         raise AssertionError("evaluation gathered experts or tensor-parallel blocks onto one rank")
@@ -227,8 +227,8 @@ def _evaluate_under_layouts(rank: int, world: int, raw: dict[str, Any], layouts:
 def test_evaluation_runs_on_the_sharded_model_and_equals_one_process(hybrid, tmp_path):
     pytest.importorskip("megatron.core", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
     from megaseq.distributed.layout import Layout
-    from megaseq.testing.distributed import run_gloo
-    from megaseq.testing.layouts import single_trainer
+    from megaseq_testkit.distributed import run_gloo
+    from megaseq_testkit.layouts import single_trainer
 
     single = single_trainer(hybrid, tmp_path / "single")
     single.train_step()

@@ -23,8 +23,8 @@ import torch
 pytest.importorskip("megatron.core", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
 
 from megaseq.distributed.layout import Layout
-from megaseq.testing.distributed import run_gloo
-from megaseq.testing.layouts import (
+from megaseq_testkit.distributed import run_gloo
+from megaseq_testkit.layouts import (
     assert_same_run,
     resume_under_layout,
     single_trainer,

@@ -26,9 +26,9 @@ import psutil
 import torch
 
 from megaseq.distributed.sharded import read_full_weights
-from megaseq.testing import assert_close
-from megaseq.testing.layouts import single_trainer, train_single
 from megaseq.train.checkpoint import read_meta
+from megaseq_testkit import assert_close
+from megaseq_testkit.layouts import single_trainer, train_single
 
 STEPS = 4  # killed once the step-2 checkpoint is complete: two steps before, two after
 REPO = Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ import torch
 
 from megaseq.config import validate_recipe
 from megaseq.plugins import get_plugins
-from megaseq.testing.engine import EngineConformance
 from megaseq.train.trainer import Trainer
 from megaseq_rl.loop import RLRun
 from megaseq_rl.recipe import validate_rl_recipe
+from megaseq_testkit.engine import EngineConformance
 
 HYBRID = {
     "model": {"d_model": 32, "n_layers": 4, "layer_pattern": ["kda", "kda", "kda", "dsa"], "moe": "chunked", "dense_layers": 1, "vocab_size": 7},
@@ -80,7 +80,7 @@ def test_gap_reports_both_routing_modes(hybrid_checkpoint):
 def test_rl_step_with_memory_policies_equals_without(tmp_path, hybrid_checkpoint):
     """train.memory_policy in an RL recipe: the policies act on the policy model (recompute re-runs blocks in
     backward, offload moves saved tensors out) and the step is the one without them."""
-    from megaseq.testing import assert_close
+    from megaseq_testkit import assert_close
 
     plugins = get_plugins()
     updated = {}

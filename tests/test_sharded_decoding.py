@@ -28,8 +28,8 @@ from megaseq.distributed.layout import Layout
 from megaseq.errors import UserError
 from megaseq.inference import SamplingParams
 from megaseq.inference.cached import CachedEngine, check_decoding_layout, sharded_engine
-from megaseq.testing import assert_close, installed_plugins
-from megaseq.testing.distributed import run_gloo
+from megaseq_testkit import assert_close, installed_plugins
+from megaseq_testkit.distributed import run_gloo
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # tests/conftest.py
 
@@ -113,7 +113,7 @@ def _share_bound(whole: dict[str, torch.Tensor], split: dict[str, list[int]]) ->
 
 @pytest.mark.slow
 def test_sharded_decoding_equals_one_process_and_holds_only_its_shards(hybrid, tmp_path, capsys):
-    from megaseq.testing.layouts import single_trainer
+    from megaseq_testkit.layouts import single_trainer
 
     trainer = single_trainer(hybrid, tmp_path / "trained")  # trained weights: what update_weights and a checkpoint carry
     trainer.train_step()

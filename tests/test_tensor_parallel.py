@@ -21,8 +21,8 @@ pytest.importorskip("megatron.core", reason="needs the distributed extra: pip in
 
 from megaseq.cli import main
 from megaseq.distributed.layout import Layout
-from megaseq.testing.distributed import run_gloo
-from megaseq.testing.layouts import assert_same_run, single_trainer, train_single, train_under_layouts
+from megaseq_testkit.distributed import run_gloo
+from megaseq_testkit.layouts import assert_same_run, single_trainer, train_single, train_under_layouts
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # tests/conftest.py
 

@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
-from megaseq.testing import build_component, fresh_plugins
-from megaseq.testing.attention import AttentionConformance, assert_close
 from megaseq_sliding_window.config import SlidingWindowConfig
 from megaseq_sliding_window.layer import SlidingWindowAttention, rope
+from megaseq_testkit import build_component, fresh_plugins
+from megaseq_testkit.attention import AttentionConformance, assert_close
 
 # --------------------------------------------------------------------------------------------- conformance
 

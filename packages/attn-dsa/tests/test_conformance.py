@@ -10,8 +10,8 @@ scores sum more than one head.
 
 from typing import Any, ClassVar
 
-from megaseq.testing.attention import AttentionConformance
-from megaseq.testing.tensor_parallel import check_tensor_parallel
+from megaseq_testkit.attention import AttentionConformance
+from megaseq_testkit.tensor_parallel import check_tensor_parallel
 
 SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}
 

@@ -1,5 +1,5 @@
 """Every Triton launch of the DSA kernels, compiled for a Hopper GPU (sm_90) on the CPU, fits its 227 KiB of
-shared memory per block (megaseq.testing.hopper). The interpreter tests cannot see this: at the reported
+shared memory per block (megaseq_testkit.hopper). The interpreter tests cannot see this: at the reported
 shapes the sparse attention backward asked for 401 KiB with whole value tiles and Triton's default
 pipelining, and failed to launch on an H200.
 
@@ -30,8 +30,8 @@ KERNELS = {"_indexer_topk_kernel", "_sparse_attention_fwd_kernel", "_sparse_atte
 def compile_launches() -> list[dict]:
     import torch
 
-    from megaseq.testing.hopper import compiled_for_hopper
     from megaseq_dsa.ops.triton import select_topk_triton, sparse_attention_triton
+    from megaseq_testkit.hopper import compiled_for_hopper
 
     length, index_heads, index_dim, topk, heads, dim, dim_v = 256, 32, 128, 2048, 16, 576, 512
     with compiled_for_hopper() as launches:

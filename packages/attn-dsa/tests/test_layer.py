@@ -25,13 +25,13 @@ from megaseq import backends as core_backends
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
 from megaseq.rotary import rotary
-from megaseq.testing import build_component
-from megaseq.testing.attention import assert_close
 from megaseq_dsa.backends import BACKENDS
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.layer import memory_estimate
 from megaseq_dsa.ops import indexer_scores_reference, select_topk_reference
 from megaseq_dsa.ops.indexer import document_starts
+from megaseq_testkit import build_component
+from megaseq_testkit.attention import assert_close
 
 SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}
 D_MODEL = 16
@@ -372,8 +372,8 @@ TRITON_SCRIPT = textwrap.dedent(
     import torch
     from megaseq.contracts import ForwardContext
     from megaseq.records import ModelDims
-    from megaseq.testing import build_component
-    from megaseq.testing.attention import assert_close
+    from megaseq_testkit import build_component
+    from megaseq_testkit.attention import assert_close
 
     import megaseq_dsa.ops.indexer
 
@@ -446,7 +446,7 @@ def test_backward_never_keeps_the_selected_keys_per_query():
     backward per token stays below one query's gathered latent keys (slots x kv_lora_rank x 4 bytes)."""
     from megaseq.contracts import ForwardContext
     from megaseq.records import ModelDims
-    from megaseq.testing import build_component
+    from megaseq_testkit import build_component
 
     config = dict(n_heads=2, head_dim=16, q_lora_rank=32, kv_lora_rank=32, index_heads=2, index_dim=16, topk=64,
                   query_chunk=16)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaseq.testing.attention import check_context_parallel
-from megaseq.testing.distributed import run_gloo
 from megaseq_dsa.testing import context_parallel_cases
+from megaseq_testkit.attention import check_context_parallel
+from megaseq_testkit.distributed import run_gloo
 
 D_MODEL = 16
 SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}

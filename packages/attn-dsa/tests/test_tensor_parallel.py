@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from megaseq.records import ModelDims
-from megaseq.testing import build_component
-from megaseq.testing.distributed import run_gloo
-from megaseq.testing.tensor_parallel import check_tensor_parallel
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.layer import memory_estimate
 from megaseq_dsa.testing import tp_saved_bytes
+from megaseq_testkit import build_component
+from megaseq_testkit.distributed import run_gloo
+from megaseq_testkit.tensor_parallel import check_tensor_parallel
 
 CONFIG = {"n_heads": 4, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 4, "index_dim": 8,
           "topk": 8}
@@ -37,7 +37,7 @@ def test_the_triton_backend_passes_the_tensor_parallel_check():
     TRITON_INTERPRET is set before triton is imported)."""
     pytest.importorskip("triton")
     env = {**os.environ} if torch.cuda.is_available() else {**os.environ, "TRITON_INTERPRET": "1"}
-    code = ("from megaseq.testing.tensor_parallel import check_tensor_parallel; "
+    code = ("from megaseq_testkit.tensor_parallel import check_tensor_parallel; "
             f"check_tensor_parallel('attention', 'dsa', {{**{CONFIG!r}, 'backend': 'triton'}})")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,7 +4,7 @@ rotary part) and in the dense warm-up; the indexer loss of the tiles adds up to 
 
 from typing import Any, ClassVar
 
-from megaseq.testing.tiling import SequenceTilingConformance
+from megaseq_testkit.tiling import SequenceTilingConformance
 
 SMALL = {"n_heads": 3, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "index_heads": 2, "index_dim": 8}
 

@@ -6,7 +6,7 @@ context-parallel test runs 2 gloo ranks, packed and not; 4 ranks are in test_par
 
 from typing import Any, ClassVar
 
-from megaseq.testing.attention import AttentionConformance
+from megaseq_testkit.attention import AttentionConformance
 
 
 class TestKDABounded(AttentionConformance):

@@ -35,8 +35,8 @@ from megaseq.contracts import ForwardContext
 from megaseq.interop.files import read_tensors, same_tensors
 from megaseq.model import build_model
 from megaseq.plugins import get_plugins
-from megaseq.testing.hf import assert_round_trip
 from megaseq.train import checkpoint
+from megaseq_testkit.hf import assert_round_trip
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # fla warns that Triton falls back to the CPU

@@ -1,5 +1,5 @@
 """Every Triton launch of chunk_kda_triton, forward and backward, compiled for a Hopper GPU (sm_90) on the CPU,
-fits its 227 KiB of shared memory per block (megaseq.testing.hopper). The interpreter tests cannot see this:
+fits its 227 KiB of shared memory per block (megaseq_testkit.hopper). The interpreter tests cannot see this:
 at K = V = 128 in fp32 the backward state kernel asked for 241 KiB with Triton's default pipelining and
 failed to launch on an H200.
 
@@ -31,8 +31,8 @@ KERNELS = {"chunk_cumsum_kernel", "kk_scores_kernel", "wy_fwd_kernel", "state_fw
 def compile_launches() -> list[dict]:
     import torch
 
-    from megaseq.testing.hopper import compiled_for_hopper
     from megaseq_kda.ops.triton import chunk_kda_triton
+    from megaseq_testkit.hopper import compiled_for_hopper
 
     length, heads, dim = 150, 2, 128
     with compiled_for_hopper() as launches:

@@ -30,12 +30,12 @@ import megaseq_kda.layer
 from megaseq import backends as core_backends
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.records import ModelDims
-from megaseq.testing.attention import assert_close
 from megaseq_kda.backends import BACKENDS
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.layer import causal_conv, memory_estimate
 from megaseq_kda.ops import chunk_kda, naive_recurrent_kda
 from megaseq_kda.testing import build_layer
+from megaseq_testkit.attention import assert_close
 
 D_MODEL = 24
 SMALL = {"n_heads": 2, "head_dim": 8}

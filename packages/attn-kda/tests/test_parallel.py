@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import megaseq_kda.ops.chunk as chunk_module
 from megaseq.contracts import ContextParallel
-from megaseq.testing.attention import assert_close, check_context_parallel
 from megaseq_kda.ops import chunk_kda
 from megaseq_kda.parallel import context_parallel_kda
+from megaseq_testkit.attention import assert_close, check_context_parallel
 
 D_MODEL = 16
 BOUNDED = {"n_heads": 2, "head_dim": 8}

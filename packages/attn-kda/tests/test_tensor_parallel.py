@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megaseq.records import ModelDims
-from megaseq.testing import assert_close
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.layer import build, memory_estimate
+from megaseq_testkit import assert_close
 
 CONFIG = KDAConfig(n_heads=4, head_dim=8)
 

@@ -4,7 +4,7 @@ covered, as are documents that start at or run across tile boundaries."""
 
 from typing import Any, ClassVar
 
-from megaseq.testing.tiling import SequenceTilingConformance
+from megaseq_testkit.tiling import SequenceTilingConformance
 
 
 class TestKDATiling(SequenceTilingConformance):

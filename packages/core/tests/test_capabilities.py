@@ -15,7 +15,7 @@ from megaseq.hookspecs import hookimpl
 from megaseq.memory.machine import GiB, Machine
 from megaseq.memory.plan import plan
 from megaseq.records import AttentionSpec, ComponentConfig, MemoryEstimate, MemoryPolicySpec, MoESpec
-from megaseq.testing import fresh_plugins, registered
+from megaseq_testkit import fresh_plugins, registered
 
 
 class Config(ComponentConfig):

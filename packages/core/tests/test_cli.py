@@ -18,7 +18,7 @@ from megaseq.config import validate_recipe
 from megaseq.errors import PluginError
 from megaseq.hookspecs import hookimpl
 from megaseq.records import AttentionSpec
-from megaseq.testing import fresh_plugins
+from megaseq_testkit import fresh_plugins
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megaseq.parallel import collectives
-from megaseq.testing.distributed import run_gloo
+from megaseq_testkit.distributed import run_gloo
 
 pytestmark = pytest.mark.slow  # starts gloo ranks
 

@@ -8,7 +8,7 @@ import pytest
 
 from megaseq.config import apply_overrides, load_recipe, parse_override, validate_recipe
 from megaseq.errors import ConfigError, UserError
-from megaseq.testing import fresh_plugins
+from megaseq_testkit import fresh_plugins
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -30,7 +30,7 @@ from megaseq.data.tokenizer import N_ID, SOFTMASK_FLAG
 from megaseq.errors import UserError
 from megaseq.hookspecs import hookimpl
 from megaseq.records import DataSourceSpec
-from megaseq.testing import fresh_plugins
+from megaseq_testkit import fresh_plugins
 
 MULTI_RECORD = b">chr1 first record\nACGTac\r\ngtNN\n\n>empty\n>chr3\nRYkm\nACGT"
 MULTI_RECORD_PARSED = [("chr1", b"ACGTacgtNN"), ("empty", b""), ("chr3", b"RYkmACGT")]

@@ -9,8 +9,8 @@ from megaseq.contracts import ForwardContext
 from megaseq.documents import Documents, as_documents
 from megaseq.dtypes import compute_dtype
 from megaseq.parallel import all_gather, all_to_all, gather_sequence, zigzag_shard
-from megaseq.testing import watch_host_syncs
-from megaseq.testing.distributed import run_gloo
+from megaseq_testkit import watch_host_syncs
+from megaseq_testkit.distributed import run_gloo
 
 CU = [0, 3, 8, 8, 12, 20]  # an empty document at 8
 

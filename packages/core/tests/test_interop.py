@@ -20,7 +20,7 @@ from megaseq.interop.layouts import layout_of
 from megaseq.interop.recipe_toml import dumps
 from megaseq.interop.tokens import token_ids_for
 from megaseq.records import FFNSpec
-from megaseq.testing import fresh_plugins, registered
+from megaseq_testkit import fresh_plugins, registered
 
 
 def test_recipe_toml_reads_back_as_the_same_recipe():
@@ -109,7 +109,7 @@ def test_a_mapping_target_without_the_contract_is_reported():
 def test_swiglu_and_sdpa_round_trip_and_a_component_without_mapping_is_refused():
     from megaseq.interop.convert import model_to_hf
     from megaseq.model import build_model
-    from megaseq.testing.hf import assert_round_trip
+    from megaseq_testkit.hf import assert_round_trip
 
     plugins = fresh_plugins()
     # core alone has no kda: fla's layout holds an all-sdpa model (every layer in config.attn)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megaseq.config import validate_recipe
 from megaseq.contracts import ForwardContext
 from megaseq.model import RMSNorm, build_model, chunked_token_losses
-from megaseq.testing import assert_close, fresh_plugins
+from megaseq_testkit import assert_close, fresh_plugins
 
 
 def tiny_model(**model):

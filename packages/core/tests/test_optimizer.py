@@ -14,9 +14,9 @@ from torch import nn
 from megaseq.config import TrainConfig, validate_recipe
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
-from megaseq.testing import fresh_plugins
 from megaseq.train.optimizer import HostAdamW, make_optimizer, param_groups
 from megaseq.train.trainer import Trainer
+from megaseq_testkit import fresh_plugins
 
 RTOL = 1e-6
 STEPS = 5

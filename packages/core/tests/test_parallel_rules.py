@@ -21,8 +21,8 @@ from megaseq.distributed.layout import Layout
 from megaseq.errors import TrainingDiverged, UserError
 from megaseq.hookspecs import hookimpl
 from megaseq.records import AttentionSpec, ComponentConfig
-from megaseq.testing import fresh_plugins, registered
 from megaseq.train.trainer import Trainer
+from megaseq_testkit import fresh_plugins, registered
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,7 @@ def test_without_the_extra_a_layout_says_how_to_install_it(tmp_path, capsys, mon
 
 def test_core_imports_neither_megatron_nor_ray():
     code = (
-        "import sys, megaseq.cli, megaseq.train.trainer, megaseq.distributed.launch, megaseq.testing.layouts; "
+        "import sys, megaseq.cli, megaseq.train.trainer, megaseq.distributed.launch, megaseq_testkit.layouts; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'megatron')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout

@@ -23,7 +23,7 @@ from megaseq.memory.plan import plan
 from megaseq.memory.plan_report import describe_memory_policy, render_table
 from megaseq.model import build_model
 from megaseq.records import AttentionSpec, ComponentConfig, MemoryEffect, MemoryEstimate, MemoryPolicySpec, ModelDims
-from megaseq.testing import fresh_plugins
+from megaseq_testkit import fresh_plugins
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = str(REPO / "recipes" / "tiny.toml")

@@ -12,7 +12,7 @@ from megaseq import cli
 from megaseq.errors import UserError
 from megaseq.hookspecs import hookimpl
 from megaseq.records import CommandSpec
-from megaseq.testing import fresh_plugins
+from megaseq_testkit import fresh_plugins
 
 calls: list[list[str]] = []
 

@@ -14,7 +14,7 @@ from megaseq.errors import PluginError
 from megaseq.hookspecs import hookimpl
 from megaseq.plugins import Plugins
 from megaseq.records import AttentionSpec, ComponentConfig, FFNSpec
-from megaseq.testing import env, fresh_plugins, registered
+from megaseq_testkit import env, fresh_plugins, registered
 
 
 class Width(ComponentConfig):

@@ -1,6 +1,6 @@
 """Core's ``sdpa`` attention passes the attention conformance suite (with and without RoPE)."""
 
-from megaseq.testing.attention import AttentionConformance
+from megaseq_testkit.attention import AttentionConformance
 
 
 class TestSDPA(AttentionConformance):

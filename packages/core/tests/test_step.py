@@ -115,9 +115,9 @@ def test_moe_load_reaches_the_step_metrics() -> None:
 
     from megaseq.contracts import LOAD_STAT_KEYS, ForwardContext
     from megaseq.records import ModelDims
-    from megaseq.testing import load_factory
+    from megaseq_testkit import load_factory
 
-    build = load_factory(f"{Path(__file__).with_name('moe_variants.py')}:LoopMoE")
+    build = load_factory(f"{Path(__file__).parents[2] / 'testkit' / 'tests' / 'moe_variants.py'}:LoopMoE")  # the kit's reference MoE
     torch.manual_seed(0)
     model = nn.Sequential(*(build({}, ModelDims(d_model=8, n_layers=2, vocab_size=8), i) for i in range(2)))
     h = torch.randn(1, 12, 8)

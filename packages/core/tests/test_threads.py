@@ -94,8 +94,8 @@ def test_a_lone_trainer_takes_every_core_and_two_share_them(registry):
 
 def test_the_trainer_takes_its_share_at_a_step(registry, tmp_path, monkeypatch):
     from megaseq.config import validate_recipe
-    from megaseq.testing import fresh_plugins
     from megaseq.train.trainer import Trainer
+    from megaseq_testkit import fresh_plugins
 
     monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

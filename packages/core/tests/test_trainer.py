@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from megaseq.config import validate_recipe
 from megaseq.hookspecs import hookimpl
 from megaseq.records import ComponentConfig, MemoryPolicySpec
-from megaseq.testing import fresh_plugins, registered
 from megaseq.train.trainer import Trainer
+from megaseq_testkit import fresh_plugins, registered
 
 
 @pytest.fixture(autouse=True)

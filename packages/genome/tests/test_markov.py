@@ -10,10 +10,10 @@ import torch
 
 from megaseq.data import GenomeWindows, encode, tokenized
 from megaseq.eval import PositionLoss
-from megaseq.testing.baseline import BaselineConformance
 from megaseq_genome import markov
 from megaseq_genome.config import MarkovConfig
 from megaseq_genome.markov import MarkovBaseline
+from megaseq_testkit.baseline import BaselineConformance
 
 BASES = "ACGT"
 

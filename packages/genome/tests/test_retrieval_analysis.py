@@ -21,10 +21,10 @@ from megaseq.eval.evaluate import evaluate_heldout
 from megaseq.hookspecs import hookimpl
 from megaseq.model import build_model
 from megaseq.records import BaselineSpec
-from megaseq.testing import fresh_plugins
-from megaseq.testing.eval_analysis import EvalAnalysisConformance
 from megaseq_genome.config import RetrievalConfig
 from megaseq_genome.retrieval import BUCKETS, RetrievalLoss, build, last_occurrence
+from megaseq_testkit import fresh_plugins
+from megaseq_testkit.eval_analysis import EvalAnalysisConformance
 
 REPO = Path(__file__).resolve().parents[3]
 K = 20

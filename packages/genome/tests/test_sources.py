@@ -12,8 +12,8 @@ import pytest
 
 from megaseq.data import DataError, read_fasta
 from megaseq.data.sources import default_cache_dir
-from megaseq.testing.data_source import DataSourceConformance
 from megaseq_genome import sources
+from megaseq_testkit.data_source import DataSourceConformance
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ balance loss (whose counts the tensor-parallel check needs summed over the ranks
 
 import torch
 
-from megaseq.testing.moe import MoEConformance
+from megaseq_testkit.moe import MoEConformance
 
 
 class ChunkedSuite(MoEConformance):

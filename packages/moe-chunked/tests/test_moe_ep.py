@@ -18,9 +18,9 @@ from torch import Tensor
 from megaseq.contracts import ForwardContext, RoutingReplay
 from megaseq.parallel import collectives
 from megaseq.records import ModelDims
-from megaseq.testing.distributed import run_gloo
 from megaseq_moe.config import ChunkedMoEConfig
 from megaseq_moe.layer import AUX_LOSS_NAME, ChunkedMoE, build
+from megaseq_testkit.distributed import run_gloo
 
 D, WORLD = 32, 2
 BASE = {"n_experts": 4, "top_k": 2, "expert_hidden": 24, "init_std": 0.2, "swiglu_limit": 1.0}

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaseq.testing.moe import check_local_experts
 from megaseq_moe.config import ChunkedMoEConfig
 from megaseq_moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported, swiglu
 from megaseq_moe.layer import ChunkedMoE
+from megaseq_testkit.moe import check_local_experts
 
 RTOL = 1e-5  # max abs error <= RTOL * max(1, max |reference|)
 

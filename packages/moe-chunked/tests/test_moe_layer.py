@@ -19,11 +19,11 @@ from torch.utils._pytree import tree_leaves
 import megaseq_moe.plugin
 from megaseq.contracts import ContextParallel, ForwardContext, RoutingReplay
 from megaseq.records import ModelDims
-from megaseq.testing import fresh_plugins, registered
-from megaseq.testing.moe import dense_reference
 from megaseq.train.state import StepInfo
 from megaseq_moe.config import ChunkedMoEConfig
 from megaseq_moe.layer import AUX_LOSS_NAME, ChunkedMoE, build, memory_estimate
+from megaseq_testkit import fresh_plugins, registered
+from megaseq_testkit.moe import dense_reference
 
 D = 32
 RTOL = 1e-5
@@ -121,7 +121,7 @@ def _balance_loss_run(rank: int, world: int, packed: bool) -> dict[str, Tensor]:
 def test_balance_loss_shares_under_context_parallelism_add_up(packed: bool) -> None:
     """Under CP=2 each rank's loss is a share: the shares, the parameter gradients summed over ranks and the
     input gradients put back in place equal one process on the whole sequence."""
-    from megaseq.testing.distributed import run_gloo
+    from megaseq_testkit.distributed import run_gloo
 
     whole = _balance_loss_run(0, 1, packed)
     ranks = run_gloo(2, _balance_loss_run, packed)

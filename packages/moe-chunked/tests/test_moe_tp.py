@@ -1,4 +1,4 @@
-"""Wrong tensor-parallel MoE layers that core's check (``megaseq.testing.tensor_parallel``, which the conformance
+"""Wrong tensor-parallel MoE layers that core's check (``megaseq_testkit.tensor_parallel``, which the conformance
 suite runs on the chunked MoE) must catch: expert blocks that never see the other ranks' rows, and a balance
 loss that counts only this rank's chunk (its gradient reaches the wrong tokens)."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
-from megaseq.testing.tensor_parallel import check_tensor_parallel
 from megaseq_moe.config import ChunkedMoEConfig
 from megaseq_moe.layer import ChunkedMoE
+from megaseq_testkit.tensor_parallel import check_tensor_parallel
 
 pytestmark = pytest.mark.slow  # every test starts gloo ranks
 

@@ -8,7 +8,7 @@ spawns two gloo processes, so it runs for whole-block recompute and for offload 
 
 from typing import Any, ClassVar
 
-from megaseq.testing.memory_policy import MemoryPolicyConformance
+from megaseq_testkit.memory_policy import MemoryPolicyConformance
 
 
 class TestRecomputeBlocks(MemoryPolicyConformance):

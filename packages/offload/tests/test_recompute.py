@@ -22,11 +22,11 @@ from megaseq.errors import UserError
 from megaseq.hookspecs import hookimpl
 from megaseq.model import build_model
 from megaseq.records import AttentionSpec, ComponentConfig
-from megaseq.testing import fresh_plugins
 from megaseq_offload.config import OffloadConfig, RecomputeConfig
 from megaseq_offload.plugin import RECOMPUTE_PRESETS
 from megaseq_offload.policies import RecomputePolicy, offload_effect, recompute_effect
 from megaseq_offload.recompute import run_unit, tiled_block_forward
+from megaseq_testkit import fresh_plugins
 
 D, LAYERS, T = 16, 4, 90
 

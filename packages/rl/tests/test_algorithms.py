@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from megaseq.testing.rl import RLAlgorithmConformance
 from megaseq_rl.algorithms import DAPO, GRPO, RLOO
 from megaseq_rl.config import DAPOConfig, GRPOConfig, RLOOConfig
+from megaseq_testkit.rl import RLAlgorithmConformance
 
 
 class TestGRPOConformance(RLAlgorithmConformance):

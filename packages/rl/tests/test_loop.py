@@ -19,14 +19,14 @@ from megaseq.cli import main
 from megaseq.errors import UserError
 from megaseq.inference.cached import CachedEngine
 from megaseq.plugins import get_plugins
-from megaseq.testing import assert_close
-from megaseq.testing.distributed import run_gloo
 from megaseq.train.checkpoint import read_meta
 from megaseq.train.rundir import RunLock
 from megaseq_rl.algorithms import PolicyGradient
 from megaseq_rl.loop import RLRun
 from megaseq_rl.recipe import validate_rl_recipe
 from megaseq_rl.task import ContinuationTask
+from megaseq_testkit import assert_close
+from megaseq_testkit.distributed import run_gloo
 
 
 def rl_recipe(tmp_path: Path, checkpoint: Path, **sections) -> dict:

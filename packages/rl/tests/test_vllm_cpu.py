@@ -21,9 +21,9 @@ from megaseq.config import validate_recipe
 from megaseq.contracts import ForwardContext
 from megaseq.model import build_model
 from megaseq.plugins import get_plugins
-from megaseq.testing.engine import EngineConformance
 from megaseq_rl.vllm import register as register_module
 from megaseq_rl.vllm.translate import ARCHITECTURE, export_model_dir, from_vllm_names, recipe_from_config, vllm_config
+from megaseq_testkit.engine import EngineConformance
 
 from .conftest import TINY_POLICY
 

@@ -13,11 +13,11 @@ import megaseq_dsa.ops
 from megaseq.contracts import TensorParallel
 from megaseq.documents import Documents
 from megaseq.records import ModelDims
-from megaseq.testing import build_component
-from megaseq.testing.attention import cp_rank_step
 from megaseq_dsa.backends import DSAOps
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.layer import DeepSeekSparseAttention
+from megaseq_testkit import build_component
+from megaseq_testkit.attention import cp_rank_step
 
 
 def build_layer(config: dict[str, Any], d_model: int, seed: int = 0) -> nn.Module:

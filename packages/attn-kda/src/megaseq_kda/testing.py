@@ -10,9 +10,9 @@ import torch
 from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
-from megaseq.testing import watch_host_syncs
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.layer import KimiDeltaAttention, build
+from megaseq_testkit import watch_host_syncs
 
 
 def build_layer(config: dict[str, Any], d_model: int, seed: int = 0) -> KimiDeltaAttention:

@@ -3,7 +3,7 @@
 A component is an ``nn.Module`` built by its record's target, ``build(config, dims, layer_idx)``. Every
 forward receives a :class:`ForwardContext` that carries what is shared by all layers of one forward pass:
 document boundaries of packed rows, the context-parallel shard, routing record/replay, and places to put
-auxiliary losses and metrics. The conformance suites in ``megaseq.testing`` are the executable form of
+auxiliary losses and metrics. The conformance suites in ``megaseq_testkit`` are the executable form of
 these contracts.
 
 Example: a minimal attention component (see docs/writing-a-plugin.md for the packaging around it)::
@@ -385,7 +385,7 @@ class MemoryPolicy(Protocol):
     equal those without it (bitwise where the order of operations is unchanged), also under context
     parallelism. A lossy policy (one that rounds what it keeps, e.g. bf16 copies) states its bound: the
     relative error of the loss and of the whole gradient vector. Recomputation gets auxiliary losses and metrics right by construction: a forward re-run in
-    backward does not record them again (``ForwardContext.recomputing``). ``megaseq.testing.memory_policy.
+    backward does not record them again (``ForwardContext.recomputing``). ``megaseq_testkit.memory_policy.
     MemoryPolicyConformance`` is the executable form of this contract.
     """
 
@@ -430,7 +430,7 @@ class SequenceTiling(Protocol):
     documents cross tile boundaries. Auxiliary losses are this tile's share (shares add up to the full
     loss, as under context parallelism); metrics are per-token means over the tile (the caller combines
     tiles weighted by their lengths). Tiling is for training forwards: no cache, no context parallelism.
-    ``megaseq.testing.tiling.SequenceTilingConformance`` checks all of this.
+    ``megaseq_testkit.tiling.SequenceTilingConformance`` checks all of this.
     """
 
     def forward_tile(
@@ -491,7 +491,7 @@ class Baseline(Protocol):
     (token ids, ``megaseq.data.tokenizer``) returns ``[B, T]`` losses in nats, finite and non-negative, 0
     where the target is N; the target at position p is predicted from ``inputs[:, : p + 1]`` only: never
     from a later input (``inputs[:, p + 1]`` is ``targets[:, p]``) nor from outside the window.
-    ``megaseq.testing.baseline.BaselineConformance`` checks all of this.
+    ``megaseq_testkit.baseline.BaselineConformance`` checks all of this.
     """
 
     label: str
@@ -534,7 +534,7 @@ class EvalAnalysis(Protocol):
     called once after every ``add``: it returns ``(result, table)``, a dict that ``json.dumps`` writes
     without NaN or infinity (it goes under ``"analyses"`` in ``heldout.json``) and a text table for the
     console, and writes its own files (plots) into ``out_dir`` only, nothing when ``out_dir`` is ``None``.
-    ``megaseq.testing.eval_analysis.EvalAnalysisConformance`` checks all of this.
+    ``megaseq_testkit.eval_analysis.EvalAnalysisConformance`` checks all of this.
     """
 
     def add(self, scorer: str, window: int, ids: Any, losses: Any, weights: Any) -> None: ...

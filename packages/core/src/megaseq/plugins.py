@@ -170,7 +170,7 @@ class Plugins:
     """The plugin manager: registration, status per plugin, and the component registry.
 
     ``Plugins()`` registers core's built-ins; :meth:`load_entrypoints` adds installed plugins (what
-    :func:`get_plugins` does for the CLI and trainer). Tests use ``megaseq.testing.fresh_plugins``.
+    :func:`get_plugins` does for the CLI and trainer). Tests use ``megaseq_testkit.fresh_plugins``.
     """
 
     def __init__(self) -> None:

@@ -200,7 +200,7 @@ class Component(Record):
     has, from :data:`CAPABILITIES` for its kind; its conformance suite verifies each one it declares.
     ``mapping`` optionally resolves to the component's Hugging Face name and layout mapping (an object with
     :data:`MAPPING_METHODS`, ``megaseq.interop.ComponentMapping``), which ``megaseq import`` and ``megaseq
-    export`` use; a component without one is refused there in one line. ``megaseq.testing.hf`` checks it.
+    export`` use; a component without one is refused there in one line. ``megaseq_testkit.hf`` checks it.
     """
 
     config: type[ComponentConfig] = NoConfig

@@ -3,7 +3,7 @@
 The groups come from megatron-core's ``parallel_state`` (pipeline parallelism 1; its rank order puts the
 ``tp`` ranks of a context-parallel rank next to each other, then the ``cp`` ranks of a replica; the expert
 groups lay the same ranks out as ``etp x ep x edp``, expert-tensor-parallel ranks next to each other). ``torch.distributed`` must already be initialised by the launcher (Ray Train, torchrun, or
-``megaseq.testing.distributed.run_gloo``). ``Parallel()`` is the single process: no group, no collective,
+``megaseq_testkit.distributed.run_gloo``). ``Parallel()`` is the single process: no group, no collective,
 no import of torch.distributed machinery or megatron-core.
 
 What the trainer asks of a ``Parallel``, and why each rule makes every layout equal the single process:

@@ -4,7 +4,7 @@ An engine is a plugin kind (hook ``megaseq_inference_engine``, record ``Inferenc
 its record's target as ``build(config, recipe, plugins)`` for the model a recipe describes. It
 generates continuations with per-token log-probabilities and the MoE routing it used, scores given tokens,
 and takes new weights from the trainer. Core provides ``cached`` (``megaseq.inference.cached``), which
-decodes with the components' own caches; ``megaseq.testing.engine.EngineConformance`` is the executable
+decodes with the components' own caches; ``megaseq_testkit.engine.EngineConformance`` is the executable
 form of this contract.
 
 Log-probabilities are those of the *policy at temperature T*: ``log softmax(logits / T)`` of the chosen

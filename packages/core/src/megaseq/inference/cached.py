@@ -198,7 +198,7 @@ def sharded_engine(
     config: CachedEngineConfig, recipe: Recipe, plugins: Plugins, layout: Layout, checkpoint: Path | None = None
 ) -> Iterator[CachedEngine]:
     """Inside a launched worker (``torch.distributed`` initialised by Ray Train, torchrun or
-    ``megaseq.testing.distributed.run_gloo``, as for training): ``layout``'s process groups, created as training
+    ``megaseq_testkit.distributed.run_gloo``, as for training): ``layout``'s process groups, created as training
     creates them (``init_process_groups``), and this rank's engine on them; the groups end with the block."""
     from megaseq.distributed.groups import destroy_process_groups, init_process_groups
 

@@ -19,7 +19,7 @@ A component declares its mapping on its record (``Component.mapping = "module:at
 not know it raises :class:`InteropError`. Core's walker (``megaseq.interop.convert``) reads the config, decides
 which component each layer's sub-modules are, prefixes the names, and checks the result against the model
 the recipe builds (every tensor present, every shape as the config says). Import of export is the identity:
-``megaseq.testing.hf.assert_round_trip`` checks a mapping for it.
+``megaseq_testkit.hf.assert_round_trip`` checks a mapping for it.
 """
 
 from __future__ import annotations

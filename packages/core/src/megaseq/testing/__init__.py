@@ -1,219 +1,52 @@
-r"""Test kit for plugin authors: fresh plugin managers, temporary registration, conformance suites.
+"""``megaseq.testing`` moved to its own package, ``megaseq-testkit`` (``import megaseq_testkit``).
 
-Typical plugin test::
-
-    from megaseq.testing.attention import AttentionConformance
-
-    class TestMyAttention(AttentionConformance):
-        name = "my-attention"
-        config = {"n_heads": 2}
-
-The suites are the executable definition of "a working plugin", one per kind:
-
-- ``megaseq.testing.attention.AttentionConformance`` (kind ``attention``),
-- ``megaseq.testing.ffn.FeedForwardConformance`` (``ffn``),
-- ``megaseq.testing.moe.MoEConformance`` (``moe``),
-- ``megaseq.testing.tiling.SequenceTilingConformance`` (attention components that tile),
-- ``megaseq.testing.memory_policy.MemoryPolicyConformance`` (``memory_policy``),
-- ``megaseq.testing.rl.RLAlgorithmConformance`` (``rl_algorithm``),
-- ``megaseq.testing.engine.EngineConformance`` (``inference_engine``),
-- ``megaseq.testing.data_source.DataSourceConformance`` (``data_source``),
-- ``megaseq.testing.baseline.BaselineConformance`` (``baseline``),
-- ``megaseq.testing.eval_analysis.EvalAnalysisConformance`` (``eval_analysis``).
-
-They build components by name through the installed entry points, so they also check that registration
-works. Their building blocks are in ``megaseq.testing.checks``. Every suite takes its settings as class
-attributes, the same names for the same things (docs/writing-a-plugin.md holds this table too):
-
-| knob | suites | default | meaning |
-|---|---|---|---|
-| `name` | all | (required) | the component's registered name |
-| `config` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline, eval analysis | `{}` | its config, as its recipe section would give it |
-| `factory` | attention, ffn, moe, tiling, memory policy, rl, engine | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; core's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy or an RL algorithm `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)` |
-| `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
-| `kind` | ffn, moe | `"ffn"` / `"moe"` | the kind to build (set by the suite class) |
-| `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
-| `d_model` | attention, ffn, moe, tiling | 32 | model width |
-| `tolerance` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline, eval analysis | 1e-5; memory policy, baseline 1e-6; rl 1e-10; engine 1e-4; eval analysis 1e-9 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; eval analysis: each number of two results, relative to its size; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
-| `grad_tolerance` | attention, ffn, moe | 1e-6 | error bound of the float64 finite-difference gradient check, relative to `max(1, \|derivative\|)` |
-| `invariance_tolerance` | rl | 1e-4 | shift and scale invariance of advantages, relative to the largest advantage |
-| `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement |
-| `memory_lengths` | attention, ffn, moe, tiling | `(64, 256)` | sequence lengths at which the estimate is checked (tiling: in four tiles) |
-| `seq_len` | attention, ffn, moe, tiling, memory policy, eval analysis | 48; ffn, moe 13; tiling 45; memory policy 67; eval analysis 701 | tokens per row (memory policy: per micro-batch; eval analysis: targets per window) |
-| `grad_seq_len` | attention, ffn, moe | 10; ffn, moe 5 | tokens per row of the gradient check (each parameter costs two forwards) |
-| `batch` | ffn, moe, engine | 2; engine 3 | rows (engine: prompts) |
-| `doc_lengths` | attention, tiling, memory policy | `(5, 17, 0, 1, 25)`; tiling `(12, 4, 13, 0, 16)`; memory policy `(20, 1, 29, 17)` | documents of the packed tests (an empty one included; tiling: one starts on a tile edge) |
-| `prefill` | attention | 19 | tokens decoded as one prefill before the decoding steps |
-| `decode_steps` | attention | `(3, 1, 5, 2)` | token counts of the decoding steps after the prefill, cycled, beside single-token steps |
-| `capabilities` | attention, ffn, moe, tiling, memory policy | `None` | with `factory`: the capabilities the component or policy would declare on its record (`megaseq.records.CAPABILITIES`); the suites verify what is declared and check the one-line refusal of what is not |
-| `cp_world_sizes` | attention, memory policy | `(2, 4)`; memory policy `(2,)` | context-parallel sizes to check when `context_parallel` is declared (memory policy: and the config does not tile sequences) |
-| `cp_seq_len` | attention, memory policy | 32; memory policy 68 | tokens of the context-parallel sequence (a multiple of `2 x` every size) |
-| `chunk_sizes` | moe | `(7, 1)` | `chunk_tokens` values compared with unchunked |
-| `tile_sizes` | tiling | `(1, 7, 16, 45)` | tile lengths compared with the untiled forward |
-| `packed_tile_sizes` | tiling | `(5, 16)` | tile lengths of the packed test |
-| `exact` | memory policy | `True` | results must be bitwise those without the policy (it keeps the order of operations); `False` for a lossy policy, held to `tolerance` |
-| `micro_batches`, `steps` | memory policy | 2, 2 | gradient accumulation and optimizer steps |
-| `probe_noise` | memory policy | `True` | the probe draws from the global RNG once per call (`False` for tiling, which calls it per tile) |
-| `shift_invariant` | rl | `True` | adding a constant to a group's rewards leaves its advantages unchanged |
-| `scale_invariant` | rl | `False` | so does multiplying them by a positive constant |
-| `clip_range` | rl | `(0.2, 0.2)` | `(eps_low, eps_high)` of a PPO-style trust region: just outside `[1 - eps_low, 1 + eps_high]` on the side the advantage pushes a token gets no gradient, just inside it does; `None`: no trust region |
-| `groups`, `group_size`, `tokens` | rl | 5, 4, 7 | prompts, completions per prompt, tokens per completion |
-| `prompt_len`, `new_tokens` | engine | 11, 9 | prompt length and tokens generated |
-| `train` | baseline | `"excerpt-chr20"` | what the baseline is fitted on (a data source or FASTA path) |
-| `baselines`, `windows` | eval analysis | `("base-a", "base-b")`, 5 | the labels of the baselines scored beside the model, and the held-out windows fed |
-| `cache_dir` | data source | `None` | where to fetch to; `None`: megaseq's cache (`$MEGASEQ_CACHE`, else ~/.cache/megaseq) |
+This alias keeps plugins written against megaseq-core 0.1's import working for one release, with a
+``DeprecationWarning``: ``megaseq.testing`` and every ``megaseq.testing.X`` are ``megaseq_testkit`` and
+``megaseq_testkit.X``, the same module objects. Move by installing ``megaseq-testkit`` as a test dependency
+and replacing ``megaseq.testing`` with ``megaseq_testkit`` in the imports.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
+import importlib
+import importlib.abc
 import importlib.util
-import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
+import warnings
 
-from torch import nn
+from megaseq.errors import UserError
 
-from megaseq.plugins import Plugins, get_plugins
-from megaseq.records import MemoryEstimate, ModelDims, load_target
-from megaseq.testing.checks import assert_close, check_deterministic, check_gradients, watch_host_syncs
+warnings.warn(
+    "megaseq.testing moved to megaseq-testkit: install it and import megaseq_testkit instead "
+    "(this alias goes in the next release)",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
-
-def fresh_plugins(autoload: bool = False) -> Plugins:
-    """A new plugin manager: core's built-ins only, or (``autoload=True``) plus the installed entry points.
-
-    Autoload honours ``MEGASEQ_PLUGINS`` and ``MEGASEQ_DISABLE_PLUGIN_AUTOLOAD`` like a real run.
-    """
-    plugins = Plugins()
-    if autoload:
-        plugins.load_entrypoints()
-    return plugins
+try:
+    _kit = importlib.import_module("megaseq_testkit")
+except ModuleNotFoundError as error:
+    if error.name != "megaseq_testkit":
+        raise
+    raise UserError("megaseq.testing moved to megaseq-testkit: pip install megaseq-testkit, "
+                    "and import megaseq_testkit") from None
 
 
-@contextmanager
-def registered(plugin: object, plugins: Plugins, name: str | None = None) -> Iterator[Plugins]:
-    """Register ``plugin`` (a module or an object with ``@hookimpl`` methods) for the duration of a block."""
-    name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
-    plugins.register(plugin, name=name)
-    try:
-        yield plugins
-    finally:
-        plugins.unregister(name)
+class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``megaseq.testing.X`` as the module ``megaseq_testkit.X`` itself, so that both names see one
+    module's state (one plugin manager cache, one set of suites)."""
 
-
-@functools.cache
-def installed_plugins() -> Plugins:
-    """The installed plugins, loaded once per process (conformance suites build many components)."""
-    return get_plugins()
-
-
-def build_component(
-    kind: str,
-    name: str,
-    config: dict[str, Any],
-    dims: ModelDims,
-    layer_idx: int = 0,
-    plugins: Plugins | None = None,
-    factory: str | None = None,
-) -> nn.Module:
-    """Build one component by name (from the installed plugins unless ``plugins`` is given), validating
-    ``config`` with its schema. With ``factory`` (see :func:`load_factory`) the component is not looked up:
-    ``factory(config, dims, layer_idx)`` builds it from the plain ``config`` dict."""
-    if factory is not None:
-        return load_factory(factory)(dict(config), dims, layer_idx)
-    plugins = plugins or installed_plugins()
-    provided = plugins.get(kind, name)
-    return provided.load()(provided.spec.config(**config), dims, layer_idx)
-
-
-def memory_estimator(
-    kind: str,
-    name: str,
-    config: dict[str, Any],
-    dims: ModelDims,
-    factory: str | None = None,
-    memory: str | None = None,
-) -> Callable[[int], MemoryEstimate] | None:
-    """``seq_len -> MemoryEstimate`` of a component: its record's ``memory`` target (installed plugins), or
-    with ``factory`` the ``memory`` target ``estimate(config_dict, dims, seq_len)`` given beside it; ``None``
-    when there is none (the planner then cannot plan the component)."""
-    if factory is not None:
-        if memory is None:
-            return None
-        estimate = load_factory(memory)
-        return lambda seq_len: estimate(dict(config), dims, seq_len)
-    provided = installed_plugins().get(kind, name)
-    fn = provided.spec.load_memory()
-    if fn is None:
+    def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
+        if fullname.startswith(__name__ + "."):
+            return importlib.util.spec_from_loader(fullname, self)
         return None
-    validated = provided.spec.config(**config)
-    return lambda seq_len: fn(validated, dims, seq_len)
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def]
+        return importlib.import_module("megaseq_testkit" + spec.name[len(__name__):])
+
+    def exec_module(self, module):  # type: ignore[no-untyped-def]
+        pass
 
 
-def declared_capabilities(
-    kind: str, name: str, factory: str | None = None, knob: frozenset[str] | None = None, plugins: Plugins | None = None
-) -> frozenset[str]:
-    """The capabilities a suite verifies (``megaseq.records.CAPABILITIES``): the record's, from the installed
-    plugins (or ``plugins``); with ``factory`` the component has no record, and the suite's ``capabilities``
-    knob (``knob``, default none) says what it would declare."""
-    if factory is not None:
-        return frozenset(knob or ())
-    return (plugins or installed_plugins()).get(kind, name).spec.capabilities
-
-
-def load_factory(target: str) -> Any:
-    """``"package.module:attr"`` or ``"/path/to/file.py:attr"``: a builder that is not a registered plugin.
-
-    Conformance suites use it (their ``factory`` knob) to test a module before it is packaged, and core's
-    own tests use it for deliberately wrong components. A file is imported once per process under a name
-    derived from its path, so multi-process suites can rebuild the component in every rank."""
-    path, _, attr = target.rpartition(":")
-    if not path.endswith(".py"):
-        return load_target(target)
-    file = Path(path).resolve()
-    module_name = "megaseq_factory_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, file)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot import {file}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    obj: Any = sys.modules[module_name]
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-@contextmanager
-def env(**values: str) -> Iterator[None]:
-    """Set environment variables for a block (e.g. ``MEGASEQ_PLUGINS``)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-__all__ = [
-    "assert_close",
-    "build_component",
-    "check_deterministic",
-    "check_gradients",
-    "env",
-    "fresh_plugins",
-    "installed_plugins",
-    "load_factory",
-    "memory_estimator",
-    "registered",
-    "watch_host_syncs",
-]
+sys.meta_path.insert(0, _Alias())
+sys.modules[__name__] = _kit

@@ -1,0 +1,201 @@
+"""The baseline suite (megaseq_testkit.baseline) on a reference baseline, and on wrong ones it must catch;
+baselines in recipes (eval.baselines, [baseline.NAME]) and in the held-out evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megaseq.config import validate_recipe
+from megaseq.data.tokenizer import N_ID
+from megaseq.errors import ConfigError, PluginError
+from megaseq.eval.evaluate import build_baselines, heldout_windows, score_baseline
+from megaseq.hookspecs import hookimpl
+from megaseq.records import BaselineSpec, ComponentConfig
+from megaseq_testkit import fresh_plugins
+from megaseq_testkit.baseline import BaselineConformance
+
+
+class WindowUnigramConfig(ComponentConfig):
+    pseudo: float = 1.0
+
+
+class WindowUnigram:
+    """Reference: p(next base) from the counts of A, C, G, T among the window's inputs up to the target (plus
+    ``pseudo`` each); N inputs are not counted, N targets cost 0."""
+
+    label = "window-unigram"
+
+    def __init__(self, pseudo: float = 1.0) -> None:
+        self.pseudo = pseudo
+
+    def probabilities(self, inputs: torch.Tensor) -> torch.Tensor:
+        one_hot = torch.nn.functional.one_hot(inputs.clamp(max=4), 5)[..., :4].double()
+        counts = one_hot.cumsum(dim=1) + self.pseudo
+        return counts / counts.sum(-1, keepdim=True)
+
+    def token_losses(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        p = self.probabilities(inputs).gather(-1, targets.clamp(max=3)[..., None])[..., 0]
+        return torch.where(targets == N_ID, 0.0, -p.log())
+
+
+def build(config: WindowUnigramConfig, train: str) -> WindowUnigram:
+    return WindowUnigram(config.pseudo)
+
+
+class Plugin:
+    @hookimpl
+    def megaseq_baseline(self):
+        return [BaselineSpec(name="window-unigram", target=f"{__name__}:build", config=WindowUnigramConfig, summary="test")]
+
+
+def test_reference_is_a_slow_loop():
+    """The reference's vectorised losses equal a loop over positions written from its definition."""
+    inputs = torch.tensor([[0, 1, 1, N_ID, 2, 3, 3, 3]])
+    targets = torch.tensor([[1, 1, N_ID, 2, 3, 3, 3, 0]])
+    losses = WindowUnigram().token_losses(inputs, targets)
+    for p in range(inputs.shape[1]):
+        if targets[0, p] == N_ID:
+            assert losses[0, p] == 0
+            continue
+        seen = [int(t) for t in inputs[0, : p + 1] if t != N_ID]
+        expected = -math.log((seen.count(int(targets[0, p])) + 1) / (len(seen) + 4))
+        assert losses[0, p].item() == pytest.approx(expected, rel=1e-12)
+
+
+class TestReferenceConformance(BaselineConformance):
+    name = "window-unigram"
+
+    def build(self):
+        return WindowUnigram()
+
+
+class Peeking(WindowUnigram):
+    """Looks at the next input, which is the target."""
+
+    def token_losses(self, inputs, targets):
+        ahead = torch.cat([inputs[:, 1:], inputs[:, -1:]], dim=1)
+        return torch.where(ahead == targets, 0.01, super().token_losses(inputs, targets))
+
+
+class ChargesN(WindowUnigram):
+    def token_losses(self, inputs, targets):
+        p = self.probabilities(inputs).gather(-1, targets.clamp(max=3)[..., None])[..., 0]
+        return -p.log()
+
+
+class Overconfident(WindowUnigram):
+    """Half the loss it should have: probabilities that sum to more than 1."""
+
+    def token_losses(self, inputs, targets):
+        return super().token_losses(inputs, targets) / 2
+
+
+class AcrossRows(WindowUnigram):
+    """Counts the bases of every row in the batch."""
+
+    def probabilities(self, inputs):
+        one_hot = torch.nn.functional.one_hot(inputs.clamp(max=4), 5)[..., :4].double()
+        counts = one_hot.sum(0, keepdim=True).cumsum(dim=1) + self.pseudo
+        return (counts / counts.sum(-1, keepdim=True)).expand(inputs.shape[0], -1, -1)
+
+
+class Unlabelled(WindowUnigram):
+    label = ""
+
+
+class Drifting(WindowUnigram):
+    """Each build differs (an unseeded random pseudo-count)."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0 + torch.rand(()).item())
+
+
+@pytest.mark.parametrize(
+    ("wrong", "check"),
+    [
+        (Peeking, "test_causal"),
+        (ChargesN, "test_losses_finite_non_negative_and_zero_on_n"),
+        (Overconfident, "test_a_distribution_over_bases"),
+        (AcrossRows, "test_rows_independent"),
+        (Unlabelled, "test_protocol"),
+        (Drifting, "test_deterministic"),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else v,
+)
+def test_suite_catches_wrong_baseline(wrong: type, check: str) -> None:
+    class Suite(BaselineConformance):
+        name = wrong.__name__
+
+        def build(self):
+            return wrong()
+
+    Suite().test_protocol() if check != "test_protocol" else None
+    with pytest.raises(AssertionError):
+        getattr(Suite(), check)()
+
+
+RAW = {
+    "run": {"device": "cpu"},
+    "data": {"train": "excerpt-chr20", "heldout": "excerpt-chrX", "seq_len": 64},
+    "model": {"d_model": 16, "n_layers": 1},
+    "eval": {"windows": 3, "batch_size": 2, "first_bucket": 16},
+}
+
+
+def test_recipe_names_baselines_and_the_evaluation_scores_them():
+    plugins = fresh_plugins()
+    plugins.register(Plugin(), name="unigram-test")
+    recipe = validate_recipe({**RAW, "eval": {**RAW["eval"], "baselines": ["window-unigram"]},
+                              "baseline": {"window-unigram": {"pseudo": 0.5}}}, plugins, "r.toml")
+    assert recipe.component("baseline", "window-unigram").pseudo == 0.5
+    assert "baseline" in recipe.to_dict() and recipe.to_dict()["eval"]["baselines"] == ["window-unigram"]
+    (built,) = build_baselines(recipe, plugins)
+    windows, indices = heldout_windows(recipe, plugins)
+    summary = score_baseline(built, recipe, windows, indices)
+    batch = windows.batch(indices)
+    expected = built.token_losses(batch.inputs, batch.targets).sum().item() / batch.weights.sum().item() / math.log(2)
+    assert summary["bits_per_base"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"eval": {"markov_order": 8}}, "r.toml: eval.markov_order: not a recipe key; the Markov baseline is a component "
+         "of megaseq-genome: set eval.baselines = [\"markov\"] and its order in [baseline.markov] (order = 8)"),
+        ({"eval": {"baselines": ["nope"]}}, "r.toml: eval.baselines[0]: no baseline named 'nope'; available: window-unigram"),
+        ({"baseline": {"window-unigram": {}}}, "r.toml: [baseline.window-unigram] is configured but not used by eval.baselines"),
+        ({"eval": {"baselines": ["window-unigram"]}, "baseline": {"window-unigram": {"k": 1}}},
+         "r.toml: baseline.window-unigram.k: unknown key; allowed: pseudo"),
+    ],
+)
+def test_baseline_mistakes_are_one_line(raw, message):
+    plugins = fresh_plugins()
+    plugins.register(Plugin(), name="unigram-test")
+    with pytest.raises((ConfigError, PluginError)) as err:
+        validate_recipe({**RAW, **raw}, plugins, "r.toml")
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_stored_recipe_with_markov_order_reads_in_the_current_keys():
+    """Checkpoints written with eval.markov_order still evaluate and resume: their recipe reads as
+    eval.baselines = ["markov"] with [baseline.markov] order (and a recipe file with it is refused above)."""
+    from megaseq.config import stored_recipe
+
+    old = {**RAW, "eval": {**RAW["eval"], "markov_order": 3}}
+    new = stored_recipe(old)
+    assert new["eval"] == {**RAW["eval"], "baselines": ["markov"]} and new["baseline"] == {"markov": {"order": 3}}
+    assert old["eval"]["markov_order"] == 3  # the stored dict is left as it was
+    assert stored_recipe(RAW) is RAW
+
+
+def test_read_meta_gives_a_checkpoints_recipe_in_the_current_keys(tmp_path):
+    import json
+
+    from megaseq.train.checkpoint import read_meta
+
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 3, "recipe": {**RAW, "eval": {"markov_order": 2}}}))
+    meta = read_meta(tmp_path)
+    assert meta["recipe"]["eval"] == {"baselines": ["markov"]} and meta["recipe"]["baseline"] == {"markov": {"order": 2}}
