@@ -5,7 +5,7 @@
 - Every package has the layout docs/architecture.md describes: hatchling, src/ layout, static version,
   README, CHANGELOG, tests, and (plugins) a ranged megaseq-core dependency and a `megaseq` entry point.
 - Every package declares the distributions it imports (dependencies or extras).
-- Core's catalog of the project's components (``megaseq.catalog``) matches what the packages register.
+- Core names no component of a plugin: no plugin's component, command or distribution name in its source.
 - Nothing in the repository cites documents that are not in it.
 - Every dependency's floor is the major.minor that ``make setup`` installs and the tests run against.
 - Code, docs and help texts describe today: no issue numbers, commit hashes, dates of work or narration.
@@ -97,13 +97,12 @@ def registered_components(package: Path) -> dict[tuple[str, str], str]:
     return found
 
 
-def test_catalog_names_every_shipped_component():
-    from megaseq.catalog import PROVIDERS
-
+def shipped_components() -> dict[tuple[str, str], str]:
+    """(kind, name) -> distribution, for every component this repository's packages register."""
     shipped = {}
     for package in PACKAGES + EXAMPLES:
         shipped |= registered_components(package)
-    assert shipped == PROVIDERS, "megaseq.catalog.PROVIDERS must list exactly the components the packages register"
+    return shipped
 
 
 def test_no_citation_of_documents_outside_the_repository():
@@ -185,26 +184,29 @@ def cli_help_texts() -> dict[str, str]:
     """``megaseq ... --help`` of every command and subcommand, core's and the installed plugins'."""
     import argparse
     import contextlib
+    import importlib
     import io
 
     from megaseq import cli
 
-    commands = cli.plugin_commands()
-    texts = {}
+    found = cli.commands()
+    texts = {"megaseq": cli.parser(found).format_help()}
 
     def walk(parser: argparse.ArgumentParser, prog: str) -> None:
         texts[prog] = parser.format_help()
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
-                    if name not in commands:
-                        walk(sub, f"{prog} {name}")
+                    walk(sub, f"{prog} {name}")
 
-    walk(cli.parser(commands), "megaseq")
-    for name, provided in commands.items():
+    for name, provided in found.items():
+        module = importlib.import_module(provided.spec.target.split(":")[0])
+        if callable(getattr(module, "parser", None)):  # core's commands: subcommands' help too
+            walk(module.parser(), f"megaseq {name}")
+            continue
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            cli.run_plugin_command(provided, ["--help"])
+            cli.run_command(provided, ["--help"])
         texts[f"megaseq {name}"] = out.getvalue()
     return texts
 
@@ -317,22 +319,19 @@ def test_architecture_lists_every_hook_kind_and_record():
 
 
 def test_architecture_lists_every_component():
-    from megaseq.catalog import PROVIDERS
-
+    PROVIDERS = {key: dist for key, dist in shipped_components().items() if not (key[0] == "command" and dist == "megaseq-core")}
     rows = table_rows(doc_section("Components"))
     listed = {(ticked(kind), name): dist for kind, cell in rows for name, dist in re.findall(r"`([\w.-]+)` \(([\w-]+)", cell)}
-    assert listed == PROVIDERS, "docs/architecture.md's component table must list megaseq.catalog.PROVIDERS: " \
+    assert listed == PROVIDERS, "docs/architecture.md's component table must list what the packages register: " \
         f"add {sorted(set(PROVIDERS) - set(listed))}, remove {sorted(set(listed) - set(PROVIDERS))}"
 
 
 def test_architecture_lists_every_command():
-    from megaseq.cli import CORE_COMMANDS
-
     listed = {ticked(row[0]): row[1] for row in table_rows(doc_section("Command line"))}
-    shipped = {}
+    expected = {}
     for package in PACKAGES + EXAMPLES:
-        shipped |= {name: dist for (kind, name), dist in registered_components(package).items() if kind == "command"}
-    expected = {**{name: "core" for name in CORE_COMMANDS}, **shipped}
+        expected |= {name: "core" if dist == "megaseq-core" else dist
+                     for (kind, name), dist in registered_components(package).items() if kind == "command"}
     wrong = sorted(set(listed.items()) ^ set(expected.items()))
     assert listed == expected, f"docs/architecture.md's command table and the code differ in (command, provider) {wrong}"
 

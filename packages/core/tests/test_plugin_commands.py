@@ -76,8 +76,7 @@ def test_core_command_names_stay_cores(with_plugins, capsys, tmp_path):
     with_plugins(HelloPlugin("train"))
     assert cli.main(["train", str(tmp_path / "missing.toml")]) == 2  # core's train ran: recipe not found
     assert calls == []
-    with pytest.warns(UserWarning, match="'train' .* is ignored"):
-        cli.plugin_commands()
+    assert "megaseq: warning: command 'train' from (local)  is ignored: core's own 'train' runs" in capsys.readouterr().err
 
 
 def test_two_providers_are_an_error(with_plugins, capsys):
@@ -89,7 +88,15 @@ def test_two_providers_are_an_error(with_plugins, capsys):
 
 def test_unknown_command_still_lists_choices(with_plugins, capsys):
     with_plugins(HelloPlugin())
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["helo"])
-    assert exit_.value.code == 2
-    assert "hello" in capsys.readouterr().err
+    assert cli.main(["helo"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "unknown command 'helo'" in line and "hello" in line
+
+
+def test_core_commands_are_records_of_the_command_hook(with_plugins):
+    """Core's commands are registered by its built-in plugin through ``megaseq_command``, like a plugin's."""
+    plugins = with_plugins()
+    core = {name for name, provided in plugins.registry["command"].items() if provided.plugin.dist == "megaseq-core"}
+    assert core == {"train", "plan", "eval", "import", "export", "checkpoint", "plugins", "data"}
+    for name in core:
+        assert plugins.registry["command"][name].spec.target.startswith("megaseq.commands.")

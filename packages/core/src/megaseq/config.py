@@ -156,7 +156,7 @@ class TrainConfig(Section):
         "megaseq import wrote) or checkpoint; the model must have the same shapes",
     )
     trainable: list[str] | None = Field(
-        None, description="glob patterns of parameter names to train, the rest frozen (e.g. DSA warm-up: ['*.indexer.*']); None = all"
+        None, description="glob patterns of parameter names to train, the rest frozen (e.g. an indexer's warm-up: ['*.indexer.*']); None = all"
     )
 
 

@@ -118,8 +118,9 @@ def megaseq_command() -> list[CommandSpec]:
     :class:`megaseq.records.CommandSpec`; ``megaseq NAME ARGS...`` imports the record's ``target``,
     ``main(argv: list[str]) -> int``, and calls it with ``ARGS``; its return value is the exit status.
     A :class:`megaseq.errors.UserError` it raises is printed as one line with exit status 2, like core's
-    own commands. A name that is one of core's commands (``megaseq.cli.CORE_COMMANDS``) is never dispatched
-    to the plugin: core warns and keeps its own. Two plugins with one name are an error
+    own commands. Core's own commands are records of this hook too (core's built-in plugin registers them
+    from ``megaseq.commands``); a plugin's command with one of their names is never dispatched: core warns
+    and keeps its own. Two plugins with one name are an error
     naming both. An exception in this hook marks the plugin broken.
     """
 

@@ -42,7 +42,6 @@ from packaging.version import Version
 
 from megaseq import hookspecs
 from megaseq.__about__ import __version__ as CORE_VERSION
-from megaseq.catalog import provider
 from megaseq.errors import PluginError
 from megaseq.records import MAPPING_METHODS, SPEC_TYPES, Record, load_target
 
@@ -269,6 +268,13 @@ class Plugins:
         for (kind, name), providers in provided.items():
             # a plugin that broke during collection keeps none of the components it registered before breaking
             providers = [p for p in providers if p.plugin.status == "active"]
+            core = [p for p in providers if p.plugin.dist == CORE_DIST]
+            if kind == "command" and core and len(providers) > 1:  # core's own commands are always core's
+                for p in providers:
+                    if p is not core[0]:
+                        warnings.warn(f"command {name!r} from {p.plugin.label} is ignored: core's own {name!r} runs",
+                                      stacklevel=3)
+                providers = core
             if len(providers) == 1:
                 registry[kind][name] = providers[0]
             elif providers:
@@ -335,14 +341,12 @@ class Plugins:
             raise PluginError(prefix + self._conflict_message(kind, name))
         available = ", ".join(self.names(kind)) or "none"
         msg = f"{prefix}no {kind} named {name!r}; available: {available}"
-        package = provider(kind, name)
-        if package is not None and package not in {i.dist for i in self.infos.values()}:
-            msg += f"; {name!r} is provided by the package {package}, which is not installed"
         trouble = [i for i in self.infos.values() if i.status in ("broken", "incompatible", "disabled")]
         if trouble:
             msg += "; unavailable plugins: " + ", ".join(f"{i.label} ({i.status}: {i.reason})" for i in trouble)
         else:
             msg += "; installed plugins: " + ", ".join(i.label for i in self.infos.values())
+        msg += " (is the plugin that provides it installed? `megaseq plugins` lists what is)"
         raise PluginError(msg)
 
     def __iter__(self) -> Iterator[PluginInfo]:

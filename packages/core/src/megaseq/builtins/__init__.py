@@ -1,10 +1,10 @@
 """Core's built-in components, registered like any plugin: ``sdpa`` attention, the ``swiglu`` FFN, the
-``cached`` inference engine and the two DNA excerpts shipped for tests and demos."""
+``cached`` inference engine, the two DNA excerpts shipped for tests and demos, and core's own commands."""
 
 from __future__ import annotations
 
 from megaseq.hookspecs import hookimpl
-from megaseq.records import AttentionSpec, DataSourceSpec, FFNSpec, InferenceEngineSpec
+from megaseq.records import AttentionSpec, CommandSpec, DataSourceSpec, FFNSpec, InferenceEngineSpec
 
 from .config import CachedEngineConfig, SDPAConfig, SwiGLUConfig
 
@@ -46,7 +46,7 @@ def megaseq_inference_engine() -> list[InferenceEngineSpec]:
             name="cached",
             target="megaseq.inference.cached:build",
             config=CachedEngineConfig,
-            summary="decodes with the components' own caches (KDA state, DSA/sdpa key caches); CPU and CUDA, fp32/bf16",
+            summary="decodes with the components' own caches (recurrent states, key caches); CPU and CUDA, fp32/bf16",
         )
     ]
 
@@ -68,4 +68,21 @@ def megaseq_data_source() -> list[DataSourceSpec]:
             bases=200_000,
             n_bases=0,
         ),
+    ]
+
+
+@hookimpl
+def megaseq_command() -> list[CommandSpec]:
+    def command(name: str, target: str, summary: str) -> CommandSpec:
+        return CommandSpec(name=name, target=f"megaseq.commands.{target}", summary=summary)
+
+    return [
+        command("train", "train:main", "train a recipe"),
+        command("plan", "plan:main", "plan memory (policies, peak per device)"),
+        command("eval", "eval:main", "evaluate a checkpoint"),
+        command("import", "interop:import_main", "import a Hugging Face model (fla KDA, Kimi-Linear)"),
+        command("export", "interop:export_main", "export a checkpoint in Hugging Face format"),
+        command("checkpoint", "checkpoint:main", "checkpoint maintenance"),
+        command("plugins", "plugins:main", "list plugins and components"),
+        command("data", "data:main", "datasets"),
     ]

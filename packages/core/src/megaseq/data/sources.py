@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megaseq.catalog import provider
 from megaseq.data.errors import DataError
 from megaseq.data.fasta import iter_fasta_pieces
 from megaseq.data.tokenizer import N_ID, SOFTMASK_FLAG, VOCAB, InvalidNucleotide, encode
@@ -83,7 +82,8 @@ def fetch(name: str, cache_dir: Path | None = None, plugins: Plugins | None = No
     """Local FASTA path of the data source ``name``, fetched by its plugin if needed."""
     sources = data_sources(plugins)
     if name not in sources:
-        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(sources)) or 'none'}{_install_hint(name)}")
+        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(sources)) or 'none'} "
+                        "(is the plugin that provides it installed? `megaseq data list` lists the known ones)")
     provided = sources[name]
     path = Path(provided.load()(cache_dir or default_cache_dir()))
     if not path.is_file():
@@ -98,14 +98,10 @@ def _resolve(spec: str | Path, cache_dir: Path | None, plugins: Plugins | None) 
     path = Path(spec).expanduser()
     if not path.is_file():
         raise DataError(
-            f"{spec!r} is neither a known dataset ({', '.join(sorted(sources))}) nor an existing file{_install_hint(str(spec))}"
+            f"{spec!r} is neither a known dataset ({', '.join(sorted(sources))}) nor an existing file "
+            "(is the plugin that provides it installed? `megaseq data list` lists the known ones)"
         )
     return path, None
-
-
-def _install_hint(name: str) -> str:
-    package = provider("data_source", name)
-    return f"; {name!r} is provided by the package {package}, which is not installed" if package else ""
 
 
 def resolve_fasta(spec: str | Path, cache_dir: Path | None = None, plugins: Plugins | None = None) -> Path:

@@ -1,0 +1,53 @@
+"""Core's own commands, each a ``megaseq_command`` record of core's built-in plugin (``megaseq.builtins``),
+dispatched by ``megaseq.cli`` exactly as a plugin's command is: ``main(argv) -> int``.
+
+Each module builds its own ``argparse`` parser (``parser()``, so that ``--help`` texts can be walked) and
+imports what it runs only when it runs, so that ``megaseq --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from megaseq.errors import UserError
+
+
+def missing_command(prog: str, commands: argparse.Action):
+    """What a command that needs a subcommand does without one: a one-line error naming the choices."""
+
+    def run(args: argparse.Namespace) -> int:
+        where = prog.removeprefix("megaseq").strip()
+        raise UserError(f"{where + ': ' if where else ''}missing command; choose one of: {', '.join(commands.choices)} "
+                        f"(see {prog} --help)")
+
+    return run
+
+
+def run_parsed(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    """Parse ``argv`` and call the ``func`` the parser (or its subcommand) set."""
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def memory_policy_override(value: str | None) -> list[str]:
+    """``--memory-policy auto|none|NAMES`` as a recipe override of ``train.memory_policy``."""
+    if value is None:
+        return []
+    parsed = parse_policy_argument(value)
+    return [f"train.memory_policy={json.dumps([] if parsed == 'none' else parsed)}"]
+
+
+def parse_policy_argument(value: str) -> str | list[str]:
+    """``auto``, ``none`` or comma-separated policy names."""
+    value = value.strip()
+    if value in ("auto", "none"):
+        return value
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names or any(not re.fullmatch(r"[A-Za-z0-9_.-]+", n) for n in names):
+        raise UserError(f"--memory-policy {value!r}: expected auto, none or comma-separated policy names")
+    return names
+
+
+__all__ = ["memory_policy_override", "missing_command", "parse_policy_argument", "run_parsed"]

@@ -1,0 +1,68 @@
+"""``megaseq plan``: the peak memory per device under each memory-policy set, and the cheapest that fits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from megaseq.commands import memory_policy_override, parse_policy_argument, run_parsed
+from megaseq.errors import UserError
+
+
+def parser() -> argparse.ArgumentParser:
+    mp = argparse.ArgumentParser(prog="megaseq plan", description="Predict a recipe's peak memory per device under each memory-policy set and "
+                        "propose the cheapest set that fits.")
+    mp.add_argument("recipe", help="path to a TOML recipe")
+    mp.add_argument("--seq-len", metavar="N", help="tokens per sequence, read as --set data.seq_len=N is (default: the recipe's)")
+    mp.add_argument("--parallel", metavar="dp=..,cp=..,ep=..,tp=..,etp=..",
+                    help="ranks per dimension, over the recipe's [parallel]")
+    mp.add_argument("--device-mem", type=float, metavar="GiB", help="memory per device (default: this machine's RAM or GPU)")
+    mp.add_argument("--host-mem", type=float, metavar="GiB", help="host memory per device for offloading (default: unlimited)")
+    mp.add_argument("--memory-policy", default="auto", metavar="auto|none|NAMES",
+                    help="auto (default): every candidate set; none; or the names of the set to plan")
+    mp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
+    mp.add_argument("--json", action="store_true", help="one JSON object")
+    mp.set_defaults(func=cmd_plan)
+    return mp
+
+
+
+def main(argv: list[str]) -> int:
+    return run_parsed(parser(), argv)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megaseq.config import load_recipe
+    from megaseq.devices import device_type
+    from megaseq.distributed.layout import Layout
+    from megaseq.memory.machine import Machine
+    from megaseq.memory.plan import plan
+    from megaseq.memory.plan_report import plan_json, render_table
+    from megaseq.plugins import get_plugins
+
+    policies = parse_policy_argument(args.memory_policy)
+    plugins = get_plugins()
+    overrides = list(args.set)
+    if isinstance(policies, list):
+        overrides += memory_policy_override(args.memory_policy)
+    recipe = load_recipe(args.recipe, plugins, overrides)
+    # the recipe's [parallel] layout, with --parallel's dimensions on top
+    layout = Layout.parse(args.parallel, base=Layout.of(recipe))
+    machine = Machine.detect(device_type(recipe.run.device), args.device_mem, args.host_mem)
+    seq_len = None if args.seq_len is None else seq_len_argument(args.seq_len)
+    result = plan(recipe, plugins, seq_len=seq_len, layout=layout, machine=machine, policies=policies)
+    print(json.dumps(plan_json(result), indent=2) if args.json else render_table(result))
+    return 0
+
+
+def seq_len_argument(value: str) -> int:
+    """``--seq-len`` read and checked as ``--set data.seq_len=VALUE`` is (so ``1e6`` works in both)."""
+    from pydantic import ValidationError
+
+    from megaseq.config import DataConfig, parse_override
+
+    _, parsed = parse_override(f"data.seq_len={value}")
+    try:
+        return DataConfig(seq_len=parsed).seq_len
+    except ValidationError as exc:
+        raise UserError(f"--seq-len {value}: {exc.errors()[0]['msg']}") from None
