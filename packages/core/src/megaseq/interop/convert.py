@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,17 +51,20 @@ def _check_new(out: Path) -> None:
 
 @contextmanager
 def _staged(out: Path) -> Iterator[Path]:
-    """A fresh directory beside ``out`` that becomes ``out`` when the block completes (else is removed)."""
+    """A fresh directory beside ``out`` that becomes ``out`` when the block completes (else is removed).
+
+    Its name is made unique by ``tempfile.mkdtemp``: a fixed name could be a directory of the user's, which
+    megaseq must neither delete nor write into. Only the directory made here is ever removed.
+    """
     _check_new(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
         yield staging
         os.replace(staging, out)
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _model_section(layout: Layout, hf: dict[str, Any], layers: list[Layer], source: str) -> dict[str, Any]:
