@@ -1,9 +1,11 @@
 """Kimi-Linear's layout with its MoE layers (``kda`` + ``swiglu`` + ``chunked``, three packages): the
 published tensor names and shapes, import(export(m)) == m, a wrong MoE mapping caught, export of an import
-bitwise. Names and shapes only: Kimi-Linear's modeling code lives on the Hugging Face Hub, not reachable here."""
+bitwise, and, where transformers ships ``models/kimi_linear``, an export's logits in transformers' model."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 
 import pytest
@@ -12,6 +14,7 @@ from tokenizers import Tokenizer, models
 
 from megaseq.cli import main
 from megaseq.config import validate_recipe
+from megaseq.contracts import ForwardContext
 from megaseq.interop.convert import model_to_hf
 from megaseq.interop.files import read_tensors, same_tensors, write_model
 from megaseq.model import build_model
@@ -31,8 +34,39 @@ MOE_NAMES = {"gate.weight", "gate.e_score_correction_bias", "shared_experts.gate
     f"experts.{j}.{w}.weight" for j in range(4) for w in ("w1", "w2", "w3")}
 
 
-def recipe():
-    return validate_recipe(RAW, get_plugins())
+def recipe(**model):
+    return validate_recipe({**RAW, "model": {**RAW["model"], **model}}, get_plugins())
+
+
+def random_model(r, seed=0):
+    """The recipe's model with every tensor drawn at random (vectors around 1), in eval mode."""
+    torch.manual_seed(seed)
+    model = build_model(r, get_plugins())
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(torch.randn_like(t) * 0.3 + (1.0 if t.dim() == 1 else 0.0))
+    return model.eval()
+
+
+HAS_TRANSFORMERS_KIMI = importlib.util.find_spec("transformers.models.kimi_linear") is not None
+needs_transformers_kimi = pytest.mark.skipif(not HAS_TRANSFORMERS_KIMI, reason="transformers has no models/kimi_linear")
+
+
+def transformers_kimi(monkeypatch):
+    """transformers' ``KimiLinearForCausalLM`` computing with its own PyTorch ops: with fla installed it picks
+    fla's Triton kernels, which cannot run on a CPU-only machine."""
+    import transformers.models.kimi_linear.modeling_kimi_linear as kimi
+
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update"):
+        monkeypatch.setattr(kimi, name, inspect.unwrap(getattr(kimi, name)))
+    return kimi.KimiLinearForCausalLM
+
+
+def logits_of_transformers(cls, directory, tokens, **overrides):
+    model = cls.from_pretrained(str(directory), **overrides).eval()
+    with torch.no_grad():
+        return model(tokens, use_cache=False).logits
 
 
 def test_round_trip_with_moe():
@@ -80,3 +114,24 @@ def test_published_names_and_config_then_import_export_bitwise(tmp_path):
     # grouped top-k over several groups is not megaseq's router: one line, exit 2
     (src / "config.json").write_text(json.dumps({**hf, "num_expert_group": 8}))
     assert main(["import", str(src), "--out", str(tmp_path / "grouped")]) == 2 and not (tmp_path / "grouped").exists()
+
+
+def test_a_tied_model_exported_to_kimi_linear_keeps_its_head(tmp_path, monkeypatch):
+    """KimiLinearForCausalLM never ties: the head is written out, and the export computes the model's logits."""
+    r = recipe(tie_embeddings=True)
+    model = random_model(r)
+    hf, tensors = model_to_hf(model, r, "kimi_linear", get_plugins())
+    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]) and hf["tie_word_embeddings"]
+    out = tmp_path / "tied"
+    out.mkdir()
+    write_model(out, hf, tensors, 1 << 30)
+    assert same_tensors(read_tensors(out), tensors)
+    assert_round_trip(r, get_plugins(), "kimi_linear")  # import gives the tied model back
+
+    if HAS_TRANSFORMERS_KIMI:
+        tokens = torch.randint(0, 5, (2, 19))
+        with torch.no_grad():
+            ours = model.logits(model(tokens, ForwardContext()))
+        theirs = logits_of_transformers(transformers_kimi(monkeypatch), out, tokens,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        assert ((ours - theirs).abs().max() / ours.abs().max()).item() < 1e-5

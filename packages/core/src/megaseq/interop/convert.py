@@ -207,6 +207,8 @@ def model_to_hf(model: LanguageModel, recipe: Recipe, layout_name: str, plugins:
     tensors = {layout.embed: state["embed.weight"], layout.final_norm: state["final_norm.weight"]}
     if model.head is not None:
         tensors[layout.head] = state["head.weight"]
+    elif not layout.ties_head:
+        tensors[layout.head] = state["embed.weight"].clone()  # safetensors refuses two names for one storage
     for i, layer in enumerate(layers):
         base = layout.layer_prefix.format(i)
         tensors[base + layout.attn_norm] = state[f"blocks.{i}.attn_norm.weight"]

@@ -7,8 +7,10 @@ with a SwiGLU MLP, and optional softmax attention layers (``config.attn.layers``
 
 ``kimi_linear``: Kimi-Linear's published checkpoints (``KimiLinearForCausalLM``): KDA layers
 (``linear_attn_config.kda_layers``, numbered from 1), MLA layers (the others), a dense SwiGLU MLP in the first
-``first_k_dense_replace`` layers and a mixture of experts with a shared expert after them. Its modeling code
-lives on the Hugging Face Hub: these names and shapes follow its published config and tensor names.
+``first_k_dense_replace`` layers and a mixture of experts with a shared expert after them. These names and
+shapes follow its published config and tensor names. ``KimiLinearForCausalLM`` never ties its head to the
+embedding, whatever ``tie_word_embeddings`` says: a tied model is exported with ``lm_head.weight`` written out
+(a copy of the embedding), and ``tie_word_embeddings`` stays true so that import gives the tied model back.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Layout:
     attn_norm: str
     ffn_norm: str
     eps_key: str
+    ties_head: bool  # whether the layout's model class takes the head from the embedding when tied
     layers: Callable[[dict[str, Any], str], list[Layer]]
     place: Callable[[dict[str, Any], list[str], list[tuple[str, str]]], None]
 
@@ -130,14 +133,15 @@ LAYOUTS: dict[str, Layout] = {
     "kda": Layout(
         name="kda", model_type="kda", architecture="KDAForCausalLM", embed="model.embeddings.weight",
         final_norm="model.norm.weight", head="lm_head.weight", layer_prefix="model.layers.{}.",
-        attn_norm="attn_norm.weight", ffn_norm="mlp_norm.weight", eps_key="norm_eps", layers=_fla_layers,
+        attn_norm="attn_norm.weight", ffn_norm="mlp_norm.weight", eps_key="norm_eps", ties_head=True,
+        layers=_fla_layers,
         place=_fla_place,
     ),
     "kimi_linear": Layout(
         name="kimi_linear", model_type="kimi_linear", architecture="KimiLinearForCausalLM",
         embed="model.embed_tokens.weight", final_norm="model.norm.weight", head="lm_head.weight",
         layer_prefix="model.layers.{}.", attn_norm="input_layernorm.weight", ffn_norm="post_attention_layernorm.weight",
-        eps_key="rms_norm_eps", layers=_kimi_layers, place=_kimi_place,
+        eps_key="rms_norm_eps", ties_head=False, layers=_kimi_layers, place=_kimi_place,
     ),
 }
 
