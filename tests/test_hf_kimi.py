@@ -63,8 +63,8 @@ def transformers_kimi(monkeypatch):
     return kimi.KimiLinearForCausalLM
 
 
-def logits_of_transformers(cls, directory, tokens, **overrides):
-    model = cls.from_pretrained(str(directory), **overrides).eval()
+def logits_of_transformers(cls, directory, tokens):
+    model = cls.from_pretrained(str(directory)).eval()
     with torch.no_grad():
         return model(tokens, use_cache=False).logits
 
@@ -132,6 +132,57 @@ def test_a_tied_model_exported_to_kimi_linear_keeps_its_head(tmp_path, monkeypat
         tokens = torch.randint(0, 5, (2, 19))
         with torch.no_grad():
             ours = model.logits(model(tokens, ForwardContext()))
-        theirs = logits_of_transformers(transformers_kimi(monkeypatch), out, tokens,
-                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        theirs = logits_of_transformers(transformers_kimi(monkeypatch), out, tokens)
         assert ((ours - theirs).abs().max() / ours.abs().max()).item() < 1e-5
+
+
+def test_exported_special_token_ids_lie_in_the_vocabulary(monkeypatch):
+    """pad_token_id is N's id, bos/eos are null: Kimi-Linear's defaults (163839, ...) fail a small vocabulary."""
+    plugins = get_plugins()
+    for extra, vocab, n_id in (({}, 5, 4), ({"data": {"token_ids": [3, 4, 5, 6, 7]}}, 9, 7)):
+        r = validate_recipe({**RAW, **extra, "model": {**RAW["model"], "vocab_size": vocab}}, plugins)
+        hf, _ = model_to_hf(random_model(r), r, "kimi_linear", plugins)
+        assert (hf["pad_token_id"], hf["bos_token_id"], hf["eos_token_id"]) == (n_id, None, None)
+    if HAS_TRANSFORMERS_KIMI:
+        from transformers import KimiLinearConfig
+
+        config = KimiLinearConfig(**hf)
+        assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (7, None, None)
+        transformers_kimi(monkeypatch)(config)  # builds: the embedding's padding index is within the vocabulary
+
+
+@needs_transformers_kimi
+def test_transformers_save_pretrained_of_kimi_linear_imports(tmp_path, monkeypatch):
+    """transformers writes a dense layer's MLP as block_sparse_moe.*; the import computes transformers' logits."""
+    from transformers import KimiLinearConfig
+
+    cls = transformers_kimi(monkeypatch)
+    torch.manual_seed(0)
+    config = KimiLinearConfig(
+        vocab_size=5, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1, routed_scaling_factor=2.5, rms_norm_eps=1e-6,
+        first_k_dense_replace=1, pad_token_id=4, bos_token_id=None, eos_token_id=None,
+        linear_attn_config={"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3],
+                            "full_attn_layers": []})
+    theirs = cls(config).eval()
+    with torch.no_grad():
+        for t in theirs.state_dict().values():
+            t.copy_(torch.randn_like(t) * 0.3 + (1.0 if t.dim() == 1 else 0.0))
+    theirs.save_pretrained(str(tmp_path / "hf"))
+    assert "model.layers.0.block_sparse_moe.gate_proj.weight" in read_tensors(tmp_path / "hf")
+
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
+    from megaseq.train.checkpoint import load_weights, read_meta
+
+    path = tmp_path / "imported" / "checkpoints" / "step_0000000"
+    ours = build_model(validate_recipe(read_meta(path)["recipe"], get_plugins()), get_plugins()).eval()
+    load_weights(path, ours)
+    tokens = torch.randint(0, 5, (2, 19))
+    with torch.no_grad():
+        a, b = ours.logits(ours(tokens, ForwardContext())), theirs(tokens, use_cache=False).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+    # layer kinds written out that disagree with first_k_dense_replace: transformers follows them, so refused
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**hf, "mlp_layer_types": ["dense", "dense", "sparse"]}))
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "mixed")]) == 2

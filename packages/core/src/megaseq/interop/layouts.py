@@ -31,6 +31,7 @@ class Layer:
     ffn_kind: str
     ffn: str
     ffn_prefix: str
+    ffn_prefix_aliases: tuple[str, ...] = ()  # other writers' names of the same sub-module; import reads them
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,20 @@ def _kimi_layers(hf: dict[str, Any], source: str) -> list[Layer]:
                 "has a separate rotary part) and megaseq has no MLA attention; only all-KDA models import"
             )
         moe = bool(experts) and i >= dense
+        # transformers' save_pretrained names every layer's MLP block_sparse_moe, the dense ones too
         layers.append(Layer("kda", "self_attn.", "moe" if moe else "ffn", "chunked" if moe else "swiglu",
-                            "block_sparse_moe." if moe else "mlp."))
+                            "block_sparse_moe." if moe else "mlp.", () if moe else ("block_sparse_moe.",)))
+    # transformers' KimiLinearConfig writes the layer kinds out too, and its model follows them
+    for key, ours in (
+        ("layer_types", ["linear_attention"] * len(layers)),
+        ("mlp_layer_types", ["sparse" if layer.ffn_kind == "moe" else "dense" for layer in layers]),
+    ):
+        theirs = hf.get(key)
+        if theirs is not None and list(theirs) != ours:
+            raise InteropError(
+                f"{source}: {key} = {theirs} disagrees with linear_attn_config.kda_layers, first_k_dense_replace "
+                f"and num_experts, which describe {ours}"
+            )
     return layers
 
 
