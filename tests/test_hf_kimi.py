@@ -152,8 +152,10 @@ def test_exported_special_token_ids_lie_in_the_vocabulary(monkeypatch):
 
 
 @needs_transformers_kimi
-def test_transformers_save_pretrained_of_kimi_linear_imports(tmp_path, monkeypatch):
-    """transformers writes a dense layer's MLP as block_sparse_moe.*; the import computes transformers' logits."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_transformers_save_pretrained_of_kimi_linear_imports(tmp_path, monkeypatch, groups):
+    """transformers writes a dense layer's MLP as block_sparse_moe.*; the import computes transformers' logits,
+    also with expert groups that are all kept (topk_group = num_expert_group: no grouping)."""
     from transformers import KimiLinearConfig
 
     cls = transformers_kimi(monkeypatch)
@@ -161,7 +163,7 @@ def test_transformers_save_pretrained_of_kimi_linear_imports(tmp_path, monkeypat
     config = KimiLinearConfig(
         vocab_size=5, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
         num_experts=4, num_experts_per_token=2, num_shared_experts=1, routed_scaling_factor=2.5, rms_norm_eps=1e-6,
-        first_k_dense_replace=1, pad_token_id=4, bos_token_id=None, eos_token_id=None,
+        first_k_dense_replace=1, num_expert_group=groups, topk_group=groups, pad_token_id=4, bos_token_id=None, eos_token_id=None,
         linear_attn_config={"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3],
                             "full_attn_layers": []})
     theirs = cls(config).eval()
