@@ -13,7 +13,7 @@ a run or by ``megaseq eval``, goes to ``eval/step_N/`` (:func:`eval_dir`). How a
 - ``overwrite``: delete the run output listed above (nothing else in the directory) and start at step 0.
 
 One process at a time writes a run directory: :class:`RunLock` holds an advisory lock (``flock``) on
-``RUN/.megaseq.lock`` for the run's whole life, taken before the directory is prepared, so a second trainer
+``RUN/.megaseq.lock`` for the run's whole life, taken by ``megaseq train`` before anything is built, so a second trainer
 (or an ``--overwrite`` that would delete the live run) stops with one line naming the holder's PID and
 host. The kernel drops the lock when its process dies however it dies; a lock file still naming a holder
 then shows the holder did not exit cleanly, and the next run takes it over with a line saying so.

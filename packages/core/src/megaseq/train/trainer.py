@@ -160,7 +160,8 @@ class Trainer:
         tensorboard: bool = True,
         lock_run: bool = True,
     ) -> None:
-        """``lock_run=False``: another process (the launcher of a Ray run) holds the run directory's lock."""
+        """``lock_run=False``: the caller (``megaseq train``, or the launcher of a Ray run) holds the run
+        directory's lock, taken before anything is built."""
         self.recipe = recipe
         self.plugins = plugins
         self.parallel = parallel or Parallel()
