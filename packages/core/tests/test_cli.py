@@ -203,3 +203,24 @@ def test_a_missing_subcommand_is_one_line_naming_the_choices(args, choices, caps
     assert main(args) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert f"missing command; choose one of: {choices}" in line and "data_command" not in line  # core's, then plugins'
+
+
+def test_a_second_trainer_of_a_live_run_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    import megaseq.eval.evaluate as evaluate
+    import megaseq.train.trainer as trainer
+    from megaseq.train.rundir import RunLock
+
+    built = []
+
+    def spy(what):
+        def record(*args, **kwargs):
+            built.append(what)
+            raise AssertionError(f"{what} ran before the run directory's lock was checked")
+        return record
+
+    monkeypatch.setattr(trainer.Trainer, "__init__", spy("the trainer"))
+    monkeypatch.setattr(evaluate, "check_analyses", spy("fitting the baselines"))
+    with RunLock(tmp_path / "run", "training"):  # another open file of the lock excludes as another process does
+        assert main(["train", str(REPO / "recipes" / "tiny.toml"), "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{tmp_path / 'run'} is in use by PID" in line and "(training)" in line and not built

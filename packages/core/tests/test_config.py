@@ -87,6 +87,24 @@ def test_overrides():
         parse_override("novalue")
 
 
+def test_a_set_that_deselects_a_component_drops_its_section(tmp_path, plugins):
+    """--set eval.baselines=[] turns the recipe's baseline off, its [baseline.NAME] with it; a section no --set
+    deselected, or one a --set configures, is still refused when unused."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[eval]\nbaselines = ["markov"]\nanalyses = ["retrieval"]\n\n[baseline.markov]\norder = 8\n\n'
+                      "[eval_analysis.retrieval]\nk = 20\n")
+    loaded = load_recipe(recipe, plugins, ["eval.baselines=[]", "eval.analyses=[]"])
+    assert loaded.eval.baselines == [] and loaded.components["baseline"] == {} and "baseline" not in loaded.to_dict()
+    with pytest.raises(ConfigError, match=r"r.toml: \[baseline.markov\] is configured but not used by eval.baselines"):
+        load_recipe(recipe, plugins, ["eval.baselines=[]", "eval.analyses=[]", "baseline.markov.order=3"])
+    stray = {"eval": {"baselines": ["markov"]}, "baseline": {"markov": {}, "markv": {}}}  # a misspelt section stays
+    with pytest.raises(ConfigError, match=r"r.toml: \[baseline.markv\] is configured but not used by eval.baselines"):
+        validate_recipe(apply_overrides(stray, ["eval.baselines=[]"]), plugins, "r.toml")
+    assert apply_overrides({"attention": {"sdpa": {}, "kda": {}}}, ['model.layer_pattern=["kda"]']) == {
+        "attention": {"kda": {}}, "model": {"layer_pattern": ["kda"]}}  # sdpa was selected by default
+    assert apply_overrides({"baseline": {"markov": {}}}, ["train.lr=1"])["baseline"] == {"markov": {}}  # never selected
+
+
 def test_load_recipe_errors(tmp_path, plugins):
     with pytest.raises(ConfigError, match="recipe not found"):
         load_recipe(tmp_path / "missing.toml", plugins)

@@ -120,3 +120,28 @@ def test_swiglu_and_sdpa_round_trip_and_a_component_without_mapping_is_refused()
         unmapped = validate_recipe({"model": {"d_model": 16, "n_layers": 1, "ffn": "mapped"}}, plugins)
         with pytest.raises(InteropError, match="ffn 'mapped': its mapping lacks config_to_hf, tensors_from_hf"):
             model_to_hf(build_model(unmapped, plugins), unmapped, "kda", plugins)
+
+
+def test_import_and_export_leave_a_users_directories_beside_out_alone(tmp_path):
+    from megaseq.cli import main
+    from megaseq.interop.convert import model_to_hf
+    from megaseq.model import build_model
+
+    plugins = fresh_plugins()
+    recipe = validate_recipe({"model": {"d_model": 16, "n_layers": 1, "vocab_size": 5},
+                              "attention": {"sdpa": {"n_heads": 2}}, "ffn": {"swiglu": {"hidden": 24}}}, plugins)
+    src = tmp_path / "src"
+    src.mkdir()
+    write_model(src, *model_to_hf(build_model(recipe, plugins), recipe, "kda", plugins), 1 << 30)
+    for name in ("imported", "back"):  # the name the staging directory once had
+        (tmp_path / f".tmp-{name}").mkdir()
+        (tmp_path / f".tmp-{name}" / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    assert main(["import", str(src), "--out", str(tmp_path / "imported")]) == 0
+    assert main(["export", str(tmp_path / "imported"), "--out", str(tmp_path / "back"), "--layout", "kda"]) == 0
+    for name in ("imported", "back"):
+        assert (tmp_path / f".tmp-{name}" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "imported", "back"])  # no staging left
+    assert main(["import", str(src), "--out", str(tmp_path / "imported")]) == 2  # exists: refused, nothing left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "imported", "back"])

@@ -295,6 +295,27 @@ def test_optimizer_state_in_host_memory_and_sharded():
                                                  machine=cuda, policies="none"))
 
 
+def test_host_optimizer_state_counts_against_host_memory(capsys):
+    """--host-mem bounds everything the step holds in host memory: the host optimizer state too."""
+    plugins = fresh_plugins()
+    recipe = load_recipe(TINY, plugins, ["train.optimizer_state='host'", "run.device='cuda'"])
+    unbounded = plan(recipe, plugins, machine=Machine("cuda", 64 * GiB, None), policies="none").candidates[0]
+    need = unbounded.host + unbounded.host_optimizer
+    assert need == unbounded.host_optimizer > 0
+    assert plan(recipe, plugins, machine=Machine("cuda", 64 * GiB, need), policies="none").candidates[0].fits
+    assert not plan(recipe, plugins, machine=Machine("cuda", 64 * GiB, need - 1), policies="none").candidates[0].fits
+
+    args = ["plan", TINY, "--set", "train.optimizer_state='host'", "--set", "run.device='cuda'", "--device-mem", "1e12",
+            "--host-mem", "1e-9"]
+    assert main(args) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "nothing fits host memory: the least any set holds there is 0.00G of 0.00G (--host-mem)", last
+    assert main([*args, "--memory-policy", "none"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+
+
 class CostConfig(ComponentConfig):
     part: str = "block"
 

@@ -248,17 +248,52 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), parsed
 
 
+# the keys that select components, and the section each selects from
+SELECTION_KEYS = {
+    ("model", "layer_pattern"): "attention", ("model", "ffn"): "ffn", ("model", "moe"): "moe",
+    ("train", "memory_policy"): "memory_policy", ("eval", "baselines"): "baseline", ("eval", "analyses"): "eval_analysis",
+}
+
+
+def _selected(raw: dict[str, Any], table: str, key: str, section: str) -> set[str]:
+    """The component names ``raw``'s ``table.key`` selects (its schema default when it is not given)."""
+    node = raw.get(table)
+    if isinstance(node, dict) and key in node:
+        value = node[key]
+    else:
+        value = getattr(Recipe.model_fields[table].default, key)
+    if value == "auto":  # train.memory_policy: the planner may start from any configured policy
+        tables = raw.get(section)
+        return set(tables) if isinstance(tables, dict) else set()
+    if isinstance(value, str):
+        return {value}
+    return {v for v in value if isinstance(v, str)} if isinstance(value, list) else set()
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    raw = copy.deepcopy(raw)
+    """``raw`` with each ``--set KEY.PATH=VALUE`` applied. A ``--set`` that takes a component out of its
+    selection (``SELECTION_KEYS``: ``eval.baselines = []`` drops ``markov``) also removes the recipe's
+    ``[SECTION.NAME]`` table of it, unless a ``--set`` configures that table: deselecting is how a recipe's
+    component is turned off from the command line."""
+    out = copy.deepcopy(raw)
+    touched: set[tuple[str, ...]] = set()
     for item in overrides:
         path, value = parse_override(item)
-        node = raw
+        touched.add(tuple(path[:2]))
+        node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is not a table")
         node[path[-1]] = value
-    return raw
+    for (table, key), section in SELECTION_KEYS.items():
+        tables = out.get(section)
+        if not isinstance(tables, dict) or not overrides:
+            continue
+        for name in _selected(raw, table, key, section) - _selected(out, table, key, section):
+            if name in tables and (section, name) not in touched and (section,) not in touched:
+                del tables[name]
+    return out
 
 
 def stored_recipe(raw: dict[str, Any]) -> dict[str, Any]:

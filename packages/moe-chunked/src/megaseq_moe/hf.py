@@ -6,7 +6,8 @@ Kimi-Linear's MoE layers (``block_sparse_moe``): a sigmoid router ``gate.weight`
 ``experts.{j}.w1`` (gate), ``w3`` (up), ``w2`` (down); one fused shared expert ``shared_experts.gate_proj``,
 ``up_proj``, ``down_proj`` of width ``moe_intermediate_size * num_shared_experts``. megaseq stores every
 routed expert in one ``[E, d, 2, h]`` / ``[E, h, d]`` pair (inputs on the left): import transposes and stacks,
-export splits. Refused: another router activation, no renormalisation, grouped top-k with more than one group.
+export splits. Refused: another router activation, no renormalisation, grouped top-k that drops a group
+(``num_expert_group`` > 1 with ``topk_group`` < ``num_expert_group``, whatever ``use_grouped_topk`` says).
 """
 
 from __future__ import annotations
@@ -34,8 +35,15 @@ class ChunkedMoEMapping:
         _check_layout(layout)
         require(hf, "moe_router_activation_func", ("sigmoid",), "the router's activation")
         require(hf, "moe_renormalize", (True,), "routing weights that are not renormalised")
-        if hf.get("use_grouped_topk", False):
-            require(hf, "num_expert_group", (1, None), "grouped top-k routing")
+        # transformers' KimiLinearForCausalLM groups whenever num_expert_group > 1, whatever use_grouped_topk
+        # says; keeping every group (topk_group = num_expert_group) is the only grouping that chooses as megaseq
+        groups, kept = hf.get("num_expert_group") or 1, hf.get("topk_group", 1)
+        if groups != 1 and kept != groups:
+            raise InteropError(
+                f"config.json: num_expert_group = {groups} with topk_group = {kept} is not supported (grouped top-k "
+                "routing, applied by transformers' model whatever use_grouped_topk says); megaseq needs "
+                f"num_expert_group = 1, or topk_group = num_expert_group ({groups}, every group kept)"
+            )
         missing = [k for k in ("num_experts", "num_experts_per_token", "moe_intermediate_size") if not hf.get(k)]
         if missing:
             raise InteropError(f"config.json: {missing[0]} is missing")

@@ -17,7 +17,7 @@ def parser() -> argparse.ArgumentParser:
     mp.add_argument("--parallel", metavar="dp=..,cp=..,ep=..,tp=..,etp=..",
                     help="ranks per dimension, over the recipe's [parallel]")
     mp.add_argument("--device-mem", type=float, metavar="GiB", help="memory per device (default: this machine's RAM or GPU)")
-    mp.add_argument("--host-mem", type=float, metavar="GiB", help="host memory per device for offloading (default: unlimited)")
+    mp.add_argument("--host-mem", type=float, metavar="GiB", help="host memory per device for offloaded activations and the host optimizer state (default: unlimited)")
     mp.add_argument("--memory-policy", default="auto", metavar="auto|none|NAMES",
                     help="auto (default): every candidate set; none; or the names of the set to plan")
     mp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")

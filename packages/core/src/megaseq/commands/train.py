@@ -76,35 +76,35 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(dry_run(recipe, plugins, layout, args.resume, args.address))
         return 0
-    if not in_torchrun():  # once, in the launching process: torchrun's ranks would each fit the baselines
-        from megaseq.eval.evaluate import check_analyses
-
-        check_analyses(recipe, plugins)
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
-    if layout.world_size == 1 and args.address is None and not in_torchrun():
-        from megaseq.train.trainer import Trainer
-
-        result = Trainer(recipe, plugins, progress=not args.no_progress).run(mode)
-        print_eval(result.out_dir, result.step)
-        return 0
-
     from megaseq.distributed.launch import WorkerFailed, preflight, run_torchrun, run_with_ray
+    from megaseq.eval.evaluate import check_analyses
     from megaseq.train import rundir
 
-    preflight(recipe, plugins, layout, args.resume, args.address)
-    if in_torchrun():
+    if in_torchrun():  # rank 0's trainer holds the lock; the launching process checked the analyses
+        preflight(recipe, plugins, layout, args.resume, args.address)
         result = run_torchrun(recipe, mode, progress=not args.no_progress)
         if result is not None:
             print_eval(result.out_dir, result.step)
         return 0
-    with rundir.RunLock(recipe.out_dir, "training"):  # held here for the workers, over their restarts
-        rundir.prepare(recipe.out_dir, mode)  # once, here: restarted workers must not refuse or wipe their own run
-        try:
-            out_dir = run_with_ray(recipe, layout, args.resume, args.address, args.max_failures)
-        except WorkerFailed as exc:
-            print(f"megaseq: error: {exc}", file=sys.stderr)
-            return 1
-    print_eval(out_dir, recipe.train.steps)
+    # the lock first: a second trainer of a live run stops at once, before baselines are fitted or a model built;
+    # held here for the whole run (and, under Ray, for the workers over their restarts)
+    with rundir.RunLock(recipe.out_dir, "training"):
+        check_analyses(recipe, plugins)
+        if layout.world_size == 1 and args.address is None:
+            from megaseq.train.trainer import Trainer
+
+            result = Trainer(recipe, plugins, progress=not args.no_progress, lock_run=False).run(mode)
+            out_dir, step = result.out_dir, result.step
+        else:
+            preflight(recipe, plugins, layout, args.resume, args.address)
+            rundir.prepare(recipe.out_dir, mode)  # once, here: restarted workers must not refuse or wipe their own run
+            try:
+                out_dir, step = run_with_ray(recipe, layout, args.resume, args.address, args.max_failures), recipe.train.steps
+            except WorkerFailed as exc:
+                print(f"megaseq: error: {exc}", file=sys.stderr)
+                return 1
+    print_eval(out_dir, step)
     return 0
 
 

@@ -10,13 +10,12 @@ losses and report beside them.
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from megaseq.config import Recipe
 from megaseq.contracts import MODEL_SCORER, Baseline, EvalAnalysis, EvalInfo, ForwardContext
@@ -26,6 +25,7 @@ from megaseq.errors import UserError
 from megaseq.eval.positions import PositionLoss, format_table, plot_positions
 from megaseq.model import LanguageModel, chunked_token_losses
 from megaseq.plugins import Plugins
+from megaseq.train.progress import Progress
 
 
 def batch_to(batch: Batch, device: torch.device) -> Batch:
@@ -41,9 +41,16 @@ def heldout_windows(recipe: Recipe, plugins: Plugins | None = None) -> tuple[Gen
     return windows, np.linspace(0, len(windows) - 1, n).round().astype(int).tolist()
 
 
-def _batches(indices: list[int], batch_size: int, progress: bool, desc: str) -> tqdm:
+def _batches(indices: list[int], batch_size: int, progress: bool, desc: str) -> Iterator[int]:
+    """The first index of each batch, with a progress line (off a terminal, about every tenth batch)."""
     starts = range(0, len(indices), batch_size)
-    return tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False, file=sys.stderr)
+    bar = Progress(desc, len(starts), unit="batches", every=max(1, len(starts) // 10), leave=False, enabled=progress)
+    try:
+        for start in starts:
+            yield start
+            bar.advance()
+    finally:
+        bar.close()
 
 
 def _feed(analyses: list[EvalAnalysis], scorer: str, first: int, batch: Batch, losses: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 
 from megaseq.config import Recipe, validate_recipe
+from megaseq.data.tokenizer import VOCAB
 from megaseq.interop import InteropError, Tensors
 from megaseq.interop.files import read_config, read_tensors, write_model
 from megaseq.interop.layouts import LAYOUTS, Layer, Layout, layout_of
@@ -50,17 +52,20 @@ def _check_new(out: Path) -> None:
 
 @contextmanager
 def _staged(out: Path) -> Iterator[Path]:
-    """A fresh directory beside ``out`` that becomes ``out`` when the block completes (else is removed)."""
+    """A fresh directory beside ``out`` that becomes ``out`` when the block completes (else is removed).
+
+    Its name is made unique by ``tempfile.mkdtemp``: a fixed name could be a directory of the user's, which
+    megaseq must neither delete nor write into. Only the directory made here is ever removed.
+    """
     _check_new(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
         yield staging
         os.replace(staging, out)
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _model_section(layout: Layout, hf: dict[str, Any], layers: list[Layer], source: str) -> dict[str, Any]:
@@ -83,6 +88,14 @@ def _layer_names(layout: Layout, i: int, layer: Layer) -> dict[str, tuple[str, s
         f"blocks.{i}.attention.": (base + layer.attention_prefix, "attention"),
         f"blocks.{i}.ffn.": (base + layer.ffn_prefix, layer.ffn_kind),
     }
+
+
+def _ffn_prefix_in(whole: Tensors, base: str, layer: Layer, source: str) -> str:
+    """The prefix the layer's MLP tensors are written under: the layout's own, or one of its aliases."""
+    written = [base + p for p in (layer.ffn_prefix, *layer.ffn_prefix_aliases) if any(n.startswith(base + p) for n in whole)]
+    if len(written) > 1:
+        raise InteropError(f"{source}: the MLP of one layer has tensors under both {written[0]} and {written[1]}")
+    return written[0] if written else base + layer.ffn_prefix
 
 
 def _check_fits(state: dict[str, Tensor], model: LanguageModel, source: str) -> None:
@@ -165,6 +178,8 @@ def _state_from_hf(
         state[f"blocks.{i}.ffn_norm.weight"] = whole.take(base + layout.ffn_norm)
         for ours, (theirs, kind) in _layer_names(layout, i, layer).items():
             name = layer.attention if kind == "attention" else layer.ffn
+            if kind != "attention":
+                theirs = _ffn_prefix_in(whole, base, layer, source)
             sub = {n[len(theirs):]: whole.take(n) for n in list(whole) if n.startswith(theirs)}
             tensors = Tensors(sub, theirs, source)
             mapped = _mapping(plugins, kind, name).tensors_from_hf(tensors, recipe.component(kind, name), dims, layout.name)
@@ -176,6 +191,14 @@ def _state_from_hf(
     return state
 
 
+def _special_token_ids(recipe: Recipe) -> dict[str, int | None]:
+    """``pad_token_id``: the id of N (an unknown base, what a padded position holds). megaseq feeds no
+    begin or end token: ``bos_token_id`` and ``eos_token_id`` are null. Written always, because a model
+    class's own defaults (Kimi-Linear's 163839) lie outside a small vocabulary."""
+    n = (recipe.data.token_ids or list(range(len(VOCAB))))[VOCAB.index("N")]
+    return {"pad_token_id": n if n < recipe.model.vocab_size else None, "bos_token_id": None, "eos_token_id": None}
+
+
 def model_to_hf(model: LanguageModel, recipe: Recipe, layout_name: str, plugins: Plugins) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(config.json, tensors)`` of a megaseq model in the published layout ``layout_name``."""
     if layout_name not in LAYOUTS:
@@ -184,6 +207,7 @@ def model_to_hf(model: LanguageModel, recipe: Recipe, layout_name: str, plugins:
     m = recipe.model
     dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
     hf = layout.model_to_hf(m)
+    hf.update(_special_token_ids(recipe))
     used = [(kind, name) for kind, name in {("attention", m.attention_of(i)): 0 for i in range(m.n_layers)}]
     used += list({m.ffn_of(i): 0 for i in range(m.n_layers)})
     for kind, name in used:
@@ -203,6 +227,8 @@ def model_to_hf(model: LanguageModel, recipe: Recipe, layout_name: str, plugins:
     tensors = {layout.embed: state["embed.weight"], layout.final_norm: state["final_norm.weight"]}
     if model.head is not None:
         tensors[layout.head] = state["head.weight"]
+    elif not layout.ties_head:
+        tensors[layout.head] = state["embed.weight"].clone()  # safetensors refuses two names for one storage
     for i, layer in enumerate(layers):
         base = layout.layer_prefix.format(i)
         tensors[base + layout.attn_norm] = state[f"blocks.{i}.attn_norm.weight"]

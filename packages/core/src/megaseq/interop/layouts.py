@@ -7,8 +7,10 @@ with a SwiGLU MLP, and optional softmax attention layers (``config.attn.layers``
 
 ``kimi_linear``: Kimi-Linear's published checkpoints (``KimiLinearForCausalLM``): KDA layers
 (``linear_attn_config.kda_layers``, numbered from 1), MLA layers (the others), a dense SwiGLU MLP in the first
-``first_k_dense_replace`` layers and a mixture of experts with a shared expert after them. Its modeling code
-lives on the Hugging Face Hub: these names and shapes follow its published config and tensor names.
+``first_k_dense_replace`` layers and a mixture of experts with a shared expert after them. These names and
+shapes follow its published config and tensor names. ``KimiLinearForCausalLM`` never ties its head to the
+embedding, whatever ``tie_word_embeddings`` says: a tied model is exported with ``lm_head.weight`` written out
+(a copy of the embedding), and ``tie_word_embeddings`` stays true so that import gives the tied model back.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Layer:
     ffn_kind: str
     ffn: str
     ffn_prefix: str
+    ffn_prefix_aliases: tuple[str, ...] = ()  # other writers' names of the same sub-module; import reads them
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Layout:
     attn_norm: str
     ffn_norm: str
     eps_key: str
+    ties_head: bool  # whether the layout's model class takes the head from the embedding when tied
     layers: Callable[[dict[str, Any], str], list[Layer]]
     place: Callable[[dict[str, Any], list[str], list[tuple[str, str]]], None]
 
@@ -105,8 +109,20 @@ def _kimi_layers(hf: dict[str, Any], source: str) -> list[Layer]:
                 "has a separate rotary part) and megaseq has no MLA attention; only all-KDA models import"
             )
         moe = bool(experts) and i >= dense
+        # transformers' save_pretrained names every layer's MLP block_sparse_moe, the dense ones too
         layers.append(Layer("kda", "self_attn.", "moe" if moe else "ffn", "chunked" if moe else "swiglu",
-                            "block_sparse_moe." if moe else "mlp."))
+                            "block_sparse_moe." if moe else "mlp.", () if moe else ("block_sparse_moe.",)))
+    # transformers' KimiLinearConfig writes the layer kinds out too, and its model follows them
+    for key, ours in (
+        ("layer_types", ["linear_attention"] * len(layers)),
+        ("mlp_layer_types", ["sparse" if layer.ffn_kind == "moe" else "dense" for layer in layers]),
+    ):
+        theirs = hf.get(key)
+        if theirs is not None and list(theirs) != ours:
+            raise InteropError(
+                f"{source}: {key} = {theirs} disagrees with linear_attn_config.kda_layers, first_k_dense_replace "
+                f"and num_experts, which describe {ours}"
+            )
     return layers
 
 
@@ -130,14 +146,15 @@ LAYOUTS: dict[str, Layout] = {
     "kda": Layout(
         name="kda", model_type="kda", architecture="KDAForCausalLM", embed="model.embeddings.weight",
         final_norm="model.norm.weight", head="lm_head.weight", layer_prefix="model.layers.{}.",
-        attn_norm="attn_norm.weight", ffn_norm="mlp_norm.weight", eps_key="norm_eps", layers=_fla_layers,
+        attn_norm="attn_norm.weight", ffn_norm="mlp_norm.weight", eps_key="norm_eps", ties_head=True,
+        layers=_fla_layers,
         place=_fla_place,
     ),
     "kimi_linear": Layout(
         name="kimi_linear", model_type="kimi_linear", architecture="KimiLinearForCausalLM",
         embed="model.embed_tokens.weight", final_norm="model.norm.weight", head="lm_head.weight",
         layer_prefix="model.layers.{}.", attn_norm="input_layernorm.weight", ffn_norm="post_attention_layernorm.weight",
-        eps_key="rms_norm_eps", layers=_kimi_layers, place=_kimi_place,
+        eps_key="rms_norm_eps", ties_head=False, layers=_kimi_layers, place=_kimi_place,
     ),
 }
 

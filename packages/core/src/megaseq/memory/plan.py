@@ -61,8 +61,8 @@ The optimizer (``megaseq.train.optimizer``): AdamW's two fp32 moments per parame
 with ``train.optimizer_state = "host"`` on CUDA, 16 bytes per parameter in (pageable) host memory instead (the
 moments, an fp32 master and a gradient buffer; on a CPU run the moments stay where they are, in the process);
 ``train.optimizer_shard`` (ZeRO-1) divides either by the ``dp x cp`` ranks that hold the same parameters.
-Host memory is reported in two parts: the offloaded activations (the pinned pool on CUDA, which
-``--host-mem`` bounds) and the host optimizer state.
+Host memory is reported in two parts, the offloaded activations (the pinned pool on CUDA) and the host
+optimizer state; ``--host-mem`` bounds their sum.
 
 Ranking: the sets that fit are ranked by their extra step time, summed over their policies: a calibration
 measured on the machine when given (``plan(time_costs=...)``), else each policy's figure for the device kind
@@ -160,6 +160,11 @@ class Estimate:
             self.runtime + self.weights + self.gradients + self.optimizer + self.layers_peak
             + self.saved_by_kind.get("embedding+head", 0) + self.gradient_stream + self.temporary + self.heap
         )
+
+    @property
+    def host_total(self) -> int:
+        """Everything the step holds in host memory: offloaded activations and the host optimizer state."""
+        return self.host + self.host_optimizer
 
     @property
     def label(self) -> str:
@@ -389,7 +394,7 @@ def estimate(
     out.fits = (
         not out.idle
         and out.device_peak <= machine.device_bytes
-        and (machine.host_bytes is None or out.host <= machine.host_bytes)
+        and (machine.host_bytes is None or out.host_total <= machine.host_bytes)
         and (machine.disk_bytes is None or out.disk <= machine.disk_bytes)
     )
     return out

@@ -78,19 +78,27 @@ def render_table(plan: Plan) -> str:
         chosen = "  <- proposed" if e is plan.chosen and not plan.given else ""
         lines.append(
             f"{e.label:<{width}}{cells} {gib(e.recompute_peak):>8} {gib(e.temporary):>8} {gib(e.heap):>8}"
-            f" {gib(e.disk if m.kind == 'cpu' else e.host):>8} {gib(e.device_peak):>8}  {mark:<4}  {e.time_cost:+.0%}{chosen}"
+            f" {gib(e.disk if m.kind == 'cpu' else e.host_total):>8} {gib(e.device_peak):>8}  {mark:<4}  {e.time_cost:+.0%}{chosen}"
         )
     lines.append("")
     lines.append("(saved activations by layer kind; re-run: the most one layer re-creates in backward; heap: freed "
-                 "memory the C library keeps resident)")
+                 "memory the C library keeps resident" + ("; host: offloaded activations and host optimizer state)"
+                                                          if m.kind == "cuda" else ")"))
     for reason in dict.fromkeys(e.idle for e in plan.candidates if e.idle):
         lines.append(f"idle (never proposed: the run would stop at its first step): offloading {reason}")
+    host_over = m.host_bytes is not None and first.host_total > m.host_bytes
     if plan.given:
         verdict = "fits" if first.fits else "is idle" if first.idle else "does NOT fit"
-        lines.append(f"the given set ({first.label}) {verdict}: peak {gib(first.device_peak)} of {gib(m.device_bytes)}")
+        lines.append(f"the given set ({first.label}) {verdict}: peak {gib(first.device_peak)} of {gib(m.device_bytes)}"
+                     + (f"; host memory {gib(first.host_total)} of {gib(m.host_bytes)} (--host-mem)" if host_over else ""))
     elif plan.chosen is None:
-        lines.append(f"nothing fits: the smallest peak is {gib(min(e.device_peak for e in plan.candidates))} "
-                     f"of {gib(m.device_bytes)} per device. Shorter sequences, more context parallelism or more memory would.")
+        least = min(plan.candidates, key=lambda e: e.device_peak)
+        if least.device_peak <= m.device_bytes and m.host_bytes is not None:
+            lines.append(f"nothing fits host memory: the least any set holds there is "
+                         f"{gib(min(e.host_total for e in plan.candidates))} of {gib(m.host_bytes)} (--host-mem)")
+        else:
+            lines.append(f"nothing fits: the smallest peak is {gib(least.device_peak)} "
+                         f"of {gib(m.device_bytes)} per device. Shorter sequences, more context parallelism or more memory would.")
     else:
         lines.append(f"proposed: {plan.chosen.label} (predicted peak {gib(plan.chosen.device_peak)}, "
                      f"about {plan.chosen.time_cost:+.0%} step time)")

@@ -13,7 +13,7 @@ a run or by ``megaseq eval``, goes to ``eval/step_N/`` (:func:`eval_dir`). How a
 - ``overwrite``: delete the run output listed above (nothing else in the directory) and start at step 0.
 
 One process at a time writes a run directory: :class:`RunLock` holds an advisory lock (``flock``) on
-``RUN/.megaseq.lock`` for the run's whole life, taken before the directory is prepared, so a second trainer
+``RUN/.megaseq.lock`` for the run's whole life, taken by ``megaseq train`` before anything is built, so a second trainer
 (or an ``--overwrite`` that would delete the live run) stops with one line naming the holder's PID and
 host. The kernel drops the lock when its process dies however it dies; a lock file still naming a holder
 then shows the holder did not exit cleanly, and the next run takes it over with a line saying so.
@@ -21,6 +21,7 @@ then shows the holder did not exit cleanly, and the next run takes it over with 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -47,8 +48,12 @@ class RunLock:
         self.path = Path(out_dir) / LOCK_NAME
         self.what = what
         self._file: Any = None
+        self._created: list[Path] = []
 
     def __enter__(self) -> RunLock:
+        # the directories this lock creates, deepest first: a run that stops before writing anything (a refused
+        # layout, a bad recipe value) leaves no directory behind
+        self._created = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             file = self.path.open("a+")
@@ -80,6 +85,11 @@ class RunLock:
             self._file.truncate(0)  # an empty lock file: its holder finished cleanly
             self._file.close()  # closing releases the flock
             self._file = None
+            if self._created and [p.name for p in self.path.parent.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()
+                for directory in self._created:
+                    with contextlib.suppress(OSError):  # another process may have written there meanwhile
+                        directory.rmdir()
 
 
 def _read_holder(file: Any) -> str:

@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from megaseq import threads
 from megaseq.capabilities import check_components
@@ -73,6 +72,7 @@ from megaseq.train import checkpoint, rundir
 from megaseq.train.interrupt import Interrupted, StopRequests
 from megaseq.train.metrics import MetricsLogger, peak_memory_gib
 from megaseq.train.optimizer import local_optimizer, make_optimizer
+from megaseq.train.progress import Progress
 from megaseq.train.step import OptimizerStep, apply_memory_policies
 from megaseq.train.totals import StepTotals
 
@@ -140,13 +140,16 @@ MEMORY_NOTE = {
 }
 
 
-def progress_line(metrics: dict[str, float], device: torch.device, planned_gib: float | None = None) -> str:
-    """The progress bar's postfix: the loss in bits per base (the unit of every result), labelled, and the
-    measured peak beside the plan's."""
+def progress_line(
+    metrics: dict[str, float], device: torch.device, planned_gib: float | None = None, tokens_per_s: float | None = None
+) -> str:
+    """The progress line's note on a step: its loss in bits per base (the unit of every result), labelled, the
+    throughput over the recent steps (``tokens_per_s``; the step's own when not given), and the measured peak
+    beside the plan's."""
     peak = "peak mem" if device.type == "cuda" else "peak RSS"
     plan = f" (plan {planned_gib:.2f} GiB)" if planned_gib is not None else ""
-    return (f"loss {metrics['bits_per_base']:.4f} bits/base, {metrics['tokens_per_s']:.0f} tok/s, "
-            f"{peak} {metrics['peak_mem_gib']:.2f} GiB{plan}")
+    rate = metrics["tokens_per_s"] if tokens_per_s is None else tokens_per_s
+    return f"loss {metrics['bits_per_base']:.4f} bits/base, {rate:.0f} tok/s, {peak} {metrics['peak_mem_gib']:.2f} GiB{plan}"
 
 
 class Trainer:
@@ -160,7 +163,8 @@ class Trainer:
         tensorboard: bool = True,
         lock_run: bool = True,
     ) -> None:
-        """``lock_run=False``: another process (the launcher of a Ray run) holds the run directory's lock."""
+        """``lock_run=False``: the caller (``megaseq train``, or the launcher of a Ray run) holds the run
+        directory's lock, taken before anything is built."""
         self.recipe = recipe
         self.plugins = plugins
         self.parallel = parallel or Parallel()
@@ -435,13 +439,14 @@ class Trainer:
             logger = _NoLogger()
         losses: list[float] = []
         result_eval = saved_at = None
-        bar = tqdm(total=t.steps, initial=self.step, disable=not self.progress, desc="train", file=sys.stderr)
+        bar = Progress("train", t.steps, initial=self.step, every=t.log_every, enabled=self.progress)
         with contextlib.closing(logger), StopRequests(self.stop_file) as stop:
             while self.step < t.steps and not p.any(stop.requested is not None):
+                tokens_before = self.tokens
                 metrics = self.train_step()
                 losses.append(metrics["loss"])
-                bar.update(1)
-                bar.set_postfix_str(progress_line(metrics, self.device, self.planned_gib), refresh=False)
+                bar.record(tokens=self.tokens - tokens_before)  # then the line: this step's, with this step's rate
+                bar.show(progress_line(metrics, self.device, self.planned_gib, bar.tokens_per_s))
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(self.step, metrics)
                 if self.step == t.steps:
