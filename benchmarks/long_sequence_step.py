@@ -49,7 +49,7 @@ def child(recipe_path: str, seq_len: int, policy: str, device_mem: float | None,
                 "train.checkpoint_every=0", f"run.out_dir='{out}'", "run.device='cpu'",
                 f"train.memory_policy={json.dumps(policy if policy == 'auto' else [])}", *extra]
         trainer = Trainer(load_recipe(recipe_path, plugins, sets), plugins, progress=False, tensorboard=False)
-        predicted = trainer.planned_gib * GiB if trainer.planned_gib is not None else None  # the run's own policies
+        predicted = trainer.memory.peak_gib * GiB if trainer.memory.peak_gib is not None else None  # the run's own policies
         start, cpu = time.perf_counter(), time.process_time()
         metrics = trainer.train_step()
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu

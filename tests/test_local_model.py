@@ -29,11 +29,8 @@ from megaseq.distributed.experts import (
     build_local_model,
     initial_parts,
     join,
-    layout_etp_dims,
-    layout_expert_dims,
-    layout_tp_dims,
+    layout_splits,
     model_dims,
-    whole_shapes,
 )
 from megaseq.distributed.sharded import (
     Placement,
@@ -98,9 +95,9 @@ def layouts(hybrid):
     wide = {**hybrid, "moe": {"chunked": {**hybrid["moe"]["chunked"], "n_experts": 8, "expert_hidden": 128}}}
     dense, moe = validate_recipe(DENSE, plugins), validate_recipe(wide, plugins)
     return [
-        (dense, "tp", layout_tp_dims(dense, plugins, 2), [{"tp_rank": r, "tp_size": 2} for r in range(2)]),
-        (moe, "ep", layout_expert_dims(moe, plugins, 2), [{"ep_rank": r, "ep_size": 2} for r in range(2)]),
-        (moe, "etp", layout_etp_dims(moe, plugins, 2), [{"etp_rank": r, "etp_size": 2} for r in range(2)]),
+        (dense, "tp", layout_splits(dense, plugins, tp_size=2).tp, [{"tp_rank": r, "tp_size": 2} for r in range(2)]),
+        (moe, "ep", layout_splits(moe, plugins, ep_size=2).ep, [{"ep_rank": r, "ep_size": 2} for r in range(2)]),
+        (moe, "etp", layout_splits(moe, plugins, etp_size=2).etp, [{"etp_rank": r, "etp_size": 2} for r in range(2)]),
     ]
 
 
@@ -120,7 +117,7 @@ def test_every_layout_starts_from_the_one_process_model(hybrid):
         assert torch.equal(torch.rand(4), after_one), what
         assert all(torch.equal(alone[n], t) for n, t in one.items()), what
         assert dims, what
-        shapes = whole_shapes(recipe, plugins)
+        shapes = layout_splits(recipe, plugins).shapes
         joined = unshard(blocks, dims, {name: shapes[name][dim] for name, dim in dims.items()})
         assert joined.keys() == one.keys(), what
         for name, value in one.items():
@@ -260,16 +257,16 @@ def placement_of(recipe, plugins, shapes, tp=(0, 1), ep=(0, 1), etp=(0, 1), writ
     """The placement of one rank of ``tp``, ``ep`` and ``etp`` (each ``(rank, size)``); ``writes``: whether it
     writes its tensor-parallel and its expert blocks."""
     return Placement.of(shapes, [
-        Split("ep", layout_expert_dims(recipe, plugins, ep[1]), *ep, writes=writes[1]),
-        Split("etp", layout_etp_dims(recipe, plugins, etp[1]), *etp, writes=writes[1]),
-        Split("tp", layout_tp_dims(recipe, plugins, tp[1]), *tp, writes=writes[0]),
+        Split("ep", layout_splits(recipe, plugins, ep_size=ep[1]).ep, *ep, writes=writes[1]),
+        Split("etp", layout_splits(recipe, plugins, etp_size=etp[1]).etp, *etp, writes=writes[1]),
+        Split("tp", layout_splits(recipe, plugins, tp_size=tp[1]).tp, *tp, writes=writes[0]),
     ])
 
 
 def write_layout(path, recipe, plugins, ranks):
     """A checkpoint's weights and optimizer state written by ``ranks`` (``{rank: (tp, ep, etp, writes)}``, every
     block by one of them); its ``meta.json`` entries."""
-    shapes, described = whole_shapes(recipe, plugins), []
+    shapes, described = layout_splits(recipe, plugins).shapes, []
     for rank, (tp, ep, etp, writes) in ranks.items():
         torch.manual_seed(3)
         model = build_local_model(recipe, plugins, tp_rank=tp[0], tp_size=tp[1], ep_rank=ep[0], ep_size=ep[1],
@@ -285,7 +282,7 @@ def write_layout(path, recipe, plugins, ranks):
 def test_a_checkpoint_written_per_shard_is_read_by_slices_under_any_layout(hybrid, tmp_path, capsys):
     plugins = get_plugins()
     recipe = validate_recipe(hybrid, plugins)
-    shapes = whole_shapes(recipe, plugins)
+    shapes = layout_splits(recipe, plugins).shapes
     torch.manual_seed(3)
     one = build_model(recipe, plugins)
     one_optimizer = stepped(one)
@@ -301,7 +298,6 @@ def test_a_checkpoint_written_per_shard_is_read_by_slices_under_any_layout(hybri
 
     readers = {"one process": {}, "tp=1, ep=4": {"ep": (3, 4)}, "tp=2, etp=2": {"tp": (1, 2), "etp": (0, 2)},
                "etp=2": {"etp": (1, 2)}}
-    dims_of = {"tp": layout_tp_dims, "ep": layout_expert_dims, "etp": layout_etp_dims}
     lines = []
     mapped = {f.stat().st_size for f in tmp_path.rglob("*.safetensors")}
     for what, cuts in readers.items():
@@ -310,7 +306,8 @@ def test_a_checkpoint_written_per_shard_is_read_by_slices_under_any_layout(hybri
         saved, names = local_optimizer_state(tmp_path, meta, state, placement)
         index = {n: i for group, group_names in zip(saved["param_groups"], names, strict=True)
                  for i, n in zip(group["params"], group_names, strict=True)}
-        cut_by = [(dims_of[kind](recipe, plugins, size), rank, size) for kind, (rank, size) in cuts.items()]
+        cut_by = [(getattr(layout_splits(recipe, plugins, **{f"{kind}_size": size}), kind), rank, size)
+                  for kind, (rank, size) in cuts.items()]
 
         def cut(name, t, cut_by=cut_by):
             for dims, rank, size in cut_by:
@@ -348,7 +345,7 @@ def test_a_checkpoint_missing_a_block_or_of_another_model_is_refused(hybrid, tmp
     lost = {**meta, "shards": {f: names for f, names in meta["shards"].items() if "rank1" not in f}}
     with pytest.raises(CheckpointError, match="its shards are incomplete"):
         read_full_weights(tmp_path, lost)
-    shapes = whole_shapes(validate_recipe({**hybrid, "moe": {"chunked": {**hybrid["moe"]["chunked"], "expert_hidden": 16}}}, plugins), plugins)
+    shapes = layout_splits(validate_recipe({**hybrid, "moe": {"chunked": {**hybrid["moe"]["chunked"], "expert_hidden": 16}}}, plugins), plugins).shapes
     with pytest.raises(ShapeMismatch, match=r"does not fit the model: shapes differ: blocks\.1\.ffn\.experts\.w_gate_up \[4, 32, 2, 32\] -> \[4, 32, 2, 16\]"):
         read_local_weights(tmp_path, meta, Placement.of(shapes, []))
 

@@ -146,8 +146,8 @@ def test_auto_trains_with_the_planners_choice(plugins, tmp_path, monkeypatch, ca
     # a machine on which only the set with the smallest predicted peak fits
     monkeypatch.setattr(machine_module, "total_ram", lambda: smallest.device_peak)
     trainer = Trainer(r, plugins, progress=False, tensorboard=False)
-    assert trainer.plan is not None and trainer.plan.chosen is not None
-    assert trainer.plan.chosen.label == smallest.label
+    assert trainer.memory.chosen_by is not None and trainer.memory.chosen_by.chosen is not None
+    assert trainer.memory.chosen_by.chosen.label == smallest.label
     assert trainer.recipe.train.memory_policy == [p.name for p in smallest.policies]
     header = trainer.header()
     assert "memory: " in header and "chosen by the planner" in header
@@ -176,7 +176,7 @@ def test_auto_never_proposes_an_offload_that_moves_nothing(plugins, tmp_path, mo
 
     monkeypatch.setattr(machine_module, "total_ram", lambda: min(e.device_peak for e in acting))
     trainer = Trainer(r, plugins, progress=False, tensorboard=False)
-    assert trainer.plan is not None and trainer.plan.chosen is not None
+    assert trainer.memory.chosen_by is not None and trainer.memory.chosen_by.chosen is not None
     assert "offload" not in trainer.recipe.train.memory_policy
     assert torch.isfinite(torch.tensor(trainer.train_step()["loss"]))
 

@@ -30,10 +30,10 @@ class Captured(Exception):
 def indexer_inputs(recipe_path: str, run: str | None, seq_len: int) -> tuple[torch.Tensor, ...]:
     from megaseq.config import load_recipe
     from megaseq.contracts import ForwardContext
+    from megaseq.data.windows import recipe_windows
     from megaseq.model import build_model
     from megaseq.plugins import get_plugins
     from megaseq.train import checkpoint
-    from megaseq.train.trainer import data_windows
 
     plugins = get_plugins()
     recipe = load_recipe(recipe_path, plugins, [f"data.seq_len={seq_len}"])
@@ -55,7 +55,7 @@ def indexer_inputs(recipe_path: str, run: str | None, seq_len: int) -> tuple[tor
         raise Captured
 
     layer.indexer.register_forward_hook(keep)
-    tokens = data_windows(recipe, "train").batch([0]).inputs
+    tokens = recipe_windows(recipe, "train").batch([0]).inputs
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.train.bf16):
         try:
             model(tokens, ForwardContext())

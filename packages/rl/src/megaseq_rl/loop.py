@@ -64,10 +64,9 @@ from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
 from megaseq.train.interrupt import Interrupted, StopRequests
 from megaseq.train.metrics import MetricsLogger
-from megaseq.train.optimizer import make_optimizer
 from megaseq.train.state import StepInfo
-from megaseq.train.step import OptimizerStep, apply_memory_policies
-from megaseq.train.trainer import freeze_except, seed_everything
+from megaseq.train.step import apply_memory_policies, build_optimizer_step
+from megaseq.train.trainer import seed_everything
 from megaseq_rl.policy import completion_terms, load_policy
 from megaseq_rl.recipe import RLRecipe
 from megaseq_rl.rollout import build_engine, cat_generations, select_rows
@@ -126,10 +125,8 @@ class RLRun:
         self.heldout = heldout_windows(self.eval_recipe)
         self.rng = np.random.default_rng([recipe.run.seed, 0])
         policies = apply_memory_policies(self.model, plugins, recipe.memory_policies)
-        if t.trainable is not None:
-            freeze_except(self.model, t.trainable, recipe.source)
-        self.optimizer = make_optimizer(self.model, t)
-        self.optimizer_step = OptimizerStep(self.optimizer, t, self.model, plugins, p, policies)
+        self.optimizer_step = build_optimizer_step(self.model, t, plugins, recipe.source, p, policies)
+        self.optimizer = self.optimizer_step.optimizer
         self.step = 0
         self.tokens = 0  # completion tokens trained on
         self.skipped_updates = 0

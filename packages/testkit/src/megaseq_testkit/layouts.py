@@ -35,8 +35,9 @@ def _recipe(raw: dict[str, Any], layout: Layout, out_dir: Path, **train: Any):
 def _train(trainer: Trainer, steps: int) -> dict[str, Any]:
     history = [trainer.train_step() for _ in range(steps)]
     p = trainer.parallel
-    whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), trainer.expert_dims, trainer.etp_dims),
-                                     trainer.tp_dims, trainer.tp_lengths)
+    splits = trainer.rank.splits
+    whole = p.gather_tensor_parallel(p.gather_experts(trainer.model.state_dict(), splits.ep, splits.etp),
+                                     splits.tp, trainer.rank.tp_lengths)
     return {"metrics": history, "tokens": trainer.tokens, "weights": {n: t.detach().clone() for n, t in whole.items()},
             "parameter_bytes": sum(t.numel() * t.element_size() for t in trainer.model.parameters())}
 

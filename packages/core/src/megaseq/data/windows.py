@@ -8,13 +8,20 @@ a batch can never produce a 0/0 loss. Counting N per window uses prefix sums eva
 a whole-chromosome memmap is never expanded to a full-size integer array.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from megaseq.data.tokenizer import N_ID, SOFTMASK_FLAG, TOKEN_ID_MASK
+
+if TYPE_CHECKING:
+    from megaseq.config import Recipe
+    from megaseq.plugins import Plugins
 
 _PREFIX_BLOCK = 1 << 22
 
@@ -27,7 +34,7 @@ class Batch:
     targets: torch.Tensor
     weights: torch.Tensor
 
-    def to_vocab(self, token_ids: Sequence[int] | None) -> "Batch":
+    def to_vocab(self, token_ids: Sequence[int] | None) -> Batch:
         """The batch in a model's own vocabulary: ``token_ids[i]`` for base i (``data.token_ids``; None: as is)."""
         if token_ids is None:
             return self
@@ -167,3 +174,31 @@ class WindowSampler:
         self.epoch = state["epoch"]
         self.position = state["position"]
         self._order = self._permutation(self.epoch)
+
+
+def recipe_windows(recipe: Recipe, which: str, plugins: Plugins | None = None) -> GenomeWindows:
+    """The windows of ``data.train`` or ``data.heldout``; unreadable or unusable data is a one-line error."""
+    from megaseq.data.errors import DataError
+    from megaseq.data.sources import tokenized
+
+    d = recipe.data
+    spec = getattr(d, which)
+    try:
+        tokens = tokenized(spec, plugins=plugins)
+    except DataError as exc:
+        raise DataError(f"{recipe.source}: data.{which}: {exc}") from None
+    windows = GenomeWindows(tokens, d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight)
+    if len(windows) == 0:
+        raise DataError(
+            f"{recipe.source}: data.{which} {spec!r} has no window of data.seq_len {d.seq_len} bases with at most "
+            f"data.max_n_fraction {d.max_n_fraction} N"
+        )
+    return windows
+
+
+def training_windows(recipe: Recipe, plugins: Plugins | None = None) -> GenomeWindows:
+    """The trainer's data stage: the training windows; the held-out data is read too, so that a bad
+    ``data.heldout`` fails before training, not after it."""
+    windows = recipe_windows(recipe, "train", plugins)
+    recipe_windows(recipe, "heldout", plugins)
+    return windows

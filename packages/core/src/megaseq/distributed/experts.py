@@ -23,6 +23,8 @@ another layout (each rank reads the parts of the written blocks that overlap its
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +34,10 @@ from megaseq.errors import UserError
 from megaseq.model import LanguageModel, build_block, build_model
 from megaseq.plugins import Plugins
 from megaseq.records import ModelDims
+
+if TYPE_CHECKING:
+    from megaseq.distributed.groups import Parallel
+    from megaseq.distributed.sharded import Placement
 
 
 def model_dims(recipe: Recipe, ep_rank: int = 0, ep_size: int = 1, tp_rank: int = 0, tp_size: int = 1,
@@ -81,30 +87,6 @@ def expert_dims(full: Mapping[str, Tensor], local: Mapping[str, Tensor], ep_size
     return split_dims(full, local, ep_size, "ep")
 
 
-def layout_expert_dims(recipe: Recipe, plugins: Plugins, ep_size: int) -> dict[str, int]:
-    """:func:`expert_dims` of the recipe's model under ``ep_size`` (empty for ``ep_size`` 1)."""
-    if ep_size == 1:
-        return {}
-    full = build_on_meta(recipe, plugins, 1).state_dict()
-    return expert_dims(full, build_on_meta(recipe, plugins, ep_size).state_dict(), ep_size)
-
-
-def layout_tp_dims(recipe: Recipe, plugins: Plugins, tp_size: int) -> dict[str, int]:
-    """``{name: dim}`` of the tensors tensor parallelism over ``tp_size`` ranks splits (empty for 1)."""
-    if tp_size == 1:
-        return {}
-    full = build_on_meta(recipe, plugins, 1).state_dict()
-    return split_dims(full, build_on_meta(recipe, plugins, 1, tp_size).state_dict(), tp_size, "tp")
-
-
-def layout_etp_dims(recipe: Recipe, plugins: Plugins, etp_size: int) -> dict[str, int]:
-    """``{name: dim}`` of the expert tensors expert tensor parallelism over ``etp_size`` ranks splits (empty for 1)."""
-    if etp_size == 1:
-        return {}
-    full = build_on_meta(recipe, plugins, 1).state_dict()
-    return split_dims(full, build_on_meta(recipe, plugins, 1, 1, etp_size).state_dict(), etp_size, "etp")
-
-
 def block(t: Tensor, dim: int, rank: int, size: int) -> Tensor:
     """Block ``rank`` of ``size`` of ``t`` along ``dim`` (a copy); a length that ``size`` does not divide is
     first padded with zeros at its end (the vocabulary under tensor parallelism)."""
@@ -119,11 +101,6 @@ def join(blocks: list[Tensor], dim: int, length: int | None = None) -> Tensor:
     """The blocks (in rank order) joined along ``dim``, cut back to ``length`` (padding dropped)."""
     whole = torch.cat(blocks, dim=dim)
     return whole if length is None else whole.narrow(dim, 0, length)
-
-
-def whole_shapes(recipe: Recipe, plugins: Plugins) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of every tensor of the whole (one-process) model, built on the meta device."""
-    return {name: tuple(t.shape) for name, t in build_on_meta(recipe, plugins, 1).state_dict().items()}
 
 
 def initial_parts(
@@ -144,9 +121,73 @@ def initial_parts(
     yield "", build_model(recipe, plugins, dims, blocks=False)
 
 
+@dataclass(frozen=True)
+class Splits:
+    """Which tensors a layout splits, found once: ``{name: dim}`` for expert (``ep``), expert-tensor (``etp``) and
+    tensor (``tp``) parallelism, and every tensor's shape in the whole (one-process) model."""
+
+    shapes: dict[str, tuple[int, ...]]
+    ep: dict[str, int]
+    etp: dict[str, int]
+    tp: dict[str, int]
+
+
+def layout_splits(recipe: Recipe, plugins: Plugins, ep_size: int = 1, tp_size: int = 1, etp_size: int = 1) -> Splits:
+    """:class:`Splits` of the recipe's model under the layout: the whole model is built on the meta device once,
+    and once more per dimension above 1."""
+    full = build_on_meta(recipe, plugins, 1).state_dict()
+
+    def split(n: int, what: str, **sizes: int) -> dict[str, int]:
+        return {} if n == 1 else split_dims(full, build_on_meta(recipe, plugins, **sizes).state_dict(), n, what)
+
+    return Splits(
+        shapes={name: tuple(t.shape) for name, t in full.items()},
+        ep=split(ep_size, "ep", ep_size=ep_size),
+        etp=split(etp_size, "etp", ep_size=1, etp_size=etp_size),
+        tp=split(tp_size, "tp", ep_size=1, tp_size=tp_size),
+    )
+
+
+@dataclass
+class RankModel:
+    """The model as one rank holds it (:func:`build_local_model`), with where its tensors sit in the whole model."""
+
+    model: LanguageModel
+    splits: Splits
+
+    @property
+    def tp_lengths(self) -> dict[str, int]:
+        """The whole length of every tensor-parallel dimension (a rank's blocks may be padded)."""
+        return {name: self.splits.shapes[name][dim] for name, dim in self.splits.tp.items()}
+
+    @property
+    def expert_params(self) -> set[nn.Parameter]:
+        """Parameters that expert or expert-tensor parallelism splits (reduced over their own groups)."""
+        s = self.splits
+        return {param for name, param in self.model.named_parameters() if name in s.ep or name in s.etp}
+
+    @property
+    def tp_params(self) -> set[nn.Parameter]:
+        return {param for name, param in self.model.named_parameters() if name in self.splits.tp}
+
+    def placement(self, parallel: Parallel) -> Placement:
+        """Where this rank's tensors sit in the whole model and which blocks it writes (``Parallel.placement``)."""
+        s = self.splits
+        return parallel.placement(s.shapes, s.ep, s.etp, s.tp)
+
+
+def build_rank_model(recipe: Recipe, plugins: Plugins, device: torch.device | str, parallel: Parallel) -> RankModel:
+    """This rank's model on ``device`` under ``parallel``'s layout: the trainer's and the engines' one way to it."""
+    p, layout = parallel, parallel.layout
+    splits = layout_splits(recipe, plugins, layout.ep, layout.tp, layout.etp)
+    model = build_local_model(recipe, plugins, device, p.ep_rank, layout.ep, p.tp_rank, layout.tp, p.etp_rank,
+                              layout.etp, splits=splits)
+    return RankModel(model, splits)
+
+
 def build_local_model(
     recipe: Recipe, plugins: Plugins, device: torch.device | str = "cpu", ep_rank: int = 0, ep_size: int = 1,
-    tp_rank: int = 0, tp_size: int = 1, etp_rank: int = 0, etp_size: int = 1,
+    tp_rank: int = 0, tp_size: int = 1, etp_rank: int = 0, etp_size: int = 1, splits: Splits | None = None,
 ) -> LanguageModel:
     """The model of EP rank ``ep_rank``, TP rank ``tp_rank`` and ETP rank ``etp_rank`` on ``device``, holding only
     its blocks of the split tensors, with the initial weights of the one-process model cut to them.
@@ -160,8 +201,8 @@ def build_local_model(
     with torch.device("meta"):
         local = build_model(recipe, plugins, model_dims(recipe, ep_rank, ep_size, tp_rank, tp_size, etp_rank, etp_size))
     local = local.to_empty(device=device)
-    by_ep, by_tp = layout_expert_dims(recipe, plugins, ep_size), layout_tp_dims(recipe, plugins, tp_size)
-    by_etp = layout_etp_dims(recipe, plugins, etp_size)
+    splits = splits or layout_splits(recipe, plugins, ep_size, tp_size, etp_size)
+    by_ep, by_tp, by_etp = splits.ep, splits.tp, splits.etp
     where = f"{recipe.source}: parallel ep={ep_size},tp={tp_size},etp={etp_size}"
     if both := sorted((set(by_ep) | set(by_etp)) & set(by_tp)):
         raise UserError(f"{where}: {both[0]} is split by both tensor and expert parallelism")

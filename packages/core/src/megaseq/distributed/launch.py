@@ -41,7 +41,7 @@ from megaseq import threads
 from megaseq.capabilities import check_components
 from megaseq.config import Recipe, RunConfig, validate_recipe
 from megaseq.devices import device_type, join_torchrun
-from megaseq.distributed.experts import layout_etp_dims, layout_expert_dims, layout_tp_dims
+from megaseq.distributed.experts import layout_splits
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups, rank_groups
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
@@ -65,9 +65,7 @@ def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, ad
         check_address(address)
     check_layout(recipe, layout)
     check_components(recipe, plugins, layout)
-    layout_expert_dims(recipe, plugins, layout.ep)  # builds the model on the meta device: components may refuse
-    layout_tp_dims(recipe, plugins, layout.tp)
-    layout_etp_dims(recipe, plugins, layout.etp)
+    layout_splits(recipe, plugins, layout.ep, layout.tp, layout.etp)  # builds on the meta device: components may refuse
     if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
         check_resharding(path, recipe, plugins)
 
@@ -135,11 +133,10 @@ def describe_plan(recipe: Recipe, plugins: Plugins, layout: Layout) -> str:
 def check_resharding(path: Path, recipe: Recipe, plugins: Plugins) -> None:
     """The checkpoint's whole tensors must be the recipe's whole model's, and its blocks must hold every value
     of them, so that any layout can read its parts (nothing but ``meta.json`` and the file headers is read)."""
-    from megaseq.distributed.experts import whole_shapes
     from megaseq.distributed.sharded import saved_shapes
 
     shapes = saved_shapes(path, checkpoint.read_meta(path))
-    expected = whole_shapes(recipe, plugins)
+    expected = layout_splits(recipe, plugins).shapes
     for name in sorted(set(expected) | set(shapes)):
         if shapes.get(name) != expected.get(name):
             saved, wanted = (list(s) if s is not None else None for s in (shapes.get(name), expected.get(name)))

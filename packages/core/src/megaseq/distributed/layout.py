@@ -91,6 +91,14 @@ def resolve_layout(recipe: Recipe, layout: Layout, workers: int | None) -> Layou
     return layout
 
 
+def check_run_layout(recipe: Recipe, layout: Layout) -> None:
+    """The trainer's layout stage: the process groups must be laid out as the recipe says, and the layout must
+    meet every rule of :func:`check_layout`."""
+    if layout != Layout.of(recipe):
+        raise ValueError(f"the process groups are laid out as {layout}, the recipe as {Layout.of(recipe)}")
+    check_layout(recipe, layout)  # e.g. a batch that does not split evenly would lose windows
+
+
 def check_layout(recipe: Recipe, layout: Layout) -> None:
     """Every rule a layout must meet for this recipe, as one-line errors (nothing is started here)."""
     where = f"{recipe.source}: parallel ({layout})"

@@ -42,17 +42,12 @@ from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext, RoutingReplay
 from megaseq.devices import pick_device
 from megaseq.distributed.experts import (
-    build_local_model,
-    layout_etp_dims,
-    layout_expert_dims,
-    layout_tp_dims,
-    whole_shapes,
+    build_rank_model,
 )
 from megaseq.distributed.groups import Parallel
 from megaseq.distributed.layout import Layout, LayoutError, check_expert_layout
 from megaseq.errors import UserError
 from megaseq.inference import Generation, SamplingParams, check_tokens, policy_logprobs, sample, sequence_logprobs
-from megaseq.model import build_model
 from megaseq.parallel import collectives
 from megaseq.plugins import Plugins
 
@@ -89,15 +84,9 @@ class CachedEngine:
         self.parallel = p = parallel or Parallel()
         layout = p.layout
         check_decoding_layout(recipe, plugins, layout)
-        if p.distributed:
-            model = build_local_model(recipe, plugins, self.device, p.ep_rank, layout.ep, p.tp_rank, layout.tp,
-                                      p.etp_rank, layout.etp)
-        else:
-            model = build_model(recipe, plugins)
-        self.placement = p.placement(
-            whole_shapes(recipe, plugins), layout_expert_dims(recipe, plugins, layout.ep),
-            layout_etp_dims(recipe, plugins, layout.etp), layout_tp_dims(recipe, plugins, layout.tp),
-        )
+        rank = build_rank_model(recipe, plugins, self.device, p)
+        model = rank.model
+        self.placement = rank.placement(p)
         if checkpoint is not None:
             found = checkpoints.resolve(checkpoint)
             checkpoints.load_weights(found, model, read_local_weights(found, checkpoints.read_meta(found), self.placement))

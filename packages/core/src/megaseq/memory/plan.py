@@ -85,7 +85,7 @@ from megaseq.capabilities import check_components, policy_runs_under
 from megaseq.config import Recipe
 from megaseq.distributed.layout import Layout, check_zigzag_length
 from megaseq.errors import UserError
-from megaseq.memory.machine import Machine, gib
+from megaseq.memory.machine import GiB, Machine, gib
 from megaseq.plugins import Plugins
 from megaseq.records import MemoryEffect, MemoryEstimate, ModelDims
 
@@ -536,6 +536,32 @@ def choose_memory_policy(recipe: Recipe, plugins: Plugins, device: Any) -> tuple
     return recipe.model_copy(update={"train": train, "components": components}), result
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run knows of its memory before its first step: the recipe with the policies it runs (the planner's
+    choice under ``train.memory_policy = "auto"``), the plan behind that choice, and the planned peak."""
+
+    recipe: Recipe
+    chosen_by: Plan | None  # the planner's comparison, where it chose the policies
+    peak: Estimate | str  # the plan of the policies run, or why there is none
+
+    @property
+    def peak_gib(self) -> float | None:
+        return self.peak.device_peak / GiB if isinstance(self.peak, Estimate) else None
+
+    @property
+    def note(self) -> str:
+        return f"{self.peak_gib:.2f}G per device" if self.peak_gib is not None else str(self.peak)
+
+
+def plan_run(recipe: Recipe, plugins: Plugins, device: Any) -> RunPlan:
+    """The trainer's memory stage: choose the policies where the recipe asks the planner to, and plan the peak."""
+    if recipe.train.memory_policy == "auto":
+        recipe, chosen_by = choose_memory_policy(recipe, plugins, device)
+        return RunPlan(recipe, chosen_by, chosen_by.chosen)
+    return RunPlan(recipe, None, planned_peak(recipe, plugins, device))
+
+
 def planned_peak(recipe: Recipe, plugins: Plugins, device: Any) -> Estimate | str:
     """The plan of a run with the recipe's own policies on ``device`` (one device of its layout), or why there is
     none (a component or policy the planner cannot model), for the run header."""
@@ -552,9 +578,11 @@ __all__ = [
     "Estimate",
     "Plan",
     "PolicyChoice",
+    "RunPlan",
     "candidate_sets",
     "choose_memory_policy",
     "estimate",
     "plan",
+    "plan_run",
     "planned_peak",
 ]

@@ -23,6 +23,7 @@ switching ``optimizer_state`` between runs keeps the moments.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -38,6 +39,17 @@ from megaseq.errors import UserError
 # Parameters per bucket of the CUDA path's copies (fp32 elements: 64 MiB): large enough that a copy's latency
 # is small beside its transfer, small enough that the first bucket's update starts early.
 BUCKET_ELEMENTS = 2**24
+
+
+def freeze_except(model: nn.Module, patterns: list[str], source: str) -> None:
+    """Train only parameters whose names match one of ``patterns`` (fnmatch globs); freeze the rest."""
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise UserError(f"{source}: train.trainable: {pattern!r} matches no parameter; e.g. {names[:3]}")
+    for name, p in model.named_parameters():
+        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            p.requires_grad_(False)
 
 
 def param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, Any]]:

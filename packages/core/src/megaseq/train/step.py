@@ -171,3 +171,23 @@ class OptimizerStep:
         (:func:`moe_load_metrics`) to ``metrics``, then runs ``step_end``."""
         metrics.update(moe_load_metrics(self.model, self.parallel))
         self.plugins.hooks.step_end(StepInfo(info.step, info.total_steps, tokens, info.lr), self.model, metrics)
+
+
+def build_optimizer_step(
+    model: nn.Module,
+    train: TrainConfig,
+    plugins: Plugins,
+    source: str,
+    parallel: Parallel | None = None,
+    policies: Sequence[MemoryPolicy] = (),
+    expert_params: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset(),
+    tp_params: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset(),
+) -> OptimizerStep:
+    """A loop's optimizer stage, the trainer's and the RL loop's: freeze what ``train.trainable`` leaves out, make
+    the optimizer (``train.optimizer_state``, ``train.optimizer_shard``) and its step."""
+    from megaseq.train.optimizer import freeze_except, make_optimizer
+
+    if train.trainable is not None:
+        freeze_except(model, train.trainable, source)
+    optimizer = make_optimizer(model, train, parallel)
+    return OptimizerStep(optimizer, train, model, plugins, parallel, policies, expert_params, tp_params)

@@ -22,7 +22,6 @@ so a resumed run cuts its logs back to the checkpoint's step and logs each step 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 import random
 import signal
@@ -39,31 +38,16 @@ from megaseq import threads
 from megaseq.capabilities import check_components
 from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext
-from megaseq.data.errors import DataError
-from megaseq.data.sources import tokenized
-from megaseq.data.windows import Batch, GenomeWindows, WindowSampler
+from megaseq.data.windows import Batch, WindowSampler, training_windows
 from megaseq.devices import pick_device
-from megaseq.distributed.experts import (
-    build_local_model,
-    layout_etp_dims,
-    layout_expert_dims,
-    layout_tp_dims,
-    whole_shapes,
-)
+from megaseq.distributed.experts import build_rank_model
 from megaseq.distributed.groups import Parallel
-from megaseq.distributed.layout import Layout, check_layout
-from megaseq.distributed.sharded import (
-    Placement,
-    local_optimizer_state,
-    read_local_weights,
-    shards_meta,
-    write_shard,
-)
-from megaseq.errors import TrainingDiverged, UserError
+from megaseq.distributed.layout import check_run_layout
+from megaseq.distributed.sharded import Placement, local_optimizer_state, read_local_weights, shards_meta, write_shard
+from megaseq.errors import TrainingDiverged
 from megaseq.eval.evaluate import batch_to, evaluate_heldout
 from megaseq.memory import heap
-from megaseq.memory.machine import GiB
-from megaseq.memory.plan import planned_peak
+from megaseq.memory.plan import plan_run
 from megaseq.memory.plan_report import describe_memory_policy
 from megaseq.model import LanguageModel, chunked_token_losses, describe
 from megaseq.parallel import tp_chunk
@@ -71,9 +55,9 @@ from megaseq.plugins import Plugins
 from megaseq.train import checkpoint, rundir
 from megaseq.train.interrupt import Interrupted, StopRequests
 from megaseq.train.metrics import MetricsLogger, peak_memory_gib
-from megaseq.train.optimizer import local_optimizer, make_optimizer
+from megaseq.train.optimizer import local_optimizer
 from megaseq.train.progress import Progress
-from megaseq.train.step import OptimizerStep, apply_memory_policies
+from megaseq.train.step import apply_memory_policies, build_optimizer_step
 from megaseq.train.totals import StepTotals
 
 
@@ -89,34 +73,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def freeze_except(model: torch.nn.Module, patterns: list[str], source: str) -> None:
-    """Train only parameters whose names match one of ``patterns`` (fnmatch globs); freeze the rest."""
-    names = [name for name, _ in model.named_parameters()]
-    for pattern in patterns:
-        if not fnmatch.filter(names, pattern):
-            raise UserError(f"{source}: train.trainable: {pattern!r} matches no parameter; e.g. {names[:3]}")
-    for name, p in model.named_parameters():
-        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
-            p.requires_grad_(False)
-
-
-def data_windows(recipe: Recipe, which: str, plugins: Plugins | None = None) -> GenomeWindows:
-    """The windows of ``data.train`` or ``data.heldout``; unreadable or unusable data is a one-line error."""
-    d = recipe.data
-    spec = getattr(d, which)
-    try:
-        tokens = tokenized(spec, plugins=plugins)
-    except DataError as exc:
-        raise DataError(f"{recipe.source}: data.{which}: {exc}") from None
-    windows = GenomeWindows(tokens, d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight)
-    if len(windows) == 0:
-        raise DataError(
-            f"{recipe.source}: data.{which} {spec!r} has no window of data.seq_len {d.seq_len} bases with at most "
-            f"data.max_n_fraction {d.max_n_fraction} N"
-        )
-    return windows
 
 
 def lm_loss(
@@ -163,52 +119,31 @@ class Trainer:
         tensorboard: bool = True,
         lock_run: bool = True,
     ) -> None:
-        """``lock_run=False``: the caller (``megaseq train``, or the launcher of a Ray run) holds the run
+        """Assemble a run in stages, each in the module that owns it and taking what the earlier ones made: the
+        layout, the components it asks for, the data, the model on this rank, the memory plan, the optimizer.
+        ``lock_run=False``: the caller (``megaseq train``, or the launcher of a Ray run) holds the run
         directory's lock, taken before anything is built."""
-        self.recipe = recipe
-        self.plugins = plugins
         self.parallel = parallel or Parallel()
-        if self.parallel.layout != Layout.of(recipe):
-            raise ValueError(f"the process groups are laid out as {self.parallel.layout}, the recipe as {Layout.of(recipe)}")
-        check_layout(recipe, self.parallel.layout)  # e.g. a batch that does not split evenly would lose windows
+        check_run_layout(recipe, self.parallel.layout)
         check_components(recipe, plugins, self.parallel.layout)
-        self.progress = progress and self.parallel.is_main
-        self.out_dir = recipe.out_dir
         self.device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)
-        self.train_windows = data_windows(recipe, "train", plugins)
-        data_windows(recipe, "heldout", plugins)  # a bad data.heldout fails now, not after training
-        p = self.parallel
-        self.model = build_local_model(
-            recipe, plugins, self.device, p.ep_rank, p.layout.ep, p.tp_rank, p.layout.tp, p.etp_rank, p.layout.etp
-        )
-        self.expert_dims = layout_expert_dims(recipe, plugins, p.layout.ep)
-        self.etp_dims = layout_etp_dims(recipe, plugins, p.layout.etp)
-        self.tp_dims = layout_tp_dims(recipe, plugins, p.layout.tp)
-        self.shapes = whole_shapes(recipe, plugins)  # where this rank's blocks sit (``placement``)
-        self.tp_lengths = {name: self.shapes[name][dim] for name, dim in self.tp_dims.items()}  # blocks may be padded
-        self.expert_params = {param for name, param in self.model.named_parameters()
-                              if name in self.expert_dims or name in self.etp_dims}
-        self.tp_params = {param for name, param in self.model.named_parameters() if name in self.tp_dims}
-        self.plan = None
-        if recipe.train.memory_policy == "auto":  # the planner's choice for this recipe, layout and device
-            from megaseq.memory.plan import choose_memory_policy
+        self.train_windows = training_windows(recipe, plugins)
+        self.rank = build_rank_model(recipe, plugins, self.device, self.parallel)
+        self.memory = plan_run(recipe, plugins, self.device)
+        self.recipe = recipe = self.memory.recipe  # with the planner's policies under memory_policy = "auto"
+        self.model = self.rank.model
+        policies = apply_memory_policies(self.model, plugins, [(name, recipe.component("memory_policy", name))
+                                                              for name in recipe.train.memory_policy])
+        self.heap = heap.apply_run_setting(recipe.run.trim_heap, self.device, recipe.data.seq_len // self.parallel.layout.cp,
+                                           self.model.blocks)
+        self.optimizer_step = build_optimizer_step(self.model, recipe.train, plugins, recipe.source, self.parallel,
+                                                   policies, self.rank.expert_params, self.rank.tp_params)
+        self.optimizer = self.optimizer_step.optimizer
 
-            self.recipe, self.plan = choose_memory_policy(recipe, plugins, self.device)
-            recipe = self.recipe
-        planned = self.plan.chosen if self.plan is not None else planned_peak(recipe, plugins, self.device)
-        self.planned_gib = planned.device_peak / GiB if not isinstance(planned, str) else None
-        self.planned_note = f"{self.planned_gib:.2f}G per device" if self.planned_gib is not None else planned
-        configs = [(name, recipe.component("memory_policy", name)) for name in recipe.train.memory_policy]
-        policies = apply_memory_policies(self.model, plugins, configs)
-        tokens_per_device = recipe.data.seq_len // self.parallel.layout.cp
-        self.heap = heap.apply_run_setting(recipe.run.trim_heap, self.device, tokens_per_device, self.model.blocks)
-        if recipe.train.trainable is not None:
-            freeze_except(self.model, recipe.train.trainable, recipe.source)
-        self.optimizer = make_optimizer(self.model, recipe.train, self.parallel)
-        self.optimizer_step = OptimizerStep(
-            self.optimizer, recipe.train, self.model, plugins, self.parallel, policies, self.expert_params, self.tp_params
-        )
+        self.plugins = plugins
+        self.progress = progress and self.parallel.is_main
+        self.out_dir = recipe.out_dir
         self.sampler = WindowSampler(len(self.train_windows), recipe.train.batch_size, recipe.run.seed)
         self.step = 0
         self.tokens = 0
@@ -228,7 +163,7 @@ class Trainer:
 
     def placement(self) -> Placement:
         """Where this rank's tensors sit in the whole model and which blocks it writes (``Parallel.placement``)."""
-        return self.parallel.placement(self.shapes, self.expert_dims, self.etp_dims, self.tp_dims)
+        return self.rank.placement(self.parallel)
 
     def save(self) -> Path:
         """Write a checkpoint; every rank calls this (each writes its files, rank 0 publishes them)."""
@@ -389,7 +324,8 @@ class Trainer:
         gives the whole model's count and each rank's, labelled."""
         layout = self.parallel.layout
         local = sum(p.numel() for p in self.model.parameters())
-        cuts = ((self.expert_dims, layout.ep), (self.etp_dims, layout.etp), (self.tp_dims, layout.tp))
+        splits = self.rank.splits
+        cuts = ((splits.ep, layout.ep), (splits.etp, layout.etp), (splits.tp, layout.tp))
         whole = sum(p.numel() * math.prod(n for dims, n in cuts if name in dims) for name, p in self.model.named_parameters())
         if whole == local:
             return describe(self.model)
@@ -406,7 +342,7 @@ class Trainer:
             f"  plugins: {plugins}",
             f"  model: {self.describe_parameters()}",
             f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases; out: {self.out_dir}",
-            f"  memory: {describe_memory_policy(self.recipe, self.plan)}; heap: {self.heap}; plan: {self.planned_note}",
+            f"  memory: {describe_memory_policy(self.recipe, self.memory.chosen_by)}; heap: {self.heap}; plan: {self.memory.note}",
             f"  {MEMORY_NOTE[self.device.type]}",
             *(f"  {note}" for note in self.notes),
         ])
@@ -446,7 +382,7 @@ class Trainer:
                 metrics = self.train_step()
                 losses.append(metrics["loss"])
                 bar.record(tokens=self.tokens - tokens_before)  # then the line: this step's, with this step's rate
-                bar.show(progress_line(metrics, self.device, self.planned_gib, bar.tokens_per_s))
+                bar.show(progress_line(metrics, self.device, self.memory.peak_gib, bar.tokens_per_s))
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(self.step, metrics)
                 if self.step == t.steps:
@@ -475,10 +411,10 @@ class Trainer:
     def peak_memory(self) -> str:
         """The process's peak up to this call (CPU: resident memory, what an out-of-memory killer sees; CUDA:
         allocated device memory) beside the plan's prediction."""
-        measured = peak_memory_gib(self.device)
-        if self.planned_gib is None:
-            return f"peak memory {measured:.2f}G (plan: {self.planned_note})"
-        return f"peak memory {measured:.2f}G, plan {self.planned_gib:.2f}G ({self.planned_gib / measured - 1:+.1%})"
+        measured, planned = peak_memory_gib(self.device), self.memory.peak_gib
+        if planned is None:
+            return f"peak memory {measured:.2f}G (plan: {self.memory.note})"
+        return f"peak memory {measured:.2f}G, plan {planned:.2f}G ({planned / measured - 1:+.1%})"
 
     def eval(self, baseline: bool, write: bool = False) -> dict[str, Any] | None:
         """Held-out evaluation (``None`` on ranks other than 0). A layout that spreads the model over ranks (ep, tp,
