@@ -195,7 +195,8 @@ def test_a_rank_holds_and_builds_only_its_shards(hybrid, capsys):
 
 
 def _evaluate_under_layouts(rank: int, world: int, raw: dict[str, Any], layouts: list, out_dir: str) -> list:
-    """One training step and the held-out evaluation under each layout, with gathering a whole model refused."""
+    """One training step and the held-out evaluation under each layout, with gathering a whole model refused.
+    Per layout: the evaluation's result and the lengths of the windows this rank's model ran in it."""
     from pathlib import Path
 
     from megaseq.distributed.groups import Parallel, destroy_process_groups, init_process_groups
@@ -214,7 +215,10 @@ def _evaluate_under_layouts(rank: int, world: int, raw: dict[str, Any], layouts:
             trainer = Trainer(_recipe(raw, layout, Path(out_dir) / str(layout).replace(",", "_")), installed_plugins(),
                               parallel=parallel, progress=False, tensorboard=False)
             trainer.train_step()
-            results.append(trainer.eval(baseline=False))
+            lengths: list[int] = []
+            hook = trainer.model.register_forward_pre_hook(lambda module, args, seen=lengths: seen.append(args[0].shape[1]))
+            results.append((trainer.eval(baseline=False), lengths))
+            hook.remove()
         finally:
             destroy_process_groups()
     return results
@@ -222,6 +226,8 @@ def _evaluate_under_layouts(rank: int, world: int, raw: dict[str, Any], layouts:
 
 @pytest.mark.slow
 def test_evaluation_runs_on_the_sharded_model_and_equals_one_process(hybrid, tmp_path):
+    """Under tp, ep and cp the evaluation runs on every rank's part (cp: each rank its zig-zag shard of every
+    window, as in training) and equals one process's."""
     pytest.importorskip("megatron.core", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
     from megaseq.distributed.layout import Layout
     from megaseq_testkit.distributed import run_gloo
@@ -230,11 +236,15 @@ def test_evaluation_runs_on_the_sharded_model_and_equals_one_process(hybrid, tmp
     single = single_trainer(hybrid, tmp_path / "single")
     single.train_step()
     expected = single.eval(baseline=False)["results"]["model"]
-    layouts = [Layout(tp=2), Layout(dp=2, ep=2)]
+    layouts = [Layout(tp=2), Layout(dp=2, ep=2), Layout(cp=2)]
     ranks = run_gloo(2, _evaluate_under_layouts, hybrid, layouts, str(tmp_path))
+    seq_len = hybrid["data"]["seq_len"]
     for i, layout in enumerate(layouts):
-        assert ranks[1][i] is None, layout  # rank 0 reports
-        got = ranks[0][i]["results"]["model"]
+        assert ranks[1][i][0] is None, layout  # rank 0 reports
+        for rank in range(2):  # every rank runs every window, under cp its zig-zag shard, never the whole window
+            lengths = ranks[rank][i][1]
+            assert lengths and set(lengths) == {seq_len // layout.cp}, (layout, rank, lengths)
+        got = ranks[0][i][0]["results"]["model"]
         pairs = [(got["bits_per_base"], expected["bits_per_base"])]
         pairs += [(a["bits_per_base"], b["bits_per_base"]) for a, b in zip(got["buckets"], expected["buckets"], strict=True)
                   if b["bits_per_base"] is not None]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megaseq_moe.config import ChunkedMoEConfig
-from megaseq_moe.experts import GroupedExperts, grouped_linear, grouped_mm_supported, swiglu
+from megaseq_moe.experts import GroupedExperts, expert_dtype, grouped_linear, grouped_mm_supported, swiglu
 from megaseq_moe.layer import ChunkedMoE
 from megaseq_testkit.moe import check_local_experts
 
@@ -53,17 +53,52 @@ def test_grouped_linear_accepts_column_slices(n_rows: int) -> None:
     weight = torch.randn(2, 32, 8)
     counts = torch.tensor([n_rows, 0])
     out = grouped_linear(
-        payload[:, :32], weight, counts, use_grouped_mm=grouped_mm_supported(payload, weight)
+        payload[:, :32], weight, counts, use_grouped_mm=grouped_mm_supported("cpu", payload.dtype, 32, 8)
     )
     assert_close(out, payload[:, :32].double() @ weight[0].double(), "slice product")
 
 
 def test_grouped_mm_support_rules() -> None:
-    aligned, weight = torch.randn(5, 8), torch.randn(3, 8, 4)
-    assert grouped_mm_supported(aligned, weight) == hasattr(F, "grouped_mm")
-    assert not grouped_mm_supported(torch.randn(5, 7), torch.randn(3, 7, 4))  # 28-byte rows
-    assert not grouped_mm_supported(aligned.double(), weight.double())
-    assert not grouped_mm_supported(aligned.bfloat16(), weight)  # mixed dtypes
+    have = hasattr(F, "grouped_mm")
+    assert grouped_mm_supported("cpu", torch.float32, 8, 4) == have
+    assert grouped_mm_supported("cpu", torch.bfloat16, 8, 16) == have
+    assert not grouped_mm_supported("cpu", torch.float32, 7, 4)  # 28-byte rows
+    assert not grouped_mm_supported("cpu", torch.bfloat16, 8, 4)  # 8-byte rows
+    assert not grouped_mm_supported("cpu", torch.float64, 8, 4)
+
+
+@pytest.mark.parametrize(("capability", "dtype", "grouped"), [
+    ((9, 0), torch.bfloat16, True),
+    ((8, 0), torch.bfloat16, True),
+    ((9, 0), torch.float32, False),  # CUDA's grouped GEMM is bf16 only: fp32 takes the loop
+    ((7, 5), torch.bfloat16, False),
+])
+def test_grouped_mm_choice_on_cuda(monkeypatch, capability, dtype, grouped) -> None:
+    """The choice for a CUDA device, decided without one (its compute capability is read, nothing else)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert grouped_mm_supported(torch.device("cuda", 3), dtype, 64, 128) == (grouped and hasattr(F, "grouped_mm"))
+
+
+@pytest.mark.parametrize(("device", "dtype", "autocast", "expected"), [
+    ("cuda", torch.float32, torch.bfloat16, torch.bfloat16),  # the GPU's bf16 grouped GEMM
+    ("cuda", torch.float32, None, torch.float32),
+    ("cuda", torch.float32, torch.float16, torch.float32),  # grouped_mm has no fp16
+    ("cuda", torch.bfloat16, None, torch.bfloat16),
+    ("cpu", torch.float32, torch.bfloat16, torch.float32),  # CPU numerics do not depend on autocast
+])
+def test_expert_dtype(device, dtype, autocast, expected) -> None:
+    assert expert_dtype(device, dtype, autocast) == expected
+
+
+def test_experts_in_bf16_return_the_rows_dtype() -> None:
+    torch.manual_seed(0)
+    experts = GroupedExperts(n_local=3, d_model=16, hidden=8, limit=None, init_std=0.5)
+    counts = [2, 0, 5]
+    rows = torch.randn(sum(counts), 16)
+    out = experts(rows, torch.tensor(counts), torch.bfloat16)
+    assert out.dtype == torch.float32
+    expected = torch.cat([experts.one(e, block) for e, block in enumerate(rows.split(counts))])
+    assert (out - expected).abs().max() <= 3e-2 * expected.abs().max()
 
 
 def test_experts_grouped_rows_equal_one_expert_at_a_time() -> None:

@@ -314,8 +314,8 @@ def test_bf16_close_to_fp32() -> None:
 
 
 def test_bf16_autocast_does_not_reach_inside_the_layer() -> None:
-    """Under a caller's bf16 autocast the layer routes and computes in its input's dtype: outputs, routing and
-    gradients are bitwise the fp32 run's (a bf16 router would flip near-tied choices; its forward would then
+    """Under a caller's bf16 autocast on CPU the layer routes and computes in its input's dtype: outputs, routing
+    and gradients are bitwise the fp32 run's (a bf16 router would flip near-tied choices; its forward would then
     disagree with the fp32 recomputation in backward)."""
 
     def run(autocast: bool) -> list[Tensor]:
@@ -329,3 +329,61 @@ def test_bf16_autocast_does_not_reach_inside_the_layer() -> None:
 
     for a, b in zip(run(True), run(False), strict=True):
         assert torch.equal(a, b)
+
+
+def test_experts_follow_a_cuda_bf16_autocast(monkeypatch) -> None:
+    """What a CUDA device gets under a bf16 autocast, on CPU: the dtype choice is the CUDA one, the rest of the
+    layer is the same code. The routed experts run in bf16 through grouped_mm, and the shared expert in bf16,
+    in forward and in the recomputation of backward; the router stays fp32, so routing equals the fp32 run's; the output keeps the input's dtype
+    and tracks the fp32 layer to bf16 precision."""
+    import megaseq_moe.experts as experts
+    import megaseq_moe.layer as layer
+    from megaseq_moe.router import Router
+
+    real_expert_dtype = layer.expert_dtype
+    monkeypatch.setattr(layer, "expert_dtype", lambda kind, dtype, autocast: real_expert_dtype("cuda", dtype, autocast))
+    products, routers = [], []
+    real_linear, real_affinities = experts.grouped_linear, Router.affinities
+
+    def spy_linear(x, weight, counts, use_grouped_mm):
+        products.append((x.dtype, weight.dtype, use_grouped_mm))
+        return real_linear(x, weight, counts, use_grouped_mm)
+
+    def spy_affinities(self, x):
+        out = real_affinities(self, x)
+        routers.append(out.dtype)
+        return out
+
+    shared, real_shared = [], experts.SharedExpert.forward
+
+    def spy_shared(self, x, dtype=None):
+        shared.append(dtype or x.dtype)
+        return real_shared(self, x, dtype)
+
+    monkeypatch.setattr(experts, "grouped_linear", spy_linear)
+    monkeypatch.setattr(Router, "affinities", spy_affinities)
+    monkeypatch.setattr(experts.SharedExpert, "forward", spy_shared)
+
+    def run(autocast: bool) -> tuple[list[Tensor], dict]:
+        module = make(chunk_tokens=5)
+        x = torch.randn(2, 9, D, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+        ctx = ForwardContext(routing=RoutingReplay())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = module(x, ctx)
+        out.square().sum().backward()
+        return [out, x.grad, *(p.grad for p in module.parameters())], ctx.routing.indices
+
+    want, want_routes = run(False)
+    assert {dtype for dtype, _, _ in products} == set(shared) == {torch.float32}
+    products.clear()
+    shared.clear()
+    got, routes = run(True)
+    chunks = 4  # 18 tokens in chunks of 5
+    assert len(products) == 2 * 2 * chunks  # two products a chunk, in forward and in backward's recomputation
+    assert set(products) == {(torch.bfloat16, torch.bfloat16, hasattr(torch.nn.functional, "grouped_mm"))}
+    assert set(shared) == {torch.bfloat16} and len(shared) == 2 * chunks
+    assert set(routers) == {torch.float32}
+    assert all(torch.equal(routes[k], want_routes[k]) for k in want_routes)
+    assert got[0].dtype == torch.float32
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g - w).abs().max() <= 3e-2 * w.abs().max(), f"tensor {i}: bf16 experts far from the fp32 layer"

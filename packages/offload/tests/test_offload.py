@@ -8,6 +8,7 @@ and a policy with nothing to offload are one-line errors. CUDA's pinned pool is 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -212,12 +213,14 @@ def test_cli_bad_scratch_dir_is_one_line(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pinned_pool_round_trip_and_prefetch():
     pool = PinnedPool(torch.device("cuda"), reserve=MiB)
-    tensors = [t.cuda() for t in _cases()] + [torch.randn(3 * MiB // 4, device="cuda")]  # the last one grows the pool
+    tensors = [t.cuda() for t in _cases()] + [torch.randn(3 * MiB // 4, device="cuda")]  # the last one finds no room
     handles = [pool.put(t) for t in tensors]
-    assert len(pool.segments) == 2
+    assert len(pool.segments) == 1 and pool.short == 3 * MiB
     for t, h in reversed(list(zip(tensors, handles, strict=True))):  # backward order: prefetches the next
         back = pool.get(h)
         assert back.device == t.device and back.dtype == t.dtype and torch.equal(back, t)
+    pool.begin()  # the next step: the pool grew by what did not fit
+    assert len(pool.segments) == 2
     pool.close()
     assert not pool.segments
 
@@ -247,3 +250,141 @@ def test_cuda_offload_keeps_gradients_and_frees_device_memory():
     g_off, held_off = run(True)
     assert torch.equal(g_keep, g_off)
     assert held_keep - held_off > 200 * MiB
+
+
+# -- the pinned pool's lifecycle on a fake CUDA ----------------------------------------------------------
+
+
+class FakeCuda:
+    """torch.cuda's streams, events and ``cudaHostRegister`` replaced by recorders; copies are the host's. Records
+    each registration's size, and each registration and synchronisation with whether a forward or backward
+    was running (``inside``, set by the test)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.inside = False
+        self.registered: list[tuple[int, bool]] = []
+        self.unregistered = 0
+        self.synchronized: list[bool] = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None) -> None:
+                pass
+
+            def wait_stream(self, other) -> None:
+                pass
+
+            def wait_event(self, event) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                fake.synchronized.append(fake.inside)
+
+        class Event:
+            def record(self, stream=None) -> None:
+                pass
+
+        class Runtime:
+            def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+                fake.registered.append((size, fake.inside))
+                return 0
+
+            def cudaHostUnregister(self, ptr: int) -> int:
+                fake.unregistered += 1
+                return 0
+
+        current = Stream()
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+
+
+class HostBackedCuda:
+    """The policy's device: of type cuda (so it takes the pinned pool), equal to the host's, where the tensors are."""
+
+    type = "cuda"
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other == torch.device("cpu")
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = object.__hash__
+
+
+def _fake_cuda_steps(cuda: FakeCuda, policy: OffloadPolicy, sizes: list[int]) -> list[torch.Tensor]:
+    """One step per size: a chain of four saved tensors of that many floats, forward and backward; returns the
+    gradients."""
+    w = torch.ones((), requires_grad=True)
+    grads = []
+    for step, n in enumerate(sizes):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(step))
+        with policy.step():
+            cuda.inside = True
+            y = x
+            for _ in range(4):
+                y = (y * w).sin()
+            y.sum().backward()
+            cuda.inside = False
+        grads.append(w.grad.clone())
+        w.grad = None
+    return grads
+
+
+def _reference(sizes: list[int]) -> list[torch.Tensor]:
+    w = torch.ones((), requires_grad=True)
+    grads = []
+    for step, n in enumerate(sizes):
+        y = torch.randn(n, generator=torch.Generator().manual_seed(step))
+        for _ in range(4):
+            y = (y * w).sin()
+        y.sum().backward()
+        grads.append(w.grad.clone())
+        w.grad = None
+    return grads
+
+
+def _fake_cuda_policy(tmp_path: Path, **config) -> OffloadPolicy:
+    policy = _policy(scratch_dir=str(tmp_path), min_bytes=1024, **config)
+    policy.device = HostBackedCuda()
+    return policy
+
+
+def test_pinned_pool_is_pinned_once_and_kept_across_steps(tmp_path, monkeypatch):
+    """With the planner's size: one registration before the first forward, none after, no unpinning between
+    steps, and no synchronisation inside a forward or backward (the pool is reused without one)."""
+    cuda = FakeCuda(monkeypatch)
+    policy = _fake_cuda_policy(tmp_path, pool_bytes=4 * MiB)
+    sizes = [64 * 1024] * 3
+    grads = _fake_cuda_steps(cuda, policy, sizes)
+    assert cuda.registered == [(4 * MiB, False)]
+    assert cuda.unregistered == 0
+    assert not any(cuda.synchronized), "the pool synchronised with the device inside a forward or backward"
+    assert all(torch.equal(g, r) for g, r in zip(grads, _reference(sizes), strict=True))
+    policy.pool.close()
+    assert cuda.unregistered == 1
+
+
+def test_pinned_pool_is_sized_by_the_first_step_and_grows_between_steps(tmp_path, monkeypatch):
+    """Without a planned size: the first step's tensors wait in pageable memory and the pool is pinned for
+    them before the second step; a step that needs more grows it once, before the step after it; nothing is
+    registered inside a forward or backward."""
+    import megaseq_offload.stores as stores
+
+    monkeypatch.setattr(stores, "GROWTH", MiB)  # the least a pool grows by, small enough for these steps
+    cuda = FakeCuda(monkeypatch)
+    policy = _fake_cuda_policy(tmp_path)
+    small, large = 64 * 1024, 2**20  # floats per saved tensor: 256 KiB, then 4 MiB
+    sizes = [small, small, small, large, large, large]
+    grads = _fake_cuda_steps(cuda, policy, sizes)
+    assert [inside for _, inside in cuda.registered] == [False, False], cuda.registered
+    first, grown = (size for size, _ in cuda.registered)
+    assert first >= 4 * small * 4 and first + grown >= 4 * large * 4
+    assert cuda.unregistered == 0 and not any(cuda.synchronized)
+    assert all(torch.equal(g, r) for g, r in zip(grads, _reference(sizes), strict=True))
+    policy.pool.close()
+    assert cuda.unregistered == 2

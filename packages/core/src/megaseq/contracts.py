@@ -372,8 +372,9 @@ class MemoryPolicy(Protocol):
       A policy that finds nothing to act on raises ``megaseq.errors.UserError`` (one line).
     - ``step()`` around the forwards and backwards of every optimizer step (all its micro-batches): a context
       manager that acquires what the step needs (saved-tensor hooks, a host-memory pool, a scratch file)
-      and, when the block exits, normally or by an exception, releases all of it. Nothing outlives a step,
-      so a policy needs no global state and no lifecycle hook.
+      and, when the block exits, normally or by an exception, releases all of it. What is slow to acquire
+      every step (page-locked host memory) the policy object may keep and reuse from step to step; it is
+      released when the policy is dropped, so a policy needs no global state and no lifecycle hook.
 
     Forwards outside ``step()`` (evaluation, generation) and forwards under ``torch.no_grad()`` (also inside a
     step: the RL loop's old log-probabilities) must work and give the outputs of the model without the

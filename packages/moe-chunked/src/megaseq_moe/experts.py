@@ -2,8 +2,13 @@
 
 Routed experts keep their weights stacked (``[E, d_in, d_out]``) so that one grouped GEMM
 (``torch.nn.functional.grouped_mm``) multiplies every expert's rows by that expert's matrix. grouped_mm
-needs 16-byte aligned row strides and runs in fp32/bf16 on CPU but only in bf16 on CUDA; elsewhere the same
-product is a loop over experts. Both paths are tested against each other and a float64 oracle.
+needs 16-byte aligned row strides and runs in fp32/bf16 on CPU but only in bf16 on CUDA (compute capability
+8.0 or newer); elsewhere the same product is a loop over experts, which reads the group sizes to the host.
+Both paths are tested against each other and a float64 oracle.
+
+The routed and shared experts compute in :func:`expert_dtype`: bf16 under a CUDA bf16 autocast (so that the
+grouped GEMM runs there, on the GPU's bf16 units), the input's dtype otherwise. On CPU autocast does not reach them, so CPU
+results do not depend on it.
 """
 
 from __future__ import annotations
@@ -23,15 +28,26 @@ def swiglu(gate_up: Tensor, limit: float | None) -> Tensor:
     return F.silu(gate) * up
 
 
-def grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``grouped_mm`` can multiply rows ``x [m, d_in]`` by ``weight [E, d_in, d_out]`` here."""
-    if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype:
+def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype, *widths: int) -> bool:
+    """Whether ``grouped_mm`` multiplies rows of ``dtype`` on ``device`` by stacked ``[E, d_in, d_out]`` weights
+    whose ``d_in`` and ``d_out`` are among ``widths``: fp32 or bf16 on CPU, bf16 on CUDA devices of compute
+    capability 8.0 or newer; every width a multiple of 16 bytes."""
+    device = torch.device(device)
+    if not hasattr(F, "grouped_mm"):
         return False
-    dtypes = (torch.float32, torch.bfloat16) if x.device.type == "cpu" else (torch.bfloat16,)
-    if x.dtype not in dtypes:
+    if device.type == "cpu":
+        dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    elif device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+        dtypes = (torch.bfloat16,)
+    else:
         return False
-    size = x.element_size()
-    return (weight.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+    return dtype in dtypes and all(width * dtype.itemsize % 16 == 0 for width in widths)
+
+
+def expert_dtype(device_type: str, dtype: torch.dtype, autocast: torch.dtype | None) -> torch.dtype:
+    """The dtype the routed experts compute in, for inputs of ``dtype`` on a ``device_type`` device, under an
+    autocast to ``autocast`` (None: autocast off): bf16 under a CUDA bf16 autocast, else ``dtype``."""
+    return torch.bfloat16 if device_type == "cuda" and autocast == torch.bfloat16 else dtype
 
 
 def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, use_grouped_mm: bool) -> Tensor:
@@ -78,12 +94,16 @@ class GroupedExperts(nn.Module):
                     if first <= expert < first + n_local:
                         weight[expert - first] = drawn.narrow(dim, etp_rank * hidden, hidden)
 
-    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
-        """Rows grouped by local expert (``counts[e]`` rows for expert e) -> expert outputs, same order."""
-        gate_up = self.w_gate_up.flatten(2)  # [E, d, gate | up]: one product for both
-        use_grouped_mm = grouped_mm_supported(rows, gate_up) and grouped_mm_supported(rows, self.w_down)
-        hidden = swiglu(grouped_linear(rows, gate_up, counts, use_grouped_mm), self.limit)
-        return grouped_linear(hidden, self.w_down, counts, use_grouped_mm)
+    def forward(self, rows: Tensor, counts: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Rows grouped by local expert (``counts[e]`` rows for expert e) -> expert outputs, same order and dtype
+        as the rows. ``dtype``: what the products run in (:func:`expert_dtype`; default the rows' dtype)."""
+        dtype = dtype or rows.dtype
+        gate_up = self.w_gate_up.flatten(2).to(dtype)  # [E, d, gate | up]: one product for both
+        down = self.w_down.to(dtype)
+        use_grouped_mm = grouped_mm_supported(rows.device, dtype, *gate_up.shape[1:], *down.shape[1:])
+        hidden = swiglu(grouped_linear(rows.to(dtype), gate_up, counts, use_grouped_mm), self.limit)
+        # back in the rows' dtype: combined with the routing weights and summed over ranks in at least fp32
+        return grouped_linear(hidden, down, counts, use_grouped_mm).to(rows.dtype)
 
     def one(self, local: int, x: Tensor) -> Tensor:
         """Expert ``local`` applied to each row of ``x``: the definition the grouped path must match."""
@@ -99,5 +119,7 @@ class SharedExpert(nn.Module):
         self.w_gate_up = nn.Parameter(torch.randn(d_model, 2 * hidden) * init_std)
         self.w_down = nn.Parameter(torch.randn(hidden, d_model) * init_std)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return swiglu(x @ self.w_gate_up, self.limit) @ self.w_down
+    def forward(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``dtype``: what the products run in (:func:`expert_dtype`; default ``x``'s); returns ``x``'s dtype."""
+        dtype = dtype or x.dtype
+        return (swiglu(x.to(dtype) @ self.w_gate_up.to(dtype), self.limit) @ self.w_down.to(dtype)).to(x.dtype)

@@ -39,7 +39,7 @@ from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_moe.config import ChunkedMoEConfig
 from megaseq_moe.dispatch import plan_dispatch, plan_tensor_gather
 from megaseq_moe.ep import agree_max, group_size, sum_over
-from megaseq_moe.experts import GroupedExperts, SharedExpert
+from megaseq_moe.experts import GroupedExperts, SharedExpert, expert_dtype
 from megaseq_moe.router import Router
 
 AUX_LOSS_NAME = "moe/aux"
@@ -93,8 +93,8 @@ class ChunkedMoE(nn.Module):
             )
         return self.experts.one(local, x)
 
-    def shared_forward(self, x: Tensor) -> Tensor:
-        return self.shared(x) if self.shared is not None else torch.zeros_like(x)
+    def shared_forward(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        return self.shared(x, dtype) if self.shared is not None else torch.zeros_like(x)
 
     def load_stats(self) -> dict[str, float]:
         """Load of the last training forward over the expert-parallel group; empty before the first one."""
@@ -103,12 +103,15 @@ class ChunkedMoE(nn.Module):
     # --- the chunked computation --------------------------------------------------------------------------
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        # Routing, experts and the backward's recomputation all run in the input's dtype, also under autocast:
-        # a bf16 router would pick other experts than the recomputation and the fp32 path (near-ties).
-        with torch.autocast(x.device.type, enabled=False):
-            return self._forward(x, ctx)
+        # Routing and the combination run in the input's dtype, also under autocast: a bf16 router would pick
+        # other experts than the recomputation and the fp32 path (near-ties). The routed and shared experts take
+        # the dtype of a CUDA bf16 autocast (expert_dtype), decided here once for the forward and its recomputation.
+        kind = x.device.type
+        experts_dtype = expert_dtype(kind, x.dtype, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+        with torch.autocast(kind, enabled=False):
+            return self._forward(x, ctx, experts_dtype)
 
-    def _forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+    def _forward(self, x: Tensor, ctx: ForwardContext, experts_dtype: torch.dtype) -> Tensor:
         batch, length, d = x.shape
         tokens = x.reshape(-1, d)
         group, etp_group = self._ep_group(ctx), self._etp_group(ctx)
@@ -121,7 +124,7 @@ class ChunkedMoE(nn.Module):
         with_aux = self.training and self.aux_loss_coef > 0
         segments, n_segments = self._segments(batch, length, ctx, x.device) if with_aux else (None, 0)
         out, affinity_sums = _ChunkedMoEFunction.apply(
-            self, tokens, indices, segments, n_segments, group, etp_group, *self._params()
+            self, tokens, indices, segments, n_segments, group, etp_group, experts_dtype, *self._params()
         )
         if with_aux:
             sharing = [part.group for part in (ctx.cp, _splitting(ctx)) if part is not None]  # ranks holding a sequence's tokens
@@ -224,7 +227,7 @@ class ChunkedMoE(nn.Module):
         return self.aux_loss_coef * per_segment[present].sum() / present.sum().clamp_min(1)
 
     def _local_part(
-        self, x: Tensor, indices: Tensor, segments: Tensor | None, n_segments: int
+        self, x: Tensor, indices: Tensor, segments: Tensor | None, n_segments: int, experts_dtype: torch.dtype | None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """What the origin rank computes for a chunk: routing weights, shared output, affinity sums."""
         affinities = self.router.affinities(x)
@@ -233,20 +236,20 @@ class ChunkedMoE(nn.Module):
         if n_segments:
             normalised = affinities / affinities.sum(-1, keepdim=True)
             sums = affinities.new_zeros(n_segments, self.n_experts).index_add(0, segments, normalised)
-        return weights, self.shared_forward(x), sums
+        return weights, self.shared_forward(x, experts_dtype), sums
 
     def chunk_forward(
         self, x: Tensor, indices: Tensor, segments: Tensor | None, n_segments: int, group: Any | None,
-        etp_group: Any | None = None,
+        etp_group: Any | None = None, experts_dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        weights, out, sums = self._local_part(x, indices, segments, n_segments)
+        weights, out, sums = self._local_part(x, indices, segments, n_segments, experts_dtype)
         plan = plan_dispatch(indices, self.n_experts, group)
         rows = plan.send(x[plan.tokens])
         if etp_group is None:
-            h = self.experts(rows, plan.expert_counts)
+            h = self.experts(rows, plan.expert_counts, experts_dtype)
         else:  # this rank's block of the hidden width on the group's rows, summed back over the group
             shared = plan_tensor_gather(plan.expert_counts, etp_group)
-            h = shared.reduce(self.experts(shared.gather(rows), shared.expert_counts))
+            h = shared.reduce(self.experts(shared.gather(rows), shared.expert_counts, experts_dtype))
         h = plan.send_back(h)
         acc = compute_dtype(x.dtype)
         combined = out.to(acc).index_add(
@@ -264,6 +267,7 @@ class ChunkedMoE(nn.Module):
         grad_out: Tensor,
         grad_sums: Tensor | None,
         etp_group: Any | None = None,
+        experts_dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, list[Tensor | None]]:
         """Recompute one chunk; return the chunk's ``dL/dx`` and its share of each ``_params()`` gradient.
 
@@ -273,7 +277,7 @@ class ChunkedMoE(nn.Module):
         d = x.shape[1]
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
-            weights, out, sums = self._local_part(x, indices, segments, n_segments)
+            weights, out, sums = self._local_part(x, indices, segments, n_segments, experts_dtype)
         plan = plan_dispatch(indices, self.n_experts, group)
         pair_weights = weights.detach().reshape(-1)[plan.order, None].to(x.dtype)
         received = plan.send(torch.cat([x.detach()[plan.tokens], grad_out[plan.tokens], pair_weights], dim=1))
@@ -284,7 +288,7 @@ class ChunkedMoE(nn.Module):
         rows = received[:, :d].contiguous().requires_grad_(True)
         grad_h = received[:, d : 2 * d]
         with torch.enable_grad():
-            h = self.experts(rows, counts)
+            h = self.experts(rows, counts, experts_dtype)
         expert_weights = [self.experts.w_gate_up, self.experts.w_down]
         grad_rows, *expert_grads = _grads([h], [grad_h * received[:, 2 * d :]], [rows, *expert_weights])
         acc = compute_dtype(x.dtype)
@@ -321,6 +325,7 @@ class _ChunkedMoEFunction(torch.autograd.Function):
         n_segments: int,
         group: Any | None,
         etp_group: Any | None,
+        experts_dtype: torch.dtype,
         *params: Tensor,
     ) -> tuple[Tensor, Tensor]:
         bounds = layer._chunk_bounds(x.shape[0], group, etp_group, x.device)
@@ -328,10 +333,13 @@ class _ChunkedMoEFunction(torch.autograd.Function):
         sums = torch.zeros(n_segments, layer.n_experts, dtype=compute_dtype(x.dtype), device=x.device)
         for a, b in bounds:
             seg = segments[a:b] if segments is not None else None
-            out[a:b], chunk_sums = layer.chunk_forward(x[a:b], indices[a:b], seg, n_segments, group, etp_group)
+            out[a:b], chunk_sums = layer.chunk_forward(
+                x[a:b], indices[a:b], seg, n_segments, group, etp_group, experts_dtype
+            )
             if chunk_sums is not None:
                 sums += chunk_sums
         ctx.layer, ctx.group, ctx.etp_group, ctx.n_segments, ctx.bounds = layer, group, etp_group, n_segments, bounds
+        ctx.experts_dtype = experts_dtype
         ctx.save_for_backward(x, indices, segments)
         return out, sums
 
@@ -350,7 +358,8 @@ class _ChunkedMoEFunction(torch.autograd.Function):
             seg = segments[a:b] if segments is not None else None
             grad_sums_arg = grad_sums if ctx.n_segments else None
             grad_x[a:b], chunk_grads = layer.chunk_backward(
-                x[a:b], indices[a:b], seg, ctx.n_segments, ctx.group, grad_out[a:b], grad_sums_arg, ctx.etp_group
+                x[a:b], indices[a:b], seg, ctx.n_segments, ctx.group, grad_out[a:b], grad_sums_arg, ctx.etp_group,
+                ctx.experts_dtype,
             )
             for total, g in zip(grad_params, chunk_grads, strict=True):
                 if g is not None:
@@ -358,6 +367,7 @@ class _ChunkedMoEFunction(torch.autograd.Function):
         return (
             None,
             grad_x,
+            None,
             None,
             None,
             None,

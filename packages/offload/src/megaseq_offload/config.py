@@ -53,6 +53,7 @@ class OffloadConfig(ComponentConfig):
     pool_bytes: int | None = Field(
         None,
         ge=0,
-        description="bytes reserved at the start of each step (CUDA: one pinned host pool; CPU: the scratch file); "
-        "the planner sets it from its prediction; default: grow in exact-size segments",
+        description="bytes reserved up front (CUDA: the pinned host pool, once, kept across steps; CPU: each step's "
+        "scratch file); the planner sets it from its prediction; default: CUDA pins what the first step needed, "
+        "CPU grows the file in exact-size pieces",
     )

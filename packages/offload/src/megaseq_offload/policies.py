@@ -116,6 +116,7 @@ class OffloadPolicy:
         self.model: nn.Module | None = None
         self.device = torch.device("cpu")
         self.scratch = None
+        self.pool: PinnedPool | None = None  # CUDA: made at the first step, kept (page-locking is slow)
         self.checked = False
         self.last_moved = 0
 
@@ -129,11 +130,15 @@ class OffloadPolicy:
             raise UserError(f"memory_policy.offload runs on cpu or cuda, not {self.device.type}")
 
     def _store(self) -> ScratchFile | PinnedPool:
+        """The step's store: a new scratch file (CPU), or the pool kept from the last step (CUDA)."""
         reserve = self.config.pool_bytes or 0
         if self.device.type == "cpu":
             assert self.scratch is not None
             return ScratchFile(self.scratch, reserve)
-        return PinnedPool(self.device, reserve)
+        if self.pool is None:
+            self.pool = PinnedPool(self.device, reserve)
+        self.pool.begin()
+        return self.pool
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -147,7 +152,8 @@ class OffloadPolicy:
                 yield
         finally:
             hooks.open = False
-            store.close()
+            if store is not self.pool:
+                store.close()
         self.last_moved = hooks.moved
         if not self.checked and hooks.saved and hooks.moved == 0:  # a no-grad-only step says nothing
             raise UserError(

@@ -1,25 +1,30 @@
 """Where offloaded tensors wait for backward: a scratch file on local disk (CPU) or a pinned host pool (CUDA).
 
-Both are made at the start of a step and closed at its end (also when the step raises), and both allocate
-by bumping an offset, rounded to 4 KiB, in storage reserved up front (``reserve``: the planner's
-prediction) and extended in exact-size pieces when a step needs more.
+Both allocate by bumping an offset, rounded to 4 KiB, in storage reserved up front (``reserve``: the
+planner's prediction), and start again from the beginning once every tensor put has been read back.
 
-**ScratchFile (CPU).** An unnamed file (``O_TMPFILE`` where the file system has it, else created and
-unlinked at once), so no path ever exists that a killed process could leave behind: the kernel frees the
-space when the last descriptor closes, however the process ends. Tensors are written with ``pwrite`` and
-read back with ``preadv`` into fresh tensors. The file's pages live in the kernel's page cache, outside the
-process's resident set, and are written back to disk and dropped under memory pressure. Writing through a
-shared memory map instead puts every written page into the process's resident set until it is unmapped
-or advised away, and first-touch faults on a preallocated file made it 12x slower here (512 MiB: 2.5 s by
-mmap, 0.15 s by pwrite). Space is reserved with ``posix_fallocate``, so a full disk is a clean error at
-the start of a step rather than a failed write (or a SIGBUS through a map) in the middle of one.
+**ScratchFile (CPU).** Made at the start of a step and closed at its end (also when the step raises): an
+unnamed file (``O_TMPFILE`` where the file system has it, else created and unlinked at once), so no path ever
+exists that a killed process could leave behind: the kernel frees the space when the last descriptor closes,
+however the process ends. Tensors are written with ``pwrite`` and read back with ``preadv`` into fresh
+tensors. The file's pages live in the kernel's page cache, outside the process's resident set, and are
+written back to disk and dropped under memory pressure. Writing through a shared memory map instead puts every
+written page into the process's resident set until it is unmapped or advised away, and first-touch faults on a
+preallocated file made it 12x slower here (512 MiB: 2.5 s by mmap, 0.15 s by pwrite). Space is reserved with
+``posix_fallocate``, so a full disk is a clean error at the start of a step rather than a failed write (or a
+SIGBUS through a map) in the middle of one; a step that needs more extends it in exact-size pieces.
 
 **PinnedPool (CUDA).** Host memory allocated pageable at the exact size and page-locked with
 ``cudaHostRegister``, never from PyTorch's caching host allocator (``pin_memory=True``), which rounds
-blocks up to powers of two (a 2.25 GiB tensor takes a 4 GiB block) and keeps them after use. Copies run on
-a side stream: device-to-host copies overlap the forward; in backward, loading a tensor also starts
-loading the one packed before it (backward unpacks in reverse order), so the copy overlaps the compute of
-the layer in between. A tensor's device memory is not reused before its copy ends (``record_stream``).
+blocks up to powers of two (a 2.25 GiB tensor takes a 4 GiB block) and keeps them after use. Page-locking
+is slow (the driver pins every page) and may stall the device, so the pool is made once, at the first step,
+and kept from step to step (:meth:`PinnedPool.begin`); it is never registered inside a forward or backward. A
+tensor that finds no room goes to pageable memory (correct, but its copies hold the host until done), and the
+pool grows by what that step could not place, once, before the next step. Copies run on one side stream:
+device-to-host copies overlap the forward; in backward, loading a tensor also starts loading the one packed
+before it (backward unpacks in reverse order), so the copy overlaps the compute of the layer in between. A
+tensor's device memory is not reused before its copy ends (``record_stream``). Because every copy into and
+out of the pool runs in order on that stream, reusing the pool from the start needs no host synchronisation.
 """
 
 from __future__ import annotations
@@ -234,7 +239,8 @@ class HostHandle:
 
 
 class PinnedPool:
-    """Offloaded tensors of one step in page-locked host memory, copied on a side stream (module docstring)."""
+    """Offloaded tensors in page-locked host memory kept from step to step, copied on a side stream (module
+    docstring). Call :meth:`begin` at the start of every step."""
 
     def __init__(self, device: torch.device, reserve: int = 0) -> None:
         self.device = device
@@ -244,8 +250,20 @@ class PinnedPool:
         self.segment_end = 0
         self.handles: list[weakref.ref[HostHandle]] = []
         self.written = 0
+        self.short = 0  # bytes put in pageable memory since the pool was last reused from the start
+        self.needed = 0  # the most bytes one fill could not place: what the pool grows by before the next step
+        # unpinned when the pool is dropped (or at exit), after the side stream's copies are done
+        self._unpin = weakref.finalize(self, _unpin, self.stream, self.segments)
         if reserve:
             self._add_segment(reserve)
+
+    def begin(self) -> None:
+        """The start of a step: grow by what the last step could not place (between steps, never inside a
+        forward or backward), then reuse the pool from the start."""
+        self.reset()
+        if self.needed:
+            self._add_segment(max(self.needed, GROWTH))
+            self.needed = 0
 
     def _add_segment(self, size: int) -> None:
         size = _align(size)
@@ -260,7 +278,8 @@ class PinnedPool:
         while self.segment < len(self.segments) and offset + nbytes > self.segments[self.segment].numel():
             self.segment, offset = self.segment + 1, 0
         if self.segment == len(self.segments):
-            self._add_segment(max(nbytes, GROWTH))
+            self.short += _align(nbytes)
+            return torch.empty(nbytes, dtype=torch.uint8)
         self.segment_end = offset + nbytes
         return self.segments[self.segment][offset : offset + nbytes]
 
@@ -305,14 +324,20 @@ class PinnedPool:
         return out
 
     def reset(self) -> None:
-        """Reuse the pool from the start: every tensor put before has been read back and dropped."""
-        self.stream.synchronize()
-        self.segment, self.segment_end = 0, 0
+        """Reuse the pool from the start: every tensor put before has been read back and dropped. No host
+        synchronisation: a later copy into the pool runs on the side stream after every earlier one."""
+        self.needed = max(self.needed, self.short)
+        self.segment, self.segment_end, self.short = 0, 0, 0
         self.handles.clear()
 
     def close(self) -> None:
-        self.stream.synchronize()
+        """Unpin and free the pool (waits for the side stream's copies)."""
         self.handles.clear()
-        for buffer in self.segments:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-        self.segments.clear()
+        self._unpin()
+
+
+def _unpin(stream: Any, segments: list[Tensor]) -> None:
+    stream.synchronize()
+    for buffer in segments:
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    segments.clear()

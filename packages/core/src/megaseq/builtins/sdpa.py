@@ -1,9 +1,15 @@
 """Causal softmax attention, the reference token mixer.
 
 Paths, all exact: plain rows use ``scaled_dot_product_attention(is_causal=True)``; packed rows run each
-document separately (no ``T x T`` mask); context parallelism all-gathers keys and values (autograd-aware)
-and masks by global position and document; decoding appends to a key/value cache. On CUDA with fp16/bf16
+document separately (no ``T x T`` mask); decoding appends to a key/value cache. On CUDA with fp16/bf16
 and flash-attn installed, plain and packed rows use flash-attn (varlen for packed).
+
+Context parallelism all-gathers keys and values (autograd-aware), then attends each run of a local segment's
+queries that lie in one document to that document's keys up to them (:func:`context_runs`): the queries are
+the last of their keys, a lower-right-aligned causal pattern (:func:`attend_lower_right`). On CUDA that is one
+flash or memory-efficient kernel call per run; elsewhere blocks of queries whose mask and score tile stay
+under ``TILE_SCORE_BYTES``, each recomputed in backward. Memory grows linearly with the sequence: no
+``[T / cp, T]`` mask or score tensor exists.
 
 Tensor parallelism: a rank holds ``n_heads / tp`` heads (the ``qkv`` rows of its heads, each head's q, k and v
 rows together, and the matching ``out`` columns); it gathers the sequence chunks, attends with its heads over
@@ -18,11 +24,13 @@ tile stays under ``TILE_SCORE_BYTES``; each block is recomputed in backward, so 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from megaseq.contracts import ForwardContext, Tile
@@ -151,21 +159,65 @@ class SDPAttention(nn.Module):
         cp = ctx.cp
         assert cp is not None
         q_pos = cp.positions(q.device)
-        k_pos = torch.arange(cp.seq_len, device=q.device)
         if ctx.documents is not None:
             documents = as_documents(ctx.documents, batch=q.shape[0], length=cp.seq_len, who="sdpa: cu_seqlens")
-            doc = documents.doc_ids(q.device)
-            rope_pos = documents.positions_in_doc(q.device)
-            mask = (k_pos[None, :] <= q_pos[:, None]) & (doc[None, :] == doc[q_pos][:, None])
+            offsets = documents.offsets
+            rope_pos = documents.positions_in_doc(q.device)[q_pos]
         else:
-            rope_pos = k_pos
-            mask = k_pos[None, :] <= q_pos[:, None]
-        q = self._rope(q, rope_pos[q_pos])
-        k = self._rope(k, rope_pos[q_pos])
+            offsets, rope_pos = (0, cp.seq_len), q_pos
+        q, k = self._rope(q, rope_pos), self._rope(k, rope_pos)
         # differentiable gathers: key/value gradients flow back to the ranks that own those positions
         k_all, v_all = gather_sequence(k, cp), gather_sequence(v, cp)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask)
-        return o.transpose(1, 2)
+        parts = [
+            attend_lower_right(q[:, local : local + (stop - start)], k_all[:, first:stop], v_all[:, first:stop])
+            for local, start, stop, first in context_runs(cp.segments(), offsets)
+        ]
+        return torch.cat(parts, dim=1)
+
+
+def context_runs(segments: list[tuple[int, int]], offsets: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """The local queries cut where a segment or a document ends: ``(local index, start, stop, first key)`` per
+    run, in local order; queries ``[start, stop)`` (global positions) all see keys ``first .. themselves``, where
+    ``first`` is their document's start. ``segments``: the rank's global ``[start, end)`` in local order;
+    ``offsets``: the documents' boundaries (``cu_seqlens`` on the host), covering the whole sequence."""
+    runs, local = [], 0
+    for seg_start, seg_end in segments:
+        for doc_start, doc_end in itertools.pairwise(offsets):
+            start, stop = max(seg_start, doc_start), min(seg_end, doc_end)
+            if start < stop:
+                runs.append((local + start - seg_start, start, stop, doc_start))
+        local += seg_end - seg_start
+    return runs
+
+
+def attend_lower_right(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention of the last ``n`` of ``m`` positions: ``q [B, n, H, D]``, ``k, v [B, m, H, D]``; query
+    ``i`` sees keys ``0 .. m - n + i``. On CUDA (and whenever ``n == m``, plain ``is_causal``) one kernel call
+    without a mask; elsewhere blocks of queries whose ``[block x keys]`` mask and score tile stay under
+    ``TILE_SCORE_BYTES``, each recomputed in backward, so that only the inputs are kept for it."""
+    b, n, h, _ = q.shape
+    m = k.shape[1]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    block = n if q.is_cuda or n == m else max(1, TILE_SCORE_BYTES // (4 * b * h * m))
+    recompute = block < n and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    parts = []
+    for q0 in range(0, n, block):
+        q1 = min(q0 + block, n)
+        args = (q[:, :, q0:q1], k[:, :, : m - n + q1], v[:, :, : m - n + q1])  # the keys this block can see
+        parts.append(checkpoint(_lower_right_attention, *args, use_reentrant=False) if recompute else _lower_right_attention(*args))
+    return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+def _lower_right_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``q [B, H, n, D]`` against ``k, v [B, H, m, D]``, query ``i`` seeing keys ``0 .. m - n + i``. The pattern
+    is made here, not passed in, so that a recomputed block keeps no mask for backward."""
+    n, m = q.shape[2], k.shape[2]
+    if n == m:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.is_cuda:  # torch's flash or memory-efficient kernel takes the lower-right pattern without a mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, m))
+    mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def attend_suffix(q: Tensor, k: Tensor, v: Tensor, first_key: Tensor) -> Tensor:

@@ -40,7 +40,7 @@ from typing import Any
 from megaseq import threads
 from megaseq.capabilities import check_components
 from megaseq.config import Recipe, RunConfig, validate_recipe
-from megaseq.devices import device_type, join_torchrun
+from megaseq.devices import bind_ray_device, device_type, join_torchrun
 from megaseq.distributed.experts import layout_splits
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups, rank_groups
 from megaseq.distributed.layout import Layout, check_layout
@@ -189,6 +189,9 @@ def in_torchrun() -> bool:
 def _ray_worker(config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
+    # Ray formed the default group already, but without a device: NCCL makes its communicators at the
+    # first collective, on the device current then, which from here on is this worker's own
+    bind_ray_device()
     out_dir = RunConfig.model_validate(config["recipe"]["run"]).out_path
     record = out_dir / WORKER_RECORDS / f"rank{dist.get_rank()}.json"
     _write_record(record, {"pid": os.getpid(), "host": socket.gethostname()})

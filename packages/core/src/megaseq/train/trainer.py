@@ -5,7 +5,8 @@ data parallelism each rank reads its share). Plugins see the loop only through l
 start/end, checkpoint save/load) and the forward context. Parallelism is set up before the loop
 (``megaseq.distributed``): the loop asks its ``Parallel`` for this rank's part of a batch, the forward
 context, the gradient sums and the norm; in one process those are identities. Every rank runs the whole
-loop (hooks included); rank 0 alone logs, evaluates and publishes checkpoints.
+loop (hooks included); rank 0 alone logs, reports the evaluation and publishes checkpoints (every rank takes
+part in an evaluation whose layout spreads the model or the sequence, see ``Trainer.eval``).
 
 The optimizer step itself (gradient reduction, norm, the non-finite check agreed over ranks, clipping, the
 update, the lifecycle hooks, the learning-rate schedule) is ``megaseq.train.step.OptimizerStep``, which the
@@ -417,11 +418,13 @@ class Trainer:
         return f"peak memory {measured:.2f}G, plan {planned:.2f}G ({planned / measured - 1:+.1%})"
 
     def eval(self, baseline: bool, write: bool = False) -> dict[str, Any] | None:
-        """Held-out evaluation (``None`` on ranks other than 0). A layout that spreads the model over ranks (ep, tp,
-        etp) evaluates it where it is, every rank with its part (``Parallel.window_losses``); otherwise rank 0
-        evaluates its whole replica."""
+        """Held-out evaluation (``None`` on ranks other than 0). A layout that spreads the model or the sequence
+        over ranks (cp, ep, tp, etp) evaluates each window as it trains, every rank with its part: its zig-zag
+        shard of the window, its blocks, its experts (``Parallel.window_losses``); a window one device cannot
+        hold in training is never run whole on one. Otherwise (data parallelism alone) rank 0 evaluates its
+        whole replica."""
         layout, p = self.parallel.layout, self.parallel
-        spread = layout.ep > 1 or layout.tp > 1 or layout.etp > 1
+        spread = layout.cp > 1 or layout.ep > 1 or layout.tp > 1 or layout.etp > 1
         result = None
         if spread or p.is_main:
             out_dir = rundir.eval_dir(self.out_dir, self.step) if write and p.is_main else None
