@@ -94,3 +94,14 @@ def test_impossible_hybrid_layouts_and_foreign_checkpoints_are_one_line_exit_2(t
     assert main(["train", str(recipe), "--workers", "2", "--resume", "--set", "moe.chunked.n_experts=8"]) == 2
     err = capsys.readouterr().err
     assert "cannot resume" in err and "the model changed, not only the layout" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_a_window_length_schedule_under_cp_equals_one_process(tmp_path, hybrid):
+    """``data.schedule`` under cp=2: step 1 in 48-base windows (each 96-base window cut in two, each piece
+    zig-zag sharded on its own), step 2 in whole windows, as one process does."""
+    raw = {**hybrid, "data": {**hybrid["data"], "schedule": [{"seq_len": 48, "until_step": 1}]}}
+    expected = train_single(single_trainer(raw, tmp_path / "single"), 2)
+    assert [m["seq_len"] for m in expected["metrics"]] == [48, 96]
+    ranks = run_gloo(2, train_under_layouts, raw, [Layout(cp=2)], str(tmp_path), 2)
+    _check(ranks[0], [Layout(cp=2)], expected)

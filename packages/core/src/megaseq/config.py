@@ -52,6 +52,21 @@ class RunConfig(Section):
         return Path(self.out_dir.replace("{name}", self.name))
 
 
+class LengthStage(Section):
+    """One stage of a window-length schedule (``data.schedule``): windows of ``seq_len`` bases until a step or
+    a number of tokens seen (one of the two)."""
+
+    seq_len: int = Field(ge=2, description="bases per training window in this stage; divides data.seq_len")
+    until_step: int | None = Field(None, ge=1, description="the last step of the stage")
+    until_tokens: int | None = Field(None, ge=1, description="the stage runs while fewer tokens than this were seen")
+
+    @model_validator(mode="after")
+    def _one_end(self) -> LengthStage:
+        if (self.until_step is None) == (self.until_tokens is None):
+            raise ValueError("a stage ends at until_step or at until_tokens: give exactly one")
+        return self
+
+
 class DataConfig(Section):
     train: str = Field("excerpt-chr20", description="dataset name (megaseq data list) or FASTA path")
     heldout: str = Field("excerpt-chrX", description="dataset name or FASTA path")
@@ -65,12 +80,44 @@ class DataConfig(Section):
         description="the model's token ids of A, C, G, T, N (an imported model's tokenizer; megaseq import writes "
         "them); None: megaseq's own vocabulary, 0..4",
     )
+    schedule: list[LengthStage] = Field(
+        [],
+        description="a window-length curriculum: stages of shorter windows before data.seq_len, e.g. [{seq_len = 128, "
+        "until_step = 500}, {seq_len = 1024, until_tokens = 4e6}]; each step reads the same data.seq_len windows, "
+        "cut into stage-length windows (the same tokens per step, more rows); after the last stage, data.seq_len",
+    )
 
     @model_validator(mode="after")
     def _distinct_ids(self) -> DataConfig:
         if self.token_ids is not None and (len(set(self.token_ids)) != 5 or min(self.token_ids) < 0):
             raise ValueError(f"token_ids must be 5 distinct ids >= 0, got {self.token_ids}")
         return self
+
+    @model_validator(mode="after")
+    def _schedule(self) -> DataConfig:
+        for i, stage in enumerate(self.schedule):
+            if stage.seq_len >= self.seq_len or self.seq_len % stage.seq_len:
+                raise ValueError(f"schedule[{i}].seq_len {stage.seq_len} must divide data.seq_len {self.seq_len} and be "
+                                 "shorter (a stage cuts each window into shorter ones)")
+        for key in ("until_step", "until_tokens"):
+            ends = [(i, getattr(s, key)) for i, s in enumerate(self.schedule) if getattr(s, key) is not None]
+            for (_, a), (i, b) in zip(ends, ends[1:], strict=False):
+                if b <= a:
+                    raise ValueError(f"schedule[{i}].{key} {b} must be later than the stage before it ({a})")
+        return self
+
+    def lengths(self) -> list[int]:
+        """Every window length training uses: the stages' and ``seq_len``."""
+        return [*(s.seq_len for s in self.schedule), self.seq_len]
+
+    def length_at(self, step: int, tokens: int) -> int:
+        """The window length of the step after ``step`` completed steps that saw ``tokens`` tokens."""
+        for stage in self.schedule:
+            if (stage.until_step is not None and step < stage.until_step) or (
+                stage.until_tokens is not None and tokens < stage.until_tokens
+            ):
+                return stage.seq_len
+        return self.seq_len
 
 
 class ModelConfig(Section):

@@ -36,7 +36,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megaseq.devices import device_type
     from megaseq.distributed.layout import Layout
     from megaseq.memory.machine import Machine
-    from megaseq.memory.plan import plan
+    from megaseq.memory.machine import gib
+    from megaseq.memory.plan import plan, plan_stages
     from megaseq.memory.plan_report import plan_json, render_table
     from megaseq.plugins import get_plugins
 
@@ -51,7 +52,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     machine = Machine.detect(device_type(recipe.run.device), args.device_mem, args.host_mem)
     seq_len = None if args.seq_len is None else seq_len_argument(args.seq_len)
     result = plan(recipe, plugins, seq_len=seq_len, layout=layout, machine=machine, policies=policies)
-    print(json.dumps(plan_json(result), indent=2) if args.json else render_table(result))
+    stages = []
+    if recipe.data.schedule and seq_len is None:  # the window-length schedule, under the set chosen or given
+        names = [p.name for p in result.chosen.policies] if result.chosen is not None else policies
+        stages = plan_stages(recipe, plugins, layout, machine, (names or "none") if names != "auto" else "none")
+    if args.json:
+        found = plan_json(result)
+        if stages:
+            found["stages"] = [{"window": label, "device_peak_bytes": e.device_peak} for label, e in stages]
+        print(json.dumps(found, indent=2))
+        return 0
+    print(render_table(result))
+    if stages:
+        print(f"window-length schedule (data.schedule), each step {result.tokens} tokens per device; the peak is the "
+              "longest window's:")
+        for label, e in stages:
+            print(f"  {label}: peak {gib(e.device_peak)} under {e.label}")
     return 0
 
 

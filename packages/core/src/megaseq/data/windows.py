@@ -41,6 +41,14 @@ class Batch:
         table = torch.tensor(token_ids, dtype=torch.int64, device=self.inputs.device)
         return Batch(table[self.inputs], table[self.targets], self.weights)
 
+    def cut(self, length: int) -> Batch:
+        """Each row cut into windows of ``length`` tokens, in order (a window-length schedule's stage): row r's
+        targets are its inputs shifted by one, so the pieces are windows whose contexts start at their cut.
+        The same targets and weights, only shorter contexts; ``length`` divides the rows' length."""
+        if length == self.inputs.shape[1]:
+            return self
+        return Batch(*(t.reshape(-1, length) for t in (self.inputs, self.targets, self.weights)))
+
 
 def _prefix_counts(
     tokens: np.ndarray, positions: np.ndarray, indicator: Callable[[np.ndarray], np.ndarray]

@@ -91,6 +91,12 @@ def resolve_layout(recipe: Recipe, layout: Layout, workers: int | None) -> Layou
     return layout
 
 
+def window_lengths(recipe: Recipe) -> list[tuple[str, int]]:
+    """``(recipe key, length)`` of every window length training uses: the schedule's stages, then data.seq_len."""
+    stages = [(f"data.schedule[{i}].seq_len", s.seq_len) for i, s in enumerate(recipe.data.schedule)]
+    return [*stages, ("data.seq_len", recipe.data.seq_len)]
+
+
 def check_run_layout(recipe: Recipe, layout: Layout) -> None:
     """The trainer's layout stage: the process groups must be laid out as the recipe says, and the layout must
     meet every rule of :func:`check_layout`."""
@@ -107,17 +113,18 @@ def check_layout(recipe: Recipe, layout: Layout) -> None:
             f"{where}: train.batch_size {recipe.train.batch_size} is not a multiple of dp {layout.dp} "
             f"(it is the global batch; each data-parallel rank reads an equal share)"
         )
-    check_zigzag_length(recipe.data.seq_len, layout.cp, f"{where}: data.seq_len")
+    for key, length in window_lengths(recipe):
+        check_zigzag_length(length, layout.cp, f"{where}: {key}")
+        if (length // layout.cp) % layout.tp:
+            raise LayoutError(
+                f"{where}: {key} {length} / cp {layout.cp} is not a multiple of tp {layout.tp} "
+                f"(sequence parallelism gives each tensor-parallel rank an equal share of a rank's tokens)"
+            )
     check_expert_layout(recipe, layout)
     if (layout.ep > 1 or layout.etp > 1) and recipe.train.optimizer_shard:
         raise LayoutError(
             f"{where}: train.optimizer_shard cannot shard expert-parallel parameters (each ep or etp rank holds "
             f"different expert blocks); set train.optimizer_shard = false or parallel.ep = parallel.etp = 1"
-        )
-    if (recipe.data.seq_len // layout.cp) % layout.tp:
-        raise LayoutError(
-            f"{where}: data.seq_len {recipe.data.seq_len} / cp {layout.cp} is not a multiple of tp {layout.tp} "
-            f"(sequence parallelism gives each tensor-parallel rank an equal share of a rank's tokens)"
         )
     if layout.tp > 1 and recipe.train.optimizer_shard:
         raise LayoutError(f"{where}: train.optimizer_shard shards over data- and context-parallel ranks only; "

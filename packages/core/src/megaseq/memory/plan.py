@@ -515,6 +515,27 @@ def plan(
     return Plan(recipe.source, seq_len, tokens_per_device(recipe, layout, seq_len), layout, machine, estimates, chosen, given)
 
 
+def stage_recipe(recipe: Recipe, length: int) -> Recipe:
+    """The recipe as a window-length stage runs it: windows of ``length`` bases, as many more rows per micro-batch
+    as the stage cuts each ``data.seq_len`` window into (the same tokens per step), no schedule."""
+    rows = recipe.train.batch_size * (recipe.data.seq_len // length)
+    data = recipe.data.model_copy(update={"seq_len": length, "schedule": []})
+    return recipe.model_copy(update={"data": data, "train": recipe.train.model_copy(update={"batch_size": rows})})
+
+
+def plan_stages(recipe: Recipe, plugins: Plugins, layout: Layout, machine: Machine,
+                policies: str | list[str]) -> list[tuple[str, Estimate]]:
+    """The peak of each stage of ``data.schedule`` under ``policies`` (a set's names, or "none"), shortest window
+    first and ``data.seq_len`` last: what ``megaseq plan`` shows stage by stage."""
+    from megaseq.distributed.layout import window_lengths
+
+    found = []
+    for key, length in window_lengths(recipe):
+        result = plan(stage_recipe(recipe, length), plugins, layout=layout, machine=machine, policies=policies)
+        found.append((f"{key} = {length}", result.candidates[0]))
+    return found
+
+
 def _size_pools(e: Estimate, recipe: Recipe, plugins: Plugins) -> None:
     """Give the policies that declare ``pool_sizing`` the bytes this plan moves (plus a margin) as their
     ``pool_bytes``, unless the recipe sets it."""
@@ -584,5 +605,7 @@ __all__ = [
     "estimate",
     "plan",
     "plan_run",
+    "plan_stages",
+    "stage_recipe",
     "planned_peak",
 ]

@@ -279,9 +279,10 @@ class Trainer:
     def _micro_batch(self, totals: StepTotals) -> None:
         """Forward and backward of this rank's part of one global micro-batch; what it saw goes to ``totals``."""
         t, p = self.recipe.train, self.parallel
-        whole = self.train_windows.batch(self.sampler.next_indices()).to_vocab(self.recipe.data.token_ids)
+        length = self.recipe.data.length_at(self.step, self.tokens)  # the window-length schedule's stage
+        whole = self.train_windows.batch(self.sampler.next_indices()).to_vocab(self.recipe.data.token_ids).cut(length)
         batch = batch_to(p.local_batch(whole), self.device)
-        ctx = p.forward_context(self.recipe.data.seq_len)
+        ctx = p.forward_context(length)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16)
         with autocast:
             loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
@@ -312,6 +313,8 @@ class Trainer:
                 "lr": info.lr,
                 "grad_norm": update.grad_norm,
                 "tokens_per_s": tokens / elapsed,
+                **({"seq_len": self.recipe.data.length_at(self.step - 1, self.tokens - tokens)}
+                   if self.recipe.data.schedule else {}),
                 "peak_mem_gib": update.peak_mem_gib,
                 **({"skipped_steps": self.skipped_steps} if t.on_nonfinite == "skip" else {}),
                 **{f"aux/{k}": v for k, v in aux.items()},
@@ -342,7 +345,9 @@ class Trainer:
             + (f" x {self.parallel.layout.world_size} workers ({self.parallel.layout})" if self.parallel.distributed else ""),
             f"  plugins: {plugins}",
             f"  model: {self.describe_parameters()}",
-            f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases; out: {self.out_dir}",
+            f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases"
+            + "".join(f", cut into {s.seq_len} until " + (f"step {s.until_step}" if s.until_step else f"{s.until_tokens} tokens")
+                      for s in self.recipe.data.schedule) + f"; out: {self.out_dir}",
             f"  memory: {describe_memory_policy(self.recipe, self.memory.chosen_by)}; heap: {self.heap}; plan: {self.memory.note}",
             f"  {MEMORY_NOTE[self.device.type]}",
             *(f"  {note}" for note in self.notes),
