@@ -9,6 +9,7 @@ component's own schema. Every mistake is one line naming the file, the key path 
 from __future__ import annotations
 
 import copy
+import itertools
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -101,7 +102,7 @@ class DataConfig(Section):
                                  "shorter (a stage cuts each window into shorter ones)")
         for key in ("until_step", "until_tokens"):
             ends = [(i, getattr(s, key)) for i, s in enumerate(self.schedule) if getattr(s, key) is not None]
-            for (_, a), (i, b) in zip(ends, ends[1:], strict=False):
+            for (_, a), (i, b) in itertools.pairwise(ends):
                 if b <= a:
                     raise ValueError(f"schedule[{i}].{key} {b} must be later than the stage before it ({a})")
         return self

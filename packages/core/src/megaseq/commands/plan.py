@@ -35,8 +35,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megaseq.config import load_recipe
     from megaseq.devices import device_type
     from megaseq.distributed.layout import Layout
-    from megaseq.memory.machine import Machine
-    from megaseq.memory.machine import gib
+    from megaseq.memory.machine import Machine, gib
     from megaseq.memory.plan import plan, plan_stages
     from megaseq.memory.plan_report import plan_json, render_table
     from megaseq.plugins import get_plugins

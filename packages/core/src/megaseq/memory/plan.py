@@ -606,6 +606,6 @@ __all__ = [
     "plan",
     "plan_run",
     "plan_stages",
-    "stage_recipe",
     "planned_peak",
+    "stage_recipe",
 ]
