@@ -47,22 +47,25 @@ train: setup
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
 # Every test process runs one intra-op thread, so two sets run at once (-j2) to use both cores of a small
 # machine; the sets are one per package, listed longest first, so that neither core waits long for the other
-# at the end.
+# at the end. Output is synchronised by line: each test file's line of results shows as soon as it is complete.
 PLUGIN_TESTS := $(addprefix test-,$(notdir $(PLUGINS)))
 .PHONY: $(PLUGIN_TESTS)
 TEST_SETS := test-integration test-distributed test-core test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS)) test-testkit
 test:
-	$(MAKE) --jobs=2 --output-sync=target $(TEST_SETS)
+	$(MAKE) --jobs=2 --output-sync=line $(TEST_SETS)
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
 # (megaseq.threads): several test processes and their gloo ranks run at once.
 test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export OMP_NUM_THREADS = 1
+# every extra is installed here, so a test module skipped whole is a missing dependency: megaseq-testkit's pytest
+# plugin fails it
+test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export MEGASEQ_TEST_EVERY_MODULE = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-testkit's pytest plugin, megaseq_testkit/pytest_plugin.py). What to run while working on a
 # plugin; make test runs everything and is what CI runs.
 PYTEST_ARGS ?=
 test-fast:
-	$(MAKE) --jobs=2 --output-sync=target $(TEST_SETS) PYTEST_ARGS='-m "not slow"'
+	$(MAKE) --jobs=2 --output-sync=line $(TEST_SETS) PYTEST_ARGS='-m "not slow"'
 
 # The isolated environments (one per package: core alone, core and one plugin) share the full venv's
 # third-party packages (torch, triton, pytest, ...) through hard links (tools/link_venv.py), never its megaseq

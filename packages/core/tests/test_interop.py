@@ -60,6 +60,7 @@ def test_safetensors_directory_one_file_sharded_and_damaged(tmp_path):
 
 
 def test_token_ids_of_the_bases(tmp_path):
+    pytest.importorskip("tokenizers", reason="needs the hf extra: pip install 'megaseq-core[hf]'")
     assert token_ids_for(tmp_path, 5) is None  # megaseq's own vocabulary
     with pytest.raises(InteropError, match="no tokenizer.json, and vocab_size 9"):
         token_ids_for(tmp_path, 9)

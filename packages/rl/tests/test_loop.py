@@ -420,6 +420,7 @@ def _dp_worker(rank: int, world: int, raw: dict, steps: int, nan_rewards: bool =
 def test_data_parallel_equals_one_process(tmp_path, policy_checkpoint):
     """9 completions per step over 2 ranks (4 and 5 rows, micro-batches of 2): the same rewards, loss,
     gradient norm and weights as one process, and every rank holds the same weights."""
+    pytest.importorskip("megatron.core", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
     sections = {"train": {"steps": 2, "lr": 1e-2}, "update": {"micro_batch": 2, "updates_per_step": 2}}
     single = build(tmp_path / "one", policy_checkpoint, **sections)
     expected = {"metrics": [single.train_step() for _ in range(2)], "weights": weights(single)}

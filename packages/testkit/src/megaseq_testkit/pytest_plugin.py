@@ -5,11 +5,27 @@ own test run (``--strict-markers`` included) knows them. Light on purpose: pytes
 - ``slow``: a test that starts processes (gloo ranks, Ray, torchrun) or trains for more than a few
   seconds. ``pytest -m "not slow"`` is the fast lane (``make test-fast``); ``make test`` runs everything.
 - ``cuda``: needs a CUDA device.
+
+A test run never writes into the user's megaseq cache (``$MEGASEQ_CACHE``, else ``~/.cache/megaseq``): it
+holds token caches and the registry of live trainers, which decides a user's running trainers' thread counts.
+The run gets a cache of its own in a temporary directory, removed at its end; the data sources the user has
+already fetched are linked into it, read-only in use, so that tests of fetched data still find them.
+``MEGASEQ_CACHE`` set before the run for a test run (``MEGASEQ_TEST_CACHE=keep``) is left as it is.
+
+``MEGASEQ_TEST_EVERY_MODULE=1`` (``make test`` sets it: it installs every extra) turns a test module skipped
+whole at collection (a module-level ``importorskip`` or ``pytest.skip``) into a failure: there a skipped module
+is a dependency that went missing, not an extra the user chose not to install.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 MARKERS = {
     "slow": "starts processes or trains for more than a few seconds; deselect with -m 'not slow' (the fast lane)",
@@ -17,6 +33,42 @@ MARKERS = {
 }
 
 
+# what a run writes into its cache, never linked from the user's
+WRITTEN = {"tokens", "trainers", "scratch"}
+
+
 def pytest_configure(config: Any) -> None:
     for name, meaning in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
+    if os.environ.get("MEGASEQ_TEST_CACHE") != "keep" and not hasattr(config, "_megaseq_cache"):
+        config._megaseq_cache = own_cache()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: Any) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(collector, pytest.Module) and os.environ.get("MEGASEQ_TEST_EVERY_MODULE") == "1":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (f"{collector.nodeid} was skipped whole ({reason}), but MEGASEQ_TEST_EVERY_MODULE=1 says every "
+                           "extra is installed here: a dependency is missing")
+
+
+def pytest_unconfigure(config: Any) -> None:
+    cache = getattr(config, "_megaseq_cache", None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)  # removes the links, never what they point at
+
+
+def own_cache() -> Path:
+    """A fresh cache for this test run, with links to the user's fetched data sources; ``MEGASEQ_CACHE`` names it
+    (the run's subprocesses and gloo ranks inherit it)."""
+    user = Path(os.environ.get("MEGASEQ_CACHE") or Path.home() / ".cache" / "megaseq")
+    cache = Path(tempfile.mkdtemp(prefix="megaseq-test-cache-"))
+    if user.is_dir():
+        for entry in user.iterdir():
+            if entry.is_dir() and entry.name not in WRITTEN:
+                (cache / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
+    os.environ["MEGASEQ_CACHE"] = str(cache)
+    return cache
