@@ -86,7 +86,7 @@ def registered_components(package: Path) -> dict[tuple[str, str], str]:
 
     meta = tomllib.loads((package / "pyproject.toml").read_text())["project"]
     dist = meta["name"]
-    modules = ["megaseq.builtins"] if dist == "megaseq-core" else list(meta["entry-points"].get("megaseq", {}).values())
+    modules = ["megaseq.builtins", "megaseq.commands"] if dist == "megaseq-core" else list(meta["entry-points"].get("megaseq", {}).values())
     found = {}
     for module_name in modules:
         module = importlib.import_module(module_name)

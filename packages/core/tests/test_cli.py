@@ -59,15 +59,16 @@ def test_user_errors_are_one_line_exit_2(tmp_path, capsys):
 def test_plugins_listing():
     proc = run("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
-    infos = {i["dist"]: i for i in json.loads(proc.stdout)}
-    core = infos["megaseq-core"]
+    infos = {i["name"]: i for i in json.loads(proc.stdout)}
+    core = infos["megaseq.builtins"]  # core's components; its commands are the built-in plugin megaseq.commands
     assert core["status"] == "active"
     assert core["components"] == {"attention": ["sdpa"], "ffn": ["swiglu"], "inference_engine": ["cached"],
                                   "data_source": ["excerpt-chr20", "excerpt-chrX"]}
     text = run("plugins").stdout
     components = text.split("Plugins")[0]  # component names lead, with their kind and provider
     assert re.search(r"attention +sdpa +megaseq-core", components) and re.search(r"ffn +swiglu +megaseq-core", components)
-    assert "megaseq-core 0.1.0, megaseq.builtins: active" in text
+    assert "megaseq-core 0.1.0, megaseq.builtins: active" in text and "megaseq-core 0.1.0, megaseq.commands: active" in text
+    assert infos["megaseq.commands"]["components"]["command"][:2] == ["train", "plan"]
 
 
 class _Dist:

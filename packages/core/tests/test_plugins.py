@@ -31,7 +31,7 @@ def test_builtins_registered_without_entry_points():
     plugins = fresh_plugins()
     assert plugins.names("attention") == ["sdpa"]
     assert plugins.names("ffn") == ["swiglu"]
-    assert [i.dist for i in plugins] == ["megaseq-core"]
+    assert [(i.name, i.dist) for i in plugins] == [("megaseq.builtins", "megaseq-core"), ("megaseq.commands", "megaseq-core")]
 
 
 def test_registered_context_adds_and_removes():
@@ -298,7 +298,9 @@ def test_allow_list_and_autoload_switch(monkeypatch, plugin_module):
 
 
 def test_active_list_for_headers():
-    assert fresh_plugins().active() == [{"name": "megaseq.builtins", "dist": "megaseq-core", "version": __import__("megaseq").__about__.__version__}]
+    version = __import__("megaseq").__about__.__version__
+    assert fresh_plugins().active() == [{"name": name, "dist": "megaseq-core", "version": version}
+                                        for name in ("megaseq.builtins", "megaseq.commands")]
 
 
 # --- governance: every hook is documented and exercised ----------------------------------------------

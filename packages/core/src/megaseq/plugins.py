@@ -178,9 +178,10 @@ class Plugins:
         self.infos: dict[str, PluginInfo] = {}
         self._registry: dict[str, dict[str, Provided]] | None = None
         self._conflicts: dict[tuple[str, str], list[PluginInfo]] = {}
-        from megaseq import builtins
+        from megaseq import builtins, commands
 
         self.register(builtins, name="megaseq.builtins", dist=CORE_DIST, version=CORE_VERSION)
+        self.register(commands, name="megaseq.commands", dist=CORE_DIST, version=CORE_VERSION)
 
     # -- registration -------------------------------------------------------------------------------
     def register(self, plugin: object, name: str | None = None, *, dist: str = "(local)", version: str = "") -> None:

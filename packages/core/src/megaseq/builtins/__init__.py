@@ -1,10 +1,11 @@
 """Core's built-in components, registered like any plugin: ``sdpa`` attention, the ``swiglu`` FFN, the
-``cached`` inference engine, the two DNA excerpts shipped for tests and demos, and core's own commands."""
+``cached`` inference engine and the two DNA excerpts shipped for tests and demos (core's own commands are
+the built-in plugin ``megaseq.commands``)."""
 
 from __future__ import annotations
 
 from megaseq.hookspecs import hookimpl
-from megaseq.records import AttentionSpec, CommandSpec, DataSourceSpec, FFNSpec, InferenceEngineSpec
+from megaseq.records import AttentionSpec, DataSourceSpec, FFNSpec, InferenceEngineSpec
 
 from .config import CachedEngineConfig, SDPAConfig, SwiGLUConfig
 
@@ -70,19 +71,3 @@ def megaseq_data_source() -> list[DataSourceSpec]:
         ),
     ]
 
-
-@hookimpl
-def megaseq_command() -> list[CommandSpec]:
-    def command(name: str, target: str, summary: str) -> CommandSpec:
-        return CommandSpec(name=name, target=f"megaseq.commands.{target}", summary=summary)
-
-    return [
-        command("train", "train:main", "train a recipe"),
-        command("plan", "plan:main", "plan memory (policies, peak per device)"),
-        command("eval", "eval:main", "evaluate a checkpoint"),
-        command("import", "interop:import_main", "import a Hugging Face model (fla KDA, Kimi-Linear)"),
-        command("export", "interop:export_main", "export a checkpoint in Hugging Face format"),
-        command("checkpoint", "checkpoint:main", "checkpoint maintenance"),
-        command("plugins", "plugins:main", "list plugins and components"),
-        command("data", "data:main", "datasets"),
-    ]

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from megaseq.contracts import ForwardContext, Tile
@@ -215,6 +214,9 @@ def _lower_right_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     if n == m:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if q.is_cuda:  # torch's flash or memory-efficient kernel takes the lower-right pattern without a mask
+        # imported here: the module pulls in triton, which a component's import (megaseq plugins --check) must not
+        from torch.nn.attention.bias import causal_lower_right
+
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, m))
     mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

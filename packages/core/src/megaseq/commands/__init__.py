@@ -1,5 +1,7 @@
-"""Core's own commands, each a ``megaseq_command`` record of core's built-in plugin (``megaseq.builtins``),
-dispatched by ``megaseq.cli`` exactly as a plugin's command is: ``main(argv) -> int``.
+"""Core's own commands: this module is a built-in plugin of core whose ``megaseq_command`` records are
+dispatched by ``megaseq.cli`` exactly as a plugin's commands are: ``main(argv) -> int``. A plugin of its own,
+apart from the built-in components (``megaseq.builtins``), so that a component that cannot load (e.g. without
+torch) never takes the commands with it: ``megaseq plugins`` must still say what is wrong.
 
 Each module builds its own ``argparse`` parser (``parser()``, so that ``--help`` texts can be walked) and
 imports what it runs only when it runs, so that ``megaseq --help`` stays quick.
@@ -12,6 +14,25 @@ import json
 import re
 
 from megaseq.errors import UserError
+from megaseq.hookspecs import hookimpl
+from megaseq.records import CommandSpec
+
+
+@hookimpl
+def megaseq_command() -> list[CommandSpec]:
+    def command(name: str, target: str, summary: str) -> CommandSpec:
+        return CommandSpec(name=name, target=f"megaseq.commands.{target}", summary=summary)
+
+    return [
+        command("train", "train:main", "train a recipe"),
+        command("plan", "plan:main", "plan memory (policies, peak per device)"),
+        command("eval", "eval:main", "evaluate a checkpoint"),
+        command("import", "interop:import_main", "import a Hugging Face model (a layout an installed plugin provides)"),
+        command("export", "interop:export_main", "export a checkpoint in Hugging Face format"),
+        command("checkpoint", "checkpoint:main", "checkpoint maintenance"),
+        command("plugins", "plugins:main", "list plugins and components"),
+        command("data", "data:main", "datasets"),
+    ]
 
 
 def missing_command(prog: str, commands: argparse.Action):
@@ -50,4 +71,4 @@ def parse_policy_argument(value: str) -> str | list[str]:
     return names
 
 
-__all__ = ["memory_policy_override", "missing_command", "parse_policy_argument", "run_parsed"]
+__all__ = ["megaseq_command", "memory_policy_override", "missing_command", "parse_policy_argument", "run_parsed"]

@@ -339,7 +339,7 @@ class Trainer:
         return f"{whole / 1e6:.2f}M parameters in all, {local / 1e6:.2f}M on each rank ({split}); {layers}"
 
     def header(self) -> str:
-        plugins = ", ".join(f"{p['dist']} {p['version']}" for p in self.plugins.active())
+        plugins = ", ".join(dict.fromkeys(f"{p['dist']} {p['version']}" for p in self.plugins.active()))
         return "\n".join([
             f"megaseq run {self.recipe.run.name!r} from {self.recipe.source} on {self.device}"
             + (f" x {self.parallel.layout.world_size} workers ({self.parallel.layout})" if self.parallel.distributed else ""),
