@@ -165,6 +165,12 @@ CAPABILITIES: dict[str, frozenset[str]] = {
 MAPPING_METHODS = ("config_from_hf", "config_to_hf", "tensors_from_hf", "tensors_to_hf")
 
 
+def mapping_problem(mapping: Any) -> str | None:
+    """Which of :data:`MAPPING_METHODS` ``mapping`` lacks, as one phrase; None when it has them all."""
+    lacking = [m for m in MAPPING_METHODS if not callable(getattr(mapping, m, None))]
+    return f"lacks {', '.join(lacking)}" if lacking else None
+
+
 @dataclass(frozen=True)
 class Record:
     """What every registration hook returns: a name and a lazy ``"module:attr"`` target, imported only
@@ -188,6 +194,11 @@ class Record:
     def load(self) -> Any:
         return load_target(self.target)
 
+    def loaded_problem(self, field_name: str, obj: Any) -> str | None:
+        """Why ``obj``, the loaded target of ``field_name``, is not what the record promises (``megaseq
+        plugins --check``); None when it is."""
+        return None if callable(obj) else f"{type(obj).__name__} is not callable"
+
 
 @dataclass(frozen=True)
 class Component(Record):
@@ -199,8 +210,10 @@ class Component(Record):
     ``effect(config) -> MemoryEffect`` (memory policies). ``capabilities``: the optional capabilities it
     has, from :data:`CAPABILITIES` for its kind; its conformance suite verifies each one it declares.
     ``mapping`` optionally resolves to the component's Hugging Face name and layout mapping (an object with
-    :data:`MAPPING_METHODS`, ``megaseq.interop.ComponentMapping``), which ``megaseq import`` and ``megaseq
-    export`` use; a component without one is refused there in one line. ``megaseq_testkit.hf`` checks it.
+    :data:`MAPPING_METHODS`, ``megaseq.interop.ComponentMapping``) for the published layouts that know the
+    component, which ``megaseq import`` and ``megaseq export`` use. A layout may carry the mapping of a
+    component that does not know it (``megaseq.interop.layouts.Layout.mappings``), and that one is used
+    instead; a component mapped by neither is refused there in one line. ``megaseq_testkit.hf`` checks it.
     """
 
     config: type[ComponentConfig] = NoConfig
@@ -224,6 +237,11 @@ class Component(Record):
     def targets(self) -> dict[str, str]:
         optional = {"memory": self.memory, "mapping": self.mapping}
         return {"target": self.target, **{k: v for k, v in optional.items() if v}}
+
+    def loaded_problem(self, field_name: str, obj: Any) -> str | None:
+        if field_name == "mapping":
+            return mapping_problem(obj)
+        return super().loaded_problem(field_name, obj)
 
     def load_memory(self) -> Any | None:
         return load_target(self.memory) if self.memory else None
@@ -323,10 +341,41 @@ class EvalAnalysisSpec(Component):
     kind: ClassVar[str] = "eval_analysis"
 
 
+@dataclass(frozen=True)
+class HFLayoutSpec(Record):
+    """A published Hugging Face model layout (a model family's tensor names and ``config.json``), which
+    ``megaseq import`` reads and ``megaseq export --layout NAME`` writes. ``target`` resolves to a
+    ``megaseq.interop.layouts.Layout``: the model-level tensor names and config fields, which component each
+    layer is, and the mappings of the components it uses that do not map themselves to it.
+    ``model_type``: the ``config.json`` ``model_type`` of the layout's models (how ``megaseq import``
+    recognises them without loading any layout). ``default``: ``megaseq export`` writes this layout when
+    ``--layout`` is not given, provided no other installed layout declares the same."""
+
+    kind: ClassVar[str] = "hf_layout"
+    model_type: str = ""
+    default: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model_type:
+            raise ValueError(f"hf_layout {self.name!r}: model_type (config.json's) must be given")
+
+    def loaded_problem(self, field_name: str, obj: Any) -> str | None:
+        from megaseq.interop.layouts import Layout  # the check imports the target anyway
+
+        if not isinstance(obj, Layout):
+            return f"{type(obj).__name__} is not a megaseq.interop.layouts.Layout"
+        for (kind, name), mapping in obj.mappings.items():
+            problem = mapping_problem(mapping)
+            if problem:
+                return f"its mapping of {kind} {name!r} {problem}"
+        return None
+
+
 SPEC_TYPES: dict[str, type[Record]] = {
     cls.kind: cls
     for cls in (
         AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec, InferenceEngineSpec, CommandSpec,
-        DataSourceSpec, BaselineSpec, EvalAnalysisSpec,
+        DataSourceSpec, BaselineSpec, EvalAnalysisSpec, HFLayoutSpec,
     )
 }

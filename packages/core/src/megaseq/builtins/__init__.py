@@ -19,7 +19,6 @@ def megaseq_attention() -> list[AttentionSpec]:
             summary="causal softmax attention (torch SDPA; flash-attn varlen on CUDA when installed), RoPE optional",
             memory="megaseq.builtins.sdpa:memory_estimate",
             capabilities=frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),
-            mapping="megaseq.builtins.hf:SDPA",
         )
     ]
 
@@ -34,7 +33,6 @@ def megaseq_ffn() -> list[FFNSpec]:
             summary="dense SwiGLU feed-forward",
             memory="megaseq.builtins.swiglu:memory_estimate",
             capabilities=frozenset({"tensor_parallel"}),
-            mapping="megaseq.builtins.hf:SWIGLU",
         )
     ]
 
@@ -80,7 +78,7 @@ def megaseq_command() -> list[CommandSpec]:
         command("train", "train:main", "train a recipe"),
         command("plan", "plan:main", "plan memory (policies, peak per device)"),
         command("eval", "eval:main", "evaluate a checkpoint"),
-        command("import", "interop:import_main", "import a Hugging Face model (fla KDA, Kimi-Linear)"),
+        command("import", "interop:import_main", "import a Hugging Face model (in an installed layout)"),
         command("export", "interop:export_main", "export a checkpoint in Hugging Face format"),
         command("checkpoint", "checkpoint:main", "checkpoint maintenance"),
         command("plugins", "plugins:main", "list plugins and components"),
