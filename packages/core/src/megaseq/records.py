@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -200,6 +201,20 @@ class Record:
         return None if callable(obj) else f"{type(obj).__name__} is not callable"
 
 
+def _replaced_key_problem(key: str, config_field: str, config: type[ComponentConfig]) -> str | None:
+    """Why ``Component.replaces`` may not map ``key`` to ``config_field``; None when it may."""
+    from megaseq.config import CORE_TABLES, is_recipe_key  # config imports this module: only once records are made
+
+    table, _, name = key.partition(".")
+    if table not in CORE_TABLES or not name.isidentifier():
+        return f"not 'TABLE.KEY' with TABLE one of core's recipe tables ({', '.join(CORE_TABLES)})"
+    if is_recipe_key(table, name):
+        return "it is a current recipe key"
+    if config_field not in config.model_fields:
+        return f"its config has no field {config_field!r} (fields: {', '.join(config.model_fields) or 'none'})"
+    return None
+
+
 @dataclass(frozen=True)
 class Component(Record):
     """A named, configurable building block provided by a plugin.
@@ -214,18 +229,24 @@ class Component(Record):
     component, which ``megaseq import`` and ``megaseq export`` use. A layout may carry the mapping of a
     component that does not know it (``megaseq.interop.layouts.Layout.mappings``), and that one is used
     instead; a component mapped by neither is refused there in one line. ``megaseq_testkit.hf`` checks it.
+    ``replaces``: keys of core's recipe tables that this component took over, ``{"TABLE.KEY": FIELD}``: a
+    stored recipe (a checkpoint's) holding ``TABLE.KEY = V`` reads as selecting this component with ``FIELD =
+    V`` in its section, and a recipe file holding it is refused in one line that says so
+    (``megaseq.config.stored_recipe``). ``FIELD`` is a field of ``config``; ``TABLE.KEY`` is no current key.
     """
 
     config: type[ComponentConfig] = NoConfig
     memory: str | None = None
     capabilities: frozenset[str] = frozenset()
     mapping: str | None = None
+    replaces: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (isinstance(self.config, type) and issubclass(self.config, ComponentConfig)):
             raise ValueError(f"{self.kind} {self.name!r}: config must be a megaseq.records.ComponentConfig subclass")
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        object.__setattr__(self, "replaces", MappingProxyType(dict(self.replaces)))
         allowed = CAPABILITIES.get(self.kind, frozenset())
         unknown = sorted(self.capabilities - allowed)
         if unknown:
@@ -233,6 +254,10 @@ class Component(Record):
                              f"{self.kind!r}: {sorted(allowed) or 'none'}")
         if "pool_sizing" in self.capabilities and "pool_bytes" not in self.config.model_fields:
             raise ValueError(f"{self.kind} {self.name!r} declares pool_sizing but its config has no pool_bytes field")
+        for key, config_field in self.replaces.items():
+            problem = _replaced_key_problem(key, config_field, self.config)
+            if problem:
+                raise ValueError(f"{self.kind} {self.name!r}: replaces {key!r}: {problem}")
 
     def targets(self) -> dict[str, str]:
         optional = {"memory": self.memory, "mapping": self.mapping}

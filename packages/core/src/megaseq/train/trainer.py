@@ -291,6 +291,7 @@ class Trainer:
                 self.model,
                 self.recipe.to_dict(),
                 lambda path, meta: read_local_weights(path, meta, self.placement()),
+                plugins=self.plugins,
             )
 
         # rank 0 first: it sets damaged checkpoints aside, so that the others find the same newest good one
