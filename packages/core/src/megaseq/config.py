@@ -269,7 +269,7 @@ def _selected(raw: dict[str, Any], table: str, key: str, section: str) -> set[st
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """``raw`` with each ``--set KEY.PATH=VALUE`` applied. A ``--set`` that takes a component out of its
-    selection (``SELECTION_KEYS``: ``eval.baselines = []`` drops ``markov``) also removes the recipe's
+    selection (``SELECTION_KEYS``: ``eval.baselines = []`` drops every baseline) also removes the recipe's
     ``[SECTION.NAME]`` table of it, unless a ``--set`` configures that table: deselecting is how a recipe's
     component is turned off from the command line."""
     out = copy.deepcopy(raw)

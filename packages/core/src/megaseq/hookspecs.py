@@ -83,7 +83,7 @@ def megaseq_moe() -> list[MoESpec]:
 
 @hookspec
 def megaseq_memory_policy() -> list[MemoryPolicySpec]:
-    """The memory policies (recompute, offload, ...) this plugin provides.
+    """The memory policies (activation recomputation, offloading of saved tensors, ...) this plugin provides.
 
     Returns a list of ``megaseq.records.MemoryPolicySpec``; each target resolves to ``build(config) -> object``
     implementing ``megaseq.contracts.MemoryPolicy``. Called like :func:`megaseq_attention`.
@@ -113,7 +113,7 @@ def megaseq_inference_engine() -> list[InferenceEngineSpec]:
 
 @hookspec
 def megaseq_command() -> list[CommandSpec]:
-    """Subcommands of the ``megaseq`` command line this plugin provides (e.g. ``megaseq rl``).
+    """Subcommands of the ``megaseq`` command line this plugin provides (``megaseq NAME ARGS...``).
 
     Called once per plugin when the command line starts. Return a list of
     :class:`megaseq.records.CommandSpec`; ``megaseq NAME ARGS...`` imports the record's ``target``,

@@ -30,7 +30,7 @@ class NoConfig(ComponentConfig):
 class TileCarry:
     """What a component that runs in sequence tiles (``megaseq.contracts.SequenceTiling``) hands to later
     tiles, in bytes: ``per_token`` for every token of the earlier tiles (softmax attention: its keys and
-    values), ``per_tile`` once per tile boundary (KDA: the recurrent state and the convolution's tail);
+    values), ``per_tile`` once per tile boundary (linear attention: the recurrent state and the convolution's tail);
     ``temporary``: the largest transient buffer of one tile's call beyond the component's ``temporary`` at the
     tile's length, which a tile that attends to the earlier tiles' keys adds (softmax attention: its mask)."""
 
@@ -298,7 +298,8 @@ class MoESpec(Component):
 
 @dataclass(frozen=True)
 class MemoryPolicySpec(Component):
-    """A memory policy (recompute, offload, ...): see ``megaseq.contracts.MemoryPolicy``.
+    """A memory policy (activation recomputation, offloading of saved tensors, ...): see
+    ``megaseq.contracts.MemoryPolicy``.
 
     ``presets``: configs (partial tables of ``[memory_policy.NAME]``) that ``megaseq plan`` and
     ``train.memory_policy = "auto"`` may choose from, each modelled through the ``memory`` target's
@@ -312,7 +313,7 @@ class MemoryPolicySpec(Component):
 
 @dataclass(frozen=True)
 class RLAlgorithmSpec(Component):
-    """An RL objective (GRPO, DAPO, ...): see ``megaseq.contracts.RLAlgorithm``."""
+    """An RL objective (a policy gradient over groups of completions): see ``megaseq.contracts.RLAlgorithm``."""
 
     kind: ClassVar[str] = "rl_algorithm"
 

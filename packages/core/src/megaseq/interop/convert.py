@@ -263,7 +263,7 @@ def _state_from_hf(
 def _special_token_ids(recipe: Recipe) -> dict[str, int | None]:
     """``pad_token_id``: the id of N (an unknown base, what a padded position holds). megaseq feeds no
     begin or end token: ``bos_token_id`` and ``eos_token_id`` are null. Written always, because a model
-    class's own defaults (Kimi-Linear's 163839) lie outside a small vocabulary."""
+    class's own defaults (ids of a large vocabulary, e.g. 163839) lie outside a small vocabulary."""
     n = (recipe.data.token_ids or list(range(len(VOCAB))))[VOCAB.index("N")]
     return {"pad_token_id": n if n < recipe.model.vocab_size else None, "bos_token_id": None, "eos_token_id": None}
 

@@ -8,8 +8,8 @@ context, the gradient sums and the norm; in one process those are identities. Ev
 loop (hooks included); rank 0 alone logs, evaluates and publishes checkpoints.
 
 The optimizer step itself (gradient reduction, norm, the non-finite check agreed over ranks, clipping, the
-update, the lifecycle hooks, the learning-rate schedule) is ``megaseq.train.step.OptimizerStep``, which the
-RL loop of megaseq-rl shares: a non-finite step stops the run or is skipped (``train.on_nonfinite``)
+update, the lifecycle hooks, the learning-rate schedule) is ``megaseq.train.step.OptimizerStep``, which a
+plugin's training loop (an RL loop) shares: a non-finite step stops the run or is skipped (``train.on_nonfinite``)
 before the update, so non-finite weights are never written.
 
 Everything checkable is checked before the first step (data, held-out data, device, the run directory, the
