@@ -65,7 +65,7 @@ def _load(provided: Provided) -> NamedLayout:
     if problem:
         raise InteropError(f"hf_layout {provided.spec.name!r} from {provided.plugin.label.strip()}: target "
                            f"{provided.spec.target!r}: {problem}")
-    return NamedLayout(provided.spec.name, provided.spec.model_type, layout, provided.plugin.label)
+    return NamedLayout(provided.spec.name, provided.spec.model_type, layout, provided.plugin.label.strip())
 
 
 def layout_named(plugins: Plugins, name: str | None) -> NamedLayout:
