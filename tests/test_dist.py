@@ -65,7 +65,8 @@ def test_wheels_install_into_a_fresh_venv_and_list_the_plugin(tmp_path):
     plugins = {p["dist"]: p for p in json.loads(listing.stdout)}
     assert set(plugins) == {"megaseq-core", "megaseq-attn-kda"}, plugins
     kda = plugins["megaseq-attn-kda"]
-    assert (kda["status"], kda["version"], kda["components"]) == ("active", kda_version, {"attention": ["kda"]})
+    assert (kda["status"], kda["version"], kda["components"]) == (
+        "active", kda_version, {"attention": ["kda"], "hf_layout": ["kda", "kimi_linear"]})
     assert plugins["megaseq-core"]["version"] == core_version
 
     # the declared requirements, as installed: the ranged core dependency and everything the pyproject says

@@ -5,7 +5,7 @@
 - Every package has the layout docs/architecture.md describes: hatchling, src/ layout, static version,
   README, CHANGELOG, tests, and (plugins) a ranged megaseq-core dependency and a `megaseq` entry point.
 - Every package declares the distributions it imports (dependencies or extras).
-- Core names no component of a plugin: no plugin's component, command or distribution name in its source.
+- Core names no plugin: no plugin's component, command, layout, distribution or import name in its source.
 - Nothing in the repository cites documents that are not in it.
 - Every dependency's floor is the major.minor that ``make setup`` installs and the tests run against.
 - Code, docs and help texts describe today: no issue numbers, commit hashes, dates of work or narration.
@@ -80,21 +80,25 @@ def test_package_layout(package):
         assert kit and "<" in str(kit[0].specifier), "a plugin lists a ranged megaseq-testkit in its `test` extra"
 
 
-def registered_components(package: Path) -> dict[tuple[str, str], str]:
-    """(kind, name) -> distribution, for every component the package's registration hooks return."""
+def registered_records(package: Path) -> list:
+    """Every record the package's registration hooks return (``megaseq.records``)."""
     from megaseq.records import SPEC_TYPES
 
     meta = tomllib.loads((package / "pyproject.toml").read_text())["project"]
-    dist = meta["name"]
-    modules = ["megaseq.builtins", "megaseq.commands"] if dist == "megaseq-core" else list(meta["entry-points"].get("megaseq", {}).values())
-    found = {}
+    modules = ["megaseq.builtins", "megaseq.commands"] if meta["name"] == "megaseq-core" else list(meta["entry-points"].get("megaseq", {}).values())
+    found = []
     for module_name in modules:
         module = importlib.import_module(module_name)
         for kind in SPEC_TYPES:
             hook = getattr(module, f"megaseq_{kind}", None)
-            for spec in hook() if hook else []:
-                found[(kind, spec.name)] = dist
+            found += list(hook() if hook else [])
     return found
+
+
+def registered_components(package: Path) -> dict[tuple[str, str], str]:
+    """(kind, name) -> distribution, for every component the package's registration hooks return."""
+    dist = tomllib.loads((package / "pyproject.toml").read_text())["project"]["name"]
+    return {(spec.kind, spec.name): dist for spec in registered_records(package)}
 
 
 def shipped_components() -> dict[tuple[str, str], str]:
@@ -114,6 +118,167 @@ def test_no_citation_of_documents_outside_the_repository():
             text = path.read_text(errors="ignore")
             cited = [doc for doc in outside if doc in text]
             assert not cited, f"{name} cites {cited}, which are not in the repository"
+
+
+# -- core names no other package's component, command, layout or distribution ------------------------------
+# Core (packages/core/src: code, strings, docstrings and comments) meets the plugins only through its hooks, so
+# it never names what a plugin registers or the plugin itself. The names come from the packages: each plugin
+# package's (and example's) distribution and import name, and every record its hooks return (a layout's
+# config.json model_type too). The test kit is no plugin: core's contracts cite its suites.
+#
+# A name matches a word of the text (runs of letters, digits, - and _) when its parts (split at - and _)
+# appear in order among the word's parts, split the same way or also at case changes: ``Kimi-Linear's``
+# names ``kimi_linear``, ``KDAForCausalLM`` names ``kda``, ``megaseq_kda.hf`` names ``megaseq_kda``.
+# Two kinds of words are core's own and pass: core's hook and kind names (``megaseq_moe``,
+# ``megaseq_rl_algorithm``, ``rl_algorithm``) except where a module path follows them (``megaseq_moe.hf``),
+# and, for the plugin names listed in CORE_VOCABULARY, any use that is not one that names the component:
+# quoted (``"offload"``), as a recipe section (``memory_policy.recompute``), as a command (``megaseq rl``), or
+# followed by what it is (``the offload policy``, ``the chunked MoE``).
+CORE_VOCABULARY = {
+    "recompute": "MemoryEffect.recompute; activation recomputation",
+    "offload": "MemoryEffect.offload_min_bytes; offloading saved tensors",
+    "chunked": "the chunked loss, megaseq.model.chunked_token_losses",
+    "rl": "the kind rl_algorithm; reinforcement learning",
+    "grch37-chr20": "core's excerpts' files, grch37_chr20_excerpt.fa.gz",
+    "grch37-chrX": "core's excerpts' files, grch37_chrX_excerpt.fa.gz",
+}
+# what follows a component's name when text names it, by kind
+KIND_WORDS = {
+    "attention": ("attention", "layer", "layers"), "ffn": ("ffn", "feed-forward", "MLP"), "moe": ("moe", "experts"),
+    "memory_policy": ("policy", "policies"), "rl_algorithm": ("algorithm",), "inference_engine": ("engine",),
+    "command": ("command",), "data_source": ("source", "dataset"), "baseline": ("baseline",),
+    "eval_analysis": ("analysis",), "hf_layout": ("layout",),
+}
+NAME_WORD = re.compile(r"[A-Za-z0-9_-]+")
+CASE_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+")
+
+
+def plugin_names() -> dict[str, tuple[str, str]]:
+    """name -> (kind, what it is) of everything the plugin packages of this repository are or register
+    (kind: a record's kind, or "distribution" / "import")."""
+    names: dict[str, tuple[str, str]] = {}
+    for package in PACKAGES + EXAMPLES:
+        dist = tomllib.loads((package / "pyproject.toml").read_text())["project"]["name"]
+        if dist in ("megaseq-core", "megaseq-testkit"):
+            continue
+        names[dist] = ("distribution", f"the distribution {dist}")
+        names[import_name(package)] = ("import", f"the import name of {dist}")
+        for spec in registered_records(package):
+            names.setdefault(spec.name, (spec.kind, f"{spec.kind} {spec.name!r} of {dist}"))
+            if spec.kind == "hf_layout":
+                names.setdefault(spec.model_type, (spec.kind, f"the model_type of {dist}'s layout {spec.name!r}"))
+    return names
+
+
+def _word_parts(word: str) -> tuple[list[str], list[str]]:
+    pieces = [p for p in re.split(r"[-_]", word) if p]
+    return [p.lower() for p in pieces], [c.lower() for p in pieces for c in CASE_PART.findall(p)]
+
+
+def _holds(parts: list[str], name: list[str]) -> bool:
+    return any(parts[i : i + len(name)] == name for i in range(len(parts) - len(name) + 1))
+
+
+def _names_component(line: str, match: re.Match, name: str, kind: str) -> bool:
+    """Whether the word at ``match`` (the plugin name ``name`` of ``kind``, also a word of core's) names the
+    component rather than the thing core means by the word."""
+    before, after = line[: match.start()], line[match.end() :]
+    if match.group().lower() != name.lower():
+        return False
+    sections = ("attention", "ffn", "moe", "memory_policy", "baseline", "eval_analysis", kind)
+    words = KIND_WORDS.get(kind, ())
+    return (
+        (before[-1:] in ("'", '"') and after[:1] in ("'", '"', "("))
+        or any(before.endswith(f"{section}.") for section in sections)
+        or (kind == "command" and before.endswith("megaseq "))
+        or any(re.match(rf"\s+{re.escape(word)}\b", after, re.IGNORECASE) for word in words)
+    )
+
+
+def foreign_name_problems(name: str, text: str, names: dict[str, tuple[str, str]], core_words: set[str]) -> list[str]:
+    """``name:line: names NAME (what it is)`` for each plugin name ``text`` names (see the comment above)."""
+    wanted = {n: (kind, what, _word_parts(n)[0]) for n, (kind, what) in names.items()}
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for match in NAME_WORD.finditer(line):
+            word = match.group()
+            if word in core_words and not re.match(r"[.:][A-Za-z_]", line[match.end() :]):
+                continue
+            plain, by_case = _word_parts(word)
+            for n, (kind, what, parts) in wanted.items():
+                if not (_holds(plain, parts) or _holds(by_case, parts)):
+                    continue
+                if n in CORE_VOCABULARY and not _names_component(line, match, n, kind):
+                    continue
+                found.append(f"{name}:{number}: names {n!r} ({what}) in {word!r}")
+    return found
+
+
+def core_words() -> set[str]:
+    """Core's own hook and kind names."""
+    from megaseq import hookspecs
+    from megaseq.records import SPEC_TYPES
+
+    return {n for n in dir(hookspecs) if n.startswith("megaseq_")} | set(SPEC_TYPES)
+
+
+def test_core_names_no_plugin():
+    names = plugin_names()
+    assert {"kda", "kimi_linear", "chunked", "markov", "megaseq-attn-kda", "megaseq_genome", "rl"} <= set(names)
+    files = subprocess.run(["git", "ls-files", "packages/core/src"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    words = core_words()
+    problems = [p for f in files if Path(f).suffix in (".py", ".md", ".toml", ".txt")
+                for p in foreign_name_problems(f, (REPO / f).read_text(), names, words)]
+    assert not problems, "core meets plugins only through its hooks; say what core means without naming them:\n" + \
+        "\n".join(problems[:40])
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ('    layer_pattern = ["kda"]', "kda"),
+        ("# KDA's recurrent state is carried between tiles", "kda"),
+        ('LAYOUTS = ("kimi_linear",)', "kimi_linear"),
+        ('"""Kimi-Linear' + "'s published names.\"\"\"", "kimi_linear"),
+        ("from x import KDAConfig", "kda"),
+        ('    mapping="megaseq_kda.hf:MAPPING",', "megaseq_kda"),
+        ('MAPPING = "megaseq_moe.hf:MAPPING"', "megaseq_moe"),
+        ("(megaseq-genome provides the chromosomes)", "megaseq-genome"),
+        ('    ("eval", "markov_order"): "set eval.baselines"', "markov"),
+        ('policies = ["offload"]', "offload"),
+        ("see [memory_policy.recompute] in the recipe", "recompute"),
+        ("what the offload policy uses", "offload"),
+        ("the chunked MoE routes", "chunked"),
+        ("(e.g. ``megaseq rl``)", "rl"),
+        ("DSA's top-k key indices", "dsa"),
+        ('data.train = "grch37-chr20"', "grch37-chr20"),
+        ("the sliding-window example", "sliding-window"),
+        ("an objective (GRPO, ...)", "grpo"),
+    ],
+)
+def test_core_name_check_rejects_a_planted_line(line, named):
+    problems = foreign_name_problems("packages/core/src/megaseq/m.py", f"x = 1\n{line}\n", plugin_names(), core_words())
+    assert problems and all(p.startswith("packages/core/src/megaseq/m.py:2: ") for p in problems), problems
+    assert any(p.split()[2] == repr(named) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "    recompute: str | None = None",
+        "    offload_min_bytes: int | None = None",
+        "a forward that a recompute implementation will run again; offloading moves saved tensors",
+        "raise ValueError(\"MemoryEffect.tile_tokens needs recompute = 'block'\")",
+        "losses = chunked_token_losses(hidden, head)  # the chunked loss",
+        "The RL loop's old log-probabilities; RLAlgorithm, RLAlgorithmSpec, the RL algorithms",
+        "``megaseq_moe``, ``megaseq_rl_algorithm``, ``rl_algorithm``",
+        'return EXCERPT_DIR / "grch37_chr20_excerpt.fa.gz"',
+        "300 kb of GRCh37 chr20, a sliding window of keys",
+    ],
+)
+def test_core_name_check_accepts_core_vocabulary(line):
+    assert foreign_name_problems("m.py", line, plugin_names(), core_words()) == []
 
 
 # import name -> distribution name, where they differ

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from megaseq.cli import main
 from megaseq.config import validate_recipe
 from megaseq.contracts import ForwardContext
+from megaseq.interop import InteropError
 from megaseq.interop.files import read_tensors, same_tensors
 from megaseq.model import build_model
 from megaseq.plugins import get_plugins
@@ -261,6 +262,28 @@ def test_round_trip_fla_and_kimi_layouts():
     assert_round_trip(_recipe({"gate": "softplus"}, tie_embeddings=False), get_plugins(), "kimi_linear")
 
 
+def test_an_all_sdpa_model_round_trips_in_flas_layout():
+    """fla's layout holds a model of core's components alone (every layer in config.attn), through the
+    mappings the layout carries for them."""
+    recipe = validate_recipe({"model": {"d_model": 16, "n_layers": 2, "vocab_size": 5},
+                              "attention": {"sdpa": {"n_heads": 2, "rope_theta": 100.0}}, "ffn": {"swiglu": {"hidden": 24}}},
+                             get_plugins())
+    assert_round_trip(recipe, get_plugins(), "kda")
+
+
+def test_the_layouts_are_this_packages_and_found_by_model_type():
+    from megaseq.interop.convert import layout_for, layout_named
+
+    plugins = get_plugins()
+    layouts = plugins.registry["hf_layout"]
+    assert (layouts["kda"].plugin.dist, layouts["kimi_linear"].plugin.dist) == ("megaseq-attn-kda", "megaseq-attn-kda")
+    assert layout_for({"model_type": "kda"}, plugins, "c").name == "kda"
+    assert layout_for({"model_type": "kimi_linear"}, plugins, "c").name == "kimi_linear"
+    assert layout_named(plugins, None).name == "kda"  # export's default
+    with pytest.raises(InteropError, match="c: model_type 'llama' is not supported; Hugging Face layouts installed: kda "):
+        layout_for({"model_type": "llama"}, plugins, "c")
+
+
 def test_round_trip_catches_wrong_mappings(monkeypatch):
     import megaseq_kda.hf as kda_hf
 
@@ -285,15 +308,16 @@ def test_round_trip_catches_wrong_mappings(monkeypatch):
             assert_round_trip(recipe, get_plugins(), "kda")
     monkeypatch.undo()
 
-    import megaseq.builtins.hf as core_hf
+    import megaseq_kda.hf_layouts as layouts
+    import megaseq_kda.hf_sdpa_swiglu as fla_hf
 
-    class ForgetsThePairOrder(core_hf.SDPAMapping):  # export without undoing import's row permutation
+    class ForgetsThePairOrder(fla_hf.SDPAMapping):  # export without undoing import's row permutation
         def tensors_to_hf(self, state, config, dims, layout):
             q, k, v = state["qkv.weight"].view(4, 3, 8, 32).unbind(1)
             return {"q_proj.weight": q.reshape(32, 32), "k_proj.weight": k.reshape(32, 32), "v_proj.weight": v.reshape(32, 32),
                     "o_proj.weight": state["out.weight"]}
 
-    monkeypatch.setattr(core_hf, "SDPA", ForgetsThePairOrder())
+    monkeypatch.setitem(layouts.FLA.mappings, ("attention", "sdpa"), ForgetsThePairOrder())
     hybrid = validate_recipe({"model": {"d_model": 32, "n_layers": 2, "layer_pattern": ["kda", "sdpa"]},
                               "attention": {"kda": {"n_heads": 2, "head_dim": 8, "norm_eps": 1e-6, "out_gate_bias": True},
                                             "sdpa": {"n_heads": 4}}},

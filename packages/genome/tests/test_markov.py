@@ -176,3 +176,28 @@ def test_markov_baseline_is_fitted_once_on_data_train(tmp_path: Path) -> None:
     again = markov.build(MarkovConfig(order=2), "excerpt-chr20")  # read back from the cache
     assert all((a == b).all() for a, b in zip(first.counts, again.counts, strict=True))
     assert list((tmp_path / "cache" / "markov").iterdir()) == cached
+
+
+def test_checkpoints_that_hold_eval_markov_order_still_load(tmp_path):
+    """Checkpoints of megaseq-core 0.1.0 hold the Markov order as core's ``eval.markov_order``: the baseline's
+    record replaces that key, so their recipe reads as ``eval.baselines = ["markov"]`` with ``[baseline.markov]
+    order``, and a recipe file holding it is refused in one line saying what to write."""
+    import json
+
+    from megaseq.config import ConfigError, load_recipe, validate_recipe
+    from megaseq.plugins import get_plugins
+    from megaseq.train.checkpoint import read_meta
+
+    plugins = get_plugins()
+    stored = {"data": {"seq_len": 64}, "model": {"d_model": 16, "n_layers": 1}, "eval": {"windows": 3, "markov_order": 2}}
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 3, "recipe": stored}))
+    recipe = validate_recipe(read_meta(tmp_path)["recipe"], plugins, f"{tmp_path}/meta.json")
+    assert recipe.eval.baselines == ["markov"] and recipe.component("baseline", "markov") == MarkovConfig(order=2)
+    assert recipe.eval.windows == 3
+
+    (tmp_path / "r.toml").write_text("[eval]\nmarkov_order = 8\n")
+    with pytest.raises(ConfigError) as err:
+        load_recipe(tmp_path / "r.toml", plugins)
+    assert str(err.value).startswith(f"{tmp_path / 'r.toml'}: eval.markov_order: not a recipe key; baseline 'markov' "
+                                     "(megaseq-genome ") and str(err.value).endswith(
+        'replaces it: add "markov" to eval.baselines and order = 8 in [baseline.markov]')

@@ -4,6 +4,7 @@ baselines in recipes (eval.baselines, [baseline.NAME]) and in the held-out evalu
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -48,7 +49,8 @@ def build(config: WindowUnigramConfig, train: str) -> WindowUnigram:
 class Plugin:
     @hookimpl
     def megaseq_baseline(self):
-        return [BaselineSpec(name="window-unigram", target=f"{__name__}:build", config=WindowUnigramConfig, summary="test")]
+        return [BaselineSpec(name="window-unigram", target=f"{__name__}:build", config=WindowUnigramConfig, summary="test",
+                             replaces={"eval.unigram_pseudo": "pseudo"})]  # a key of core's it took over
 
 
 def test_reference_is_a_slow_loop():
@@ -163,8 +165,6 @@ def test_recipe_names_baselines_and_the_evaluation_scores_them():
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"eval": {"markov_order": 8}}, "r.toml: eval.markov_order: not a recipe key; the Markov baseline is a component "
-         "of megaseq-genome: set eval.baselines = [\"markov\"] and its order in [baseline.markov] (order = 8)"),
         ({"eval": {"baselines": ["nope"]}}, "r.toml: eval.baselines[0]: no baseline named 'nope'; available: window-unigram"),
         ({"baseline": {"window-unigram": {}}}, "r.toml: [baseline.window-unigram] is configured but not used by eval.baselines"),
         ({"eval": {"baselines": ["window-unigram"]}, "baseline": {"window-unigram": {"k": 1}}},
@@ -179,23 +179,72 @@ def test_baseline_mistakes_are_one_line(raw, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
-def test_a_stored_recipe_with_markov_order_reads_in_the_current_keys():
-    """Checkpoints written with eval.markov_order still evaluate and resume: their recipe reads as
-    eval.baselines = ["markov"] with [baseline.markov] order (and a recipe file with it is refused above)."""
-    from megaseq.config import stored_recipe
-
-    old = {**RAW, "eval": {**RAW["eval"], "markov_order": 3}}
-    new = stored_recipe(old)
-    assert new["eval"] == {**RAW["eval"], "baselines": ["markov"]} and new["baseline"] == {"markov": {"order": 3}}
-    assert old["eval"]["markov_order"] == 3  # the stored dict is left as it was
-    assert stored_recipe(RAW) is RAW
-
-
-def test_read_meta_gives_a_checkpoints_recipe_in_the_current_keys(tmp_path):
+def test_a_stored_recipe_with_a_replaced_key_reads_in_the_current_keys(tmp_path):
+    """A checkpoint's recipe holding a key of core's that a component replaces (``Component.replaces``) reads as
+    that component selected with the key's value; the stored dict is left as it was."""
     import json
 
+    from megaseq.config import stored_recipe
     from megaseq.train.checkpoint import read_meta
 
-    (tmp_path / "meta.json").write_text(json.dumps({"step": 3, "recipe": {**RAW, "eval": {"markov_order": 2}}}))
-    meta = read_meta(tmp_path)
-    assert meta["recipe"]["eval"] == {"baselines": ["markov"]} and meta["recipe"]["baseline"] == {"markov": {"order": 2}}
+    plugins = fresh_plugins()
+    plugins.register(Plugin(), name="unigram-test")
+    old = {**RAW, "eval": {**RAW["eval"], "unigram_pseudo": 0.25}}
+    new = stored_recipe(old, plugins)
+    assert new["eval"] == {**RAW["eval"], "baselines": ["window-unigram"]} and new["baseline"] == {"window-unigram": {"pseudo": 0.25}}
+    assert old["eval"]["unigram_pseudo"] == 0.25 and "baseline" not in old
+    assert stored_recipe(RAW, plugins) is RAW
+    # already selected and configured alike: nothing added twice
+    both = {**old, "eval": {**old["eval"], "baselines": ["window-unigram"]}, "baseline": {"window-unigram": {"pseudo": 0.25}}}
+    assert stored_recipe(both, plugins) == new
+    with pytest.raises(ConfigError, match=r"^m.json: eval.unigram_pseudo = 0.25 disagrees with baseline.window-unigram.pseudo = 2$"):
+        stored_recipe({**old, "baseline": {"window-unigram": {"pseudo": 2}}}, plugins, "m.json")
+
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 3, "recipe": old}))
+    stored = read_meta(tmp_path)["recipe"]
+    assert stored == old  # as written; validation reads it in the current keys
+    recipe = validate_recipe(stored, plugins, "meta.json")
+    assert recipe.eval.baselines == ["window-unigram"] and recipe.component("baseline", "window-unigram").pseudo == 0.25
+
+
+def test_a_recipe_file_with_a_replaced_key_is_refused_saying_what_to_write(tmp_path):
+    from megaseq.config import load_recipe
+
+    plugins = fresh_plugins()
+    plugins.register(Plugin(), name="unigram-test")
+    (tmp_path / "r.toml").write_text("[eval]\nunigram_pseudo = 0.5\n")
+    expected = (f"{tmp_path / 'r.toml'}: eval.unigram_pseudo: not a recipe key; baseline 'window-unigram' ((local)) replaces it: "
+                'add "window-unigram" to eval.baselines and pseudo = 0.5 in [baseline.window-unigram]')
+    for overrides in ([], ["eval.windows=2"]):
+        with pytest.raises(ConfigError) as err:
+            load_recipe(tmp_path / "r.toml", plugins, overrides)
+        assert str(err.value) == expected
+    (tmp_path / "r.toml").write_text("")
+    with pytest.raises(ConfigError, match="eval.unigram_pseudo: not a recipe key"):
+        load_recipe(tmp_path / "r.toml", plugins, ["eval.unigram_pseudo=0.5"])
+    # without the component installed it is an unknown key like any other
+    with pytest.raises(ConfigError, match="eval.unigram_pseudo: unknown key; allowed: windows"):
+        load_recipe(tmp_path / "r.toml", fresh_plugins(), ["eval.unigram_pseudo=0.5"])
+
+
+class AlsoReplaces:
+    @hookimpl
+    def megaseq_baseline(self):
+        return [BaselineSpec(name="other", target=f"{__name__}:build", config=WindowUnigramConfig,
+                             replaces={"eval.unigram_pseudo": "pseudo"})]
+
+
+def test_replaced_keys_are_declared_precisely():
+    for replaces, problem in (
+        ({"eval.windows": "pseudo"}, "replaces 'eval.windows': it is a current recipe key"),
+        ({"baseline.pseudo": "pseudo"}, "replaces 'baseline.pseudo': not 'TABLE.KEY' with TABLE one of core's recipe tables"),
+        ({"eval.old_key": "k"}, "replaces 'eval.old_key': its config has no field 'k' (fields: pseudo)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            BaselineSpec(name="b", target="m:build", config=WindowUnigramConfig, replaces=replaces)
+    plugins = fresh_plugins()
+    plugins.register(Plugin(), name="unigram-test")
+    plugins.register(AlsoReplaces(), name="also")
+    with pytest.raises(ConfigError, match=r"^m.json: eval.unigram_pseudo: replaced by both baseline 'other' \(\(local\)\) and "
+                                          r"baseline 'window-unigram' \(\(local\)\); uninstall all but one"):
+        validate_recipe({"eval": {"unigram_pseudo": 1.0}}, plugins, "m.json")

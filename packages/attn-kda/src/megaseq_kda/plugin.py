@@ -1,9 +1,10 @@
-"""Registers the ``kda`` attention component. Light on purpose: no torch, no kernels, only the record."""
+"""Registers the ``kda`` attention component and the Hugging Face layouts of the KDA model families (``kda``:
+fla's, ``kimi_linear``: Kimi-Linear's). Light on purpose: no torch, no kernels, only the records."""
 
 from __future__ import annotations
 
 from megaseq.hookspecs import hookimpl
-from megaseq.records import AttentionSpec
+from megaseq.records import AttentionSpec, HFLayoutSpec
 from megaseq_kda.config import KDAConfig
 
 
@@ -20,4 +21,18 @@ def megaseq_attention() -> list[AttentionSpec]:
             capabilities=frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),
             mapping="megaseq_kda.hf:MAPPING",
         )
+    ]
+
+
+@hookimpl
+def megaseq_hf_layout() -> list[HFLayoutSpec]:
+    return [
+        HFLayoutSpec(
+            name="kda", target="megaseq_kda.hf_layouts:FLA", model_type="kda", default=True,
+            summary="flash-linear-attention's KDAForCausalLM: kda layers, softmax layers (sdpa), SwiGLU MLPs",
+        ),
+        HFLayoutSpec(
+            name="kimi_linear", target="megaseq_kda.hf_layouts:KIMI_LINEAR", model_type="kimi_linear",
+            summary="Kimi-Linear's KimiLinearForCausalLM: kda layers, dense SwiGLU MLPs, then the chunked MoE",
+        ),
     ]

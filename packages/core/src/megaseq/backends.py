@@ -100,7 +100,7 @@ class Backend:
 
 
 class Backends:
-    """The backends of one component (``component`` names it in errors, e.g. ``"attention.kda"``) and its
+    """The backends of one component (``component`` names it in errors, e.g. ``"attention.NAME"``) and its
     ``auto`` preference order (names of ``backends``, most preferred first)."""
 
     def __init__(self, component: str, backends: Sequence[Backend], auto: Sequence[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -17,18 +18,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megaseq.errors import ConfigError
-from megaseq.plugins import Plugins
+from megaseq.plugins import Plugins, Provided
 from megaseq.records import ComponentConfig
 
 MAX_SEQ_LEN = 2**30  # beyond any memory; a bound keeps a typo from reaching the planner's arithmetic
+CORE_TABLES = ("run", "data", "model", "train", "eval", "parallel")
 COMPONENT_SECTIONS = {
     "attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy", "baseline": "baseline",
     "eval_analysis": "eval_analysis",
-}
-# keys a recipe may no longer hold, with what replaced them (one line each)
-REPLACED_KEYS = {
-    ("eval", "markov_order"): "the Markov baseline is a component of megaseq-genome: set eval.baselines = "
-    '["markov"] and its order in [baseline.markov] (order = 8)',
 }
 
 
@@ -320,7 +317,7 @@ def _selected(raw: dict[str, Any], table: str, key: str, section: str) -> set[st
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """``raw`` with each ``--set KEY.PATH=VALUE`` applied. A ``--set`` that takes a component out of its
-    selection (``SELECTION_KEYS``: ``eval.baselines = []`` drops ``markov``) also removes the recipe's
+    selection (``SELECTION_KEYS``: ``eval.baselines = []`` drops every baseline) also removes the recipe's
     ``[SECTION.NAME]`` table of it, unless a ``--set`` configures that table: deselecting is how a recipe's
     component is turned off from the command line."""
     out = copy.deepcopy(raw)
@@ -344,26 +341,96 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def stored_recipe(raw: dict[str, Any]) -> dict[str, Any]:
-    """A recipe as a checkpoint's ``meta.json`` holds it, in the current keys: ``eval.markov_order = K``, which
-    checkpoints of megaseq-core 0.1.0 hold, becomes ``eval.baselines = ["markov"]`` with ``[baseline.markov]
-    order = K`` (megaseq-genome's baseline), so that those checkpoints still evaluate, resume and compare."""
-    section = raw.get("eval")
-    if not isinstance(section, dict) or "markov_order" not in section:
+def is_recipe_key(table: str, key: str) -> bool:
+    """Whether ``table.key`` is a key of core's recipe schema (``table`` one of :data:`CORE_TABLES`)."""
+    section = Recipe.model_fields.get(table)
+    return section is not None and table in CORE_TABLES and key in section.annotation.model_fields
+
+
+def replaced_keys(plugins: Plugins) -> dict[tuple[str, str], list[tuple[Provided, str]]]:
+    """``(table, key) -> [(component, its config field)]``: the keys of core's tables that installed
+    components replace (``megaseq.records.Component.replaces``)."""
+    found: dict[tuple[str, str], list[tuple[Provided, str]]] = {}
+    for kind in COMPONENT_SECTIONS.values():
+        for provided in plugins.registry[kind].values():
+            for key, config_field in provided.spec.replaces.items():
+                table, _, name = key.partition(".")
+                found.setdefault((table, name), []).append((provided, config_field))
+    return found
+
+
+def _held(raw: dict[str, Any], plugins: Plugins, source: str) -> list[tuple[str, str, Provided, str]]:
+    """``(table, key, component, field)`` of each replaced key ``raw`` holds (two replacers: one line)."""
+    held = []
+    for (table, key), replacers in replaced_keys(plugins).items():
+        if not (isinstance(raw.get(table), dict) and key in raw[table]):
+            continue
+        if len(replacers) > 1:
+            named = " and ".join(sorted(f"{p.spec.kind} {p.spec.name!r} ({p.plugin.label.strip()})" for p, _ in replacers))
+            raise ConfigError(f"{source}: {table}.{key}: replaced by both {named}; uninstall all but one or set MEGASEQ_PLUGINS")
+        held.append((table, key, *replacers[0]))
+    return held
+
+
+def _selection_of(kind: str) -> tuple[str, str]:
+    return next(path for path, section in SELECTION_KEYS.items() if section == kind)
+
+
+def stored_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recipe>") -> dict[str, Any]:
+    """A recipe as a checkpoint's ``meta.json`` may hold it, in the current keys: a key of core's tables that an
+    installed component replaces (``Component.replaces``, ``{"TABLE.KEY": FIELD}``) becomes that component's
+    selection (its name joins a list selection, or becomes a single one) with ``FIELD`` set to the key's
+    value in its section, so that checkpoints written before the component took the key over still evaluate,
+    resume and compare. ``raw`` is left as it was."""
+    held = _held(raw, plugins, source)
+    if not held:
         return raw
     raw = copy.deepcopy(raw)
-    order = raw["eval"].pop("markov_order")
-    raw["eval"].setdefault("baselines", ["markov"])
-    raw.setdefault("baseline", {}).setdefault("markov", {"order": order})
+    for table, key, provided, config_field in held:
+        value = raw[table].pop(key)
+        kind, name = provided.spec.kind, provided.spec.name
+        if kind not in SELECTION_KEYS.values():
+            raise ConfigError(f"{source}: {table}.{key}: replaced by {kind} {name!r} ({provided.plugin.label.strip()}), "
+                              f"which a recipe cannot select")
+        sel_table, sel_key = _selection_of(kind)
+        node = raw.setdefault(sel_table, {})
+        chosen = node.get(sel_key, getattr(Recipe.model_fields[sel_table].default, sel_key))
+        if isinstance(chosen, list):
+            node[sel_key] = chosen if name in chosen else [*chosen, name]
+        elif chosen != "auto":  # auto: the planner starts from every configured policy, this one included
+            if sel_key in node and chosen not in (None, name):
+                raise ConfigError(f"{source}: {table}.{key} selects {kind} {name!r}, but {sel_table}.{sel_key} = {chosen!r}")
+            node[sel_key] = name
+        section = raw.setdefault(COMPONENT_SECTIONS[kind], {}).setdefault(name, {})
+        if config_field in section and section[config_field] != value:
+            raise ConfigError(f"{source}: {table}.{key} = {value!r} disagrees with {kind}.{name}.{config_field} = "
+                              f"{section[config_field]!r}")
+        section[config_field] = value
     return raw
 
 
+def refuse_replaced_keys(raw: dict[str, Any], plugins: Plugins, source: str) -> None:
+    """A recipe file (and its ``--set``) holds only current keys: a replaced one is one line saying what to
+    write instead."""
+    for table, key, provided, config_field in _held(raw, plugins, source):
+        kind, name = provided.spec.kind, provided.spec.name
+        value = raw[table][key]
+        if kind in SELECTION_KEYS.values():
+            sel_table, sel_key = _selection_of(kind)
+            is_list = isinstance(getattr(Recipe.model_fields[sel_table].default, sel_key), list)
+            select = f'add "{name}" to {sel_table}.{sel_key}' if is_list else f'set {sel_table}.{sel_key} = "{name}"'
+            instead = f"{select} and {config_field} = {json.dumps(value)} in [{COMPONENT_SECTIONS[kind]}.{name}]"
+        else:
+            instead = f"set {config_field} = {json.dumps(value)} in [{COMPONENT_SECTIONS[kind]}.{name}]"
+        raise ConfigError(f"{source}: {table}.{key}: not a recipe key; {kind} {name!r} ({provided.plugin.label.strip()}) "
+                          f"replaces it: {instead}")
+
+
 def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recipe>") -> Recipe:
-    """Validate TOML-shaped data against core's schema and each used component's schema."""
-    raw = dict(raw)
-    for (section, key), instead in REPLACED_KEYS.items():
-        if isinstance(raw.get(section), dict) and key in raw[section]:
-            raise ConfigError(f"{source}: {section}.{key}: not a recipe key; {instead}")
+    """Validate TOML-shaped data against core's schema and each used component's schema. Keys that installed
+    components replace are read in the current keys (:func:`stored_recipe`): a checkpoint's recipe may hold
+    them; :func:`load_recipe` refuses them in a recipe file."""
+    raw = dict(stored_recipe(raw, plugins, source))
     component_raw = {section: raw.pop(section, {}) for section in COMPONENT_SECTIONS}
     try:
         recipe = Recipe(**raw, source=source)
@@ -371,7 +438,7 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         err = exc.errors()[0]
         top = err["loc"][0] if err["loc"] else ""
         if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
-            allowed = ", ".join(["run", "data", "model", "train", "eval", "parallel", *COMPONENT_SECTIONS])
+            allowed = ", ".join([*CORE_TABLES, *COMPONENT_SECTIONS])
             raise ConfigError(f"{source}: [{top}]: unknown section; allowed: {allowed}") from None
         msg = _validation_message(source, "", exc)
         section = Recipe.model_fields.get(str(top))
@@ -450,4 +517,6 @@ def load_recipe(path: str | Path, plugins: Plugins, overrides: list[str] | None 
         raise ConfigError(f"{path}: recipe not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return validate_recipe(apply_overrides(raw, overrides or []), plugins, source=str(path))
+    raw = apply_overrides(raw, overrides or [])
+    refuse_replaced_keys(raw, plugins, str(path))
+    return validate_recipe(raw, plugins, source=str(path))

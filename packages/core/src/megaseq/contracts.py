@@ -125,7 +125,7 @@ class RoutingReplay:
 def recomputing() -> bool:
     """True while autograd's backward pass is running the calling code.
 
-    A forward that runs then is a re-run for activation recomputation (megaseq's recompute policy,
+    A forward that runs then is a re-run for activation recomputation (a memory policy's,
     ``torch.utils.checkpoint`` reentrant or not, or any other wrapper that re-runs a forward in backward).
     Such a re-run must not repeat the first forward's side effects: :class:`ForwardContext` drops its losses
     and metrics by itself, and a component that updates its own state in forward (e.g. load counters)
@@ -253,7 +253,7 @@ class ForwardContext:
         """``compute()``, computed once per recomputation unit: a forward that a recompute implementation will
         re-run in backward keeps the value, and the re-run gets it back instead of computing it again.
 
-        For values that are expensive, carry no gradient (an integer choice: DSA's top-k key indices) and that
+        For values that are expensive, carry no gradient (an integer choice: a sparse attention's top-k key indices) and that
         the re-run would compute bitwise again from the same inputs, so keeping them changes no result. Kept
         values live from the unit's forward to the end of its backward, as saved tensors do (a memory policy
         that moves saved tensors moves them too); the component declares their size
@@ -426,8 +426,8 @@ class SequenceTiling(Protocol):
     ``history`` lists the ``carry`` tuples that the earlier tiles returned, in order (empty for the first
     tile). ``out`` must equal the full forward's output at those tokens, in values and in gradients, where
     gradients reach earlier tiles through ``history``: so ``carry`` is a tuple of tensors that stay connected
-    to the autograd graph (KDA: the recurrent state and the convolution's last inputs; softmax and sparse
-    attention: this tile's keys and values). Tile lengths are arbitrary (not multiples of any chunk) and
+    to the autograd graph (a linear attention: its recurrent state and its convolution's last inputs; softmax and
+    sparse attention: this tile's keys and values). Tile lengths are arbitrary (not multiples of any chunk) and
     documents cross tile boundaries. Auxiliary losses are this tile's share (shares add up to the full
     loss, as under context parallelism); metrics are per-token means over the tile (the caller combines
     tiles weighted by their lengths). Tiling is for training forwards: no cache, no context parallelism.
@@ -441,16 +441,16 @@ class SequenceTiling(Protocol):
 
 @runtime_checkable
 class RLAlgorithm(Protocol):
-    """A policy-gradient objective over groups of sampled completions (GRPO, RLOO, DAPO, ...).
+    """A policy-gradient objective over groups of sampled completions (group-relative advantages, ...).
 
     Built by its record's target as ``build(config)``. An RL step draws ``G`` prompts, ``n`` completions each
     (``n >= min_group_size``, else the RL loop refuses to start), and calls, in this order:
 
     1. ``shape_rewards(rewards [G, n], lengths [G, n], max_new_tokens) -> [G, n]``: reward shaping that
-       depends on completion length (e.g. DAPO's overlong penalty); identity when the algorithm has none.
+       depends on completion length (e.g. a penalty on overlong completions); identity when the algorithm has none.
        Rewards are finite (the loop rejects NaN/inf before).
     2. ``filter(rewards [G, n], truncated [G, n] bool) -> (groups [G] bool, completions [G, n] bool)``:
-       which groups to train on (False = drop and resample, e.g. DAPO's dynamic sampling drops groups whose
+       which groups to train on (False = drop and resample, e.g. dynamic sampling drops groups whose
        rewards are all equal) and which completions of a kept group contribute tokens (False = masked out,
        e.g. overlong filtering of truncated completions). Keep-all when the algorithm filters nothing.
     3. ``advantages(rewards [G, n]) -> [G, n]``: finite, per completion; computed within each group, so a
@@ -484,11 +484,12 @@ class RLAlgorithm(Protocol):
 
 @runtime_checkable
 class Baseline(Protocol):
-    """A reference predictor scored beside the model on the same held-out windows (a k-mer Markov model).
+    """A reference predictor scored beside the model on the same held-out windows (e.g. a k-mer model
+    fitted on the training data).
 
     Built by its record's target as ``build(config, train: str)``: ``train`` is the recipe's ``data.train``
     (a data-source name or a FASTA path), which a baseline that learns from data fits on. ``label`` names its
-    column in the evaluation's results (e.g. ``markov-8``). ``token_losses(inputs [B, T], targets [B, T])``
+    column in the evaluation's results (e.g. ``kmer-8``). ``token_losses(inputs [B, T], targets [B, T])``
     (token ids, ``megaseq.data.tokenizer``) returns ``[B, T]`` losses in nats, finite and non-negative, 0
     where the target is N; the target at position p is predicted from ``inputs[:, : p + 1]`` only: never
     from a later input (``inputs[:, p + 1]`` is ``targets[:, p]``) nor from outside the window.
@@ -522,8 +523,8 @@ class EvalInfo:
 
 @runtime_checkable
 class EvalAnalysis(Protocol):
-    """A per-target analysis of every scorer's losses on the held-out windows (megaseq-genome's ``retrieval``:
-    bits/base by the distance back to the last earlier occurrence of each target's preceding k-mer).
+    """A per-target analysis of every scorer's losses on the held-out windows (e.g. bits/base by
+    the distance back to the last earlier occurrence of each target's preceding k-mer).
 
     Built by its record's target as ``build(config, info: EvalInfo)``; a recipe it cannot serve (e.g. it
     needs a baseline and none is scored) raises ``megaseq.errors.ConfigError`` there, in one line, before

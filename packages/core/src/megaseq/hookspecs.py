@@ -8,7 +8,7 @@ Two families:
 
 - **Registration hooks** (``megaseq_attention``, ``megaseq_ffn``, ``megaseq_moe``, ``megaseq_memory_policy``,
   ``megaseq_rl_algorithm``, ``megaseq_inference_engine``, ``megaseq_command``, ``megaseq_data_source``,
-  ``megaseq_baseline``, ``megaseq_eval_analysis``) return the plugin's components as records (``megaseq.records``). Core calls each
+  ``megaseq_baseline``, ``megaseq_eval_analysis``, ``megaseq_hf_layout``) return the plugin's components as records (``megaseq.records``). Core calls each
   plugin's implementation separately, once per plugin manager, when the registry is first needed (listing
   plugins, validating a recipe, building a model), so that a failure is pinned on the plugin that caused it:
   an exception, a record of the wrong type or a record whose target does not exist makes that plugin
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         DataSourceSpec,
         EvalAnalysisSpec,
         FFNSpec,
+        HFLayoutSpec,
         InferenceEngineSpec,
         MemoryPolicySpec,
         MoESpec,
@@ -82,7 +83,7 @@ def megaseq_moe() -> list[MoESpec]:
 
 @hookspec
 def megaseq_memory_policy() -> list[MemoryPolicySpec]:
-    """The memory policies (recompute, offload, ...) this plugin provides.
+    """The memory policies (activation recomputation, offloading of saved tensors, ...) this plugin provides.
 
     Returns a list of ``megaseq.records.MemoryPolicySpec``; each target resolves to ``build(config) -> object``
     implementing ``megaseq.contracts.MemoryPolicy``. Called like :func:`megaseq_attention`.
@@ -112,7 +113,7 @@ def megaseq_inference_engine() -> list[InferenceEngineSpec]:
 
 @hookspec
 def megaseq_command() -> list[CommandSpec]:
-    """Subcommands of the ``megaseq`` command line this plugin provides (e.g. ``megaseq rl``).
+    """Subcommands of the ``megaseq`` command line this plugin provides (``megaseq NAME ARGS...``).
 
     Called once per plugin when the command line starts. Return a list of
     :class:`megaseq.records.CommandSpec`; ``megaseq NAME ARGS...`` imports the record's ``target``,
@@ -155,6 +156,20 @@ def megaseq_eval_analysis() -> list[EvalAnalysisSpec]:
     Returns a list of ``megaseq.records.EvalAnalysisSpec``; each target resolves to
     ``build(config, info: EvalInfo) -> EvalAnalysis`` implementing ``megaseq.contracts.EvalAnalysis``. Called
     like :func:`megaseq_attention`.
+    """
+
+
+@hookspec
+def megaseq_hf_layout() -> list[HFLayoutSpec]:
+    """The published Hugging Face model layouts (a model family's tensor names and ``config.json``) this plugin
+    provides: what ``megaseq import`` reads (found by ``config.json``'s ``model_type``) and ``megaseq export
+    --layout NAME`` writes.
+
+    Returns a list of ``megaseq.records.HFLayoutSpec``; each target resolves to a
+    ``megaseq.interop.layouts.Layout``. A layout names the components of its layers (a recipe's names, which
+    may be another plugin's) and carries the mappings of those that do not map themselves to it; core's
+    walker takes a component's mapping from the layout where it has one, else from the component's record.
+    Called like :func:`megaseq_attention`.
     """
 
 

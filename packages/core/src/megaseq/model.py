@@ -80,7 +80,7 @@ class Block(nn.Module):
     """A pre-norm residual block: ``h = x + attention(norm(x))``, ``y = h + ffn(norm(h))``.
 
     ``names``: the recipe's component names, ``(attention name, ffn kind, ffn name)``, e.g.
-    ``("kda", "moe", "chunked")``, so that memory policies can pick layers by component
+    ``("sdpa", "ffn", "swiglu")``, so that memory policies can pick layers by component
     (``megaseq.memory.model_layers``); ``tiles``: the attention's record declares ``sequence_tiling``.
     """
 

@@ -43,7 +43,7 @@ from packaging.version import Version
 from megaseq import hookspecs
 from megaseq.__about__ import __version__ as CORE_VERSION
 from megaseq.errors import PluginError
-from megaseq.records import MAPPING_METHODS, SPEC_TYPES, Record, load_target
+from megaseq.records import SPEC_TYPES, Record, load_target
 
 if TYPE_CHECKING:
     from torch import nn
@@ -366,10 +366,7 @@ class Plugins:
                     except Exception as exc:  # third-party import code can raise anything
                         problem = f"{type(exc).__name__}: {exc}"
                     else:
-                        problem = None if callable(obj) else f"{type(obj).__name__} is not callable"
-                        if field_name == "mapping":  # an object with the methods of megaseq.interop.ComponentMapping
-                            lacking = [m for m in MAPPING_METHODS if not callable(getattr(obj, m, None))]
-                            problem = f"lacks {', '.join(lacking)}" if lacking else None
+                        problem = found.spec.loaded_problem(field_name, obj)
                     if problem:
                         failures.append(f"{kind} {name!r} from {found.plugin.label}: {field_name} {target!r}: {problem}")
         return failures

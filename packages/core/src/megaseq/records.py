@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -29,7 +30,7 @@ class NoConfig(ComponentConfig):
 class TileCarry:
     """What a component that runs in sequence tiles (``megaseq.contracts.SequenceTiling``) hands to later
     tiles, in bytes: ``per_token`` for every token of the earlier tiles (softmax attention: its keys and
-    values), ``per_tile`` once per tile boundary (KDA: the recurrent state and the convolution's tail);
+    values), ``per_tile`` once per tile boundary (linear attention: the recurrent state and the convolution's tail);
     ``temporary``: the largest transient buffer of one tile's call beyond the component's ``temporary`` at the
     tile's length, which a tile that attends to the earlier tiles' keys adds (softmax attention: its mask)."""
 
@@ -165,6 +166,12 @@ CAPABILITIES: dict[str, frozenset[str]] = {
 MAPPING_METHODS = ("config_from_hf", "config_to_hf", "tensors_from_hf", "tensors_to_hf")
 
 
+def mapping_problem(mapping: Any) -> str | None:
+    """Which of :data:`MAPPING_METHODS` ``mapping`` lacks, as one phrase; None when it has them all."""
+    lacking = [m for m in MAPPING_METHODS if not callable(getattr(mapping, m, None))]
+    return f"lacks {', '.join(lacking)}" if lacking else None
+
+
 @dataclass(frozen=True)
 class Record:
     """What every registration hook returns: a name and a lazy ``"module:attr"`` target, imported only
@@ -188,6 +195,25 @@ class Record:
     def load(self) -> Any:
         return load_target(self.target)
 
+    def loaded_problem(self, field_name: str, obj: Any) -> str | None:
+        """Why ``obj``, the loaded target of ``field_name``, is not what the record promises (``megaseq
+        plugins --check``); None when it is."""
+        return None if callable(obj) else f"{type(obj).__name__} is not callable"
+
+
+def _replaced_key_problem(key: str, config_field: str, config: type[ComponentConfig]) -> str | None:
+    """Why ``Component.replaces`` may not map ``key`` to ``config_field``; None when it may."""
+    from megaseq.config import CORE_TABLES, is_recipe_key  # config imports this module: only once records are made
+
+    table, _, name = key.partition(".")
+    if table not in CORE_TABLES or not name.isidentifier():
+        return f"not 'TABLE.KEY' with TABLE one of core's recipe tables ({', '.join(CORE_TABLES)})"
+    if is_recipe_key(table, name):
+        return "it is a current recipe key"
+    if config_field not in config.model_fields:
+        return f"its config has no field {config_field!r} (fields: {', '.join(config.model_fields) or 'none'})"
+    return None
+
 
 @dataclass(frozen=True)
 class Component(Record):
@@ -199,20 +225,28 @@ class Component(Record):
     ``effect(config) -> MemoryEffect`` (memory policies). ``capabilities``: the optional capabilities it
     has, from :data:`CAPABILITIES` for its kind; its conformance suite verifies each one it declares.
     ``mapping`` optionally resolves to the component's Hugging Face name and layout mapping (an object with
-    :data:`MAPPING_METHODS`, ``megaseq.interop.ComponentMapping``), which ``megaseq import`` and ``megaseq
-    export`` use; a component without one is refused there in one line. ``megaseq_testkit.hf`` checks it.
+    :data:`MAPPING_METHODS`, ``megaseq.interop.ComponentMapping``) for the published layouts that know the
+    component, which ``megaseq import`` and ``megaseq export`` use. A layout may carry the mapping of a
+    component that does not know it (``megaseq.interop.layouts.Layout.mappings``), and that one is used
+    instead; a component mapped by neither is refused there in one line. ``megaseq_testkit.hf`` checks it.
+    ``replaces``: keys of core's recipe tables that this component took over, ``{"TABLE.KEY": FIELD}``: a
+    stored recipe (a checkpoint's) holding ``TABLE.KEY = V`` reads as selecting this component with ``FIELD =
+    V`` in its section, and a recipe file holding it is refused in one line that says so
+    (``megaseq.config.stored_recipe``). ``FIELD`` is a field of ``config``; ``TABLE.KEY`` is no current key.
     """
 
     config: type[ComponentConfig] = NoConfig
     memory: str | None = None
     capabilities: frozenset[str] = frozenset()
     mapping: str | None = None
+    replaces: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (isinstance(self.config, type) and issubclass(self.config, ComponentConfig)):
             raise ValueError(f"{self.kind} {self.name!r}: config must be a megaseq.records.ComponentConfig subclass")
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        object.__setattr__(self, "replaces", MappingProxyType(dict(self.replaces)))
         allowed = CAPABILITIES.get(self.kind, frozenset())
         unknown = sorted(self.capabilities - allowed)
         if unknown:
@@ -220,10 +254,19 @@ class Component(Record):
                              f"{self.kind!r}: {sorted(allowed) or 'none'}")
         if "pool_sizing" in self.capabilities and "pool_bytes" not in self.config.model_fields:
             raise ValueError(f"{self.kind} {self.name!r} declares pool_sizing but its config has no pool_bytes field")
+        for key, config_field in self.replaces.items():
+            problem = _replaced_key_problem(key, config_field, self.config)
+            if problem:
+                raise ValueError(f"{self.kind} {self.name!r}: replaces {key!r}: {problem}")
 
     def targets(self) -> dict[str, str]:
         optional = {"memory": self.memory, "mapping": self.mapping}
         return {"target": self.target, **{k: v for k, v in optional.items() if v}}
+
+    def loaded_problem(self, field_name: str, obj: Any) -> str | None:
+        if field_name == "mapping":
+            return mapping_problem(obj)
+        return super().loaded_problem(field_name, obj)
 
     def load_memory(self) -> Any | None:
         return load_target(self.memory) if self.memory else None
@@ -255,7 +298,8 @@ class MoESpec(Component):
 
 @dataclass(frozen=True)
 class MemoryPolicySpec(Component):
-    """A memory policy (recompute, offload, ...): see ``megaseq.contracts.MemoryPolicy``.
+    """A memory policy (activation recomputation, offloading of saved tensors, ...): see
+    ``megaseq.contracts.MemoryPolicy``.
 
     ``presets``: configs (partial tables of ``[memory_policy.NAME]``) that ``megaseq plan`` and
     ``train.memory_policy = "auto"`` may choose from, each modelled through the ``memory`` target's
@@ -269,7 +313,7 @@ class MemoryPolicySpec(Component):
 
 @dataclass(frozen=True)
 class RLAlgorithmSpec(Component):
-    """An RL objective (GRPO, DAPO, ...): see ``megaseq.contracts.RLAlgorithm``."""
+    """An RL objective (a policy gradient over groups of completions): see ``megaseq.contracts.RLAlgorithm``."""
 
     kind: ClassVar[str] = "rl_algorithm"
 
@@ -323,10 +367,41 @@ class EvalAnalysisSpec(Component):
     kind: ClassVar[str] = "eval_analysis"
 
 
+@dataclass(frozen=True)
+class HFLayoutSpec(Record):
+    """A published Hugging Face model layout (a model family's tensor names and ``config.json``), which
+    ``megaseq import`` reads and ``megaseq export --layout NAME`` writes. ``target`` resolves to a
+    ``megaseq.interop.layouts.Layout``: the model-level tensor names and config fields, which component each
+    layer is, and the mappings of the components it uses that do not map themselves to it.
+    ``model_type``: the ``config.json`` ``model_type`` of the layout's models (how ``megaseq import``
+    recognises them without loading any layout). ``default``: ``megaseq export`` writes this layout when
+    ``--layout`` is not given, provided no other installed layout declares the same."""
+
+    kind: ClassVar[str] = "hf_layout"
+    model_type: str = ""
+    default: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model_type:
+            raise ValueError(f"hf_layout {self.name!r}: model_type (config.json's) must be given")
+
+    def loaded_problem(self, field_name: str, obj: Any) -> str | None:
+        from megaseq.interop.layouts import Layout  # the check imports the target anyway
+
+        if not isinstance(obj, Layout):
+            return f"{type(obj).__name__} is not a megaseq.interop.layouts.Layout"
+        for (kind, name), mapping in obj.mappings.items():
+            problem = mapping_problem(mapping)
+            if problem:
+                return f"its mapping of {kind} {name!r} {problem}"
+        return None
+
+
 SPEC_TYPES: dict[str, type[Record]] = {
     cls.kind: cls
     for cls in (
         AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec, InferenceEngineSpec, CommandSpec,
-        DataSourceSpec, BaselineSpec, EvalAnalysisSpec,
+        DataSourceSpec, BaselineSpec, EvalAnalysisSpec, HFLayoutSpec,
     )
 }

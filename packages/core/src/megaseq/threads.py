@@ -50,7 +50,7 @@ def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, 
 
 def fix(threads: int) -> None:
     """Use ``threads`` intra-op threads in this process and its children, as a user's ``OMP_NUM_THREADS``
-    would: for a caller that shares the cores out itself (the context-extension experiment's jobs)."""
+    would: for a caller that shares the cores out itself (a plugin's experiment running several jobs at once)."""
     import torch
 
     os.environ["OMP_NUM_THREADS"] = str(threads)

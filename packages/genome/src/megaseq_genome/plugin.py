@@ -33,6 +33,8 @@ def megaseq_baseline() -> list[BaselineSpec]:
         BaselineSpec(
             name="markov", target="megaseq_genome.markov:build", config=MarkovConfig,
             summary="order-k nucleotide Markov model fitted on data.train (add-1/2 smoothing)",
+            # checkpoints of megaseq-core 0.1.0 hold the order in core's eval table
+            replaces={"eval.markov_order": "order"},
         )
     ]
 

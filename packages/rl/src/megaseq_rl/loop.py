@@ -357,7 +357,7 @@ class RLRun:
             self.notes += [f"removed {name}, left by an interrupted save" for name in checkpoint.remove_leftovers(self.checkpoint_root)]
 
         def load() -> checkpoint.Resumed | None:
-            return checkpoint.load_for_resume(self.checkpoint_root, self.model, self.policy_recipe.to_dict())
+            return checkpoint.load_for_resume(self.checkpoint_root, self.model, self.policy_recipe.to_dict(), plugins=self.plugins)
 
         resumed = load() if p.is_main else None  # rank 0 first: it sets damaged checkpoints aside
         p.barrier()

@@ -20,7 +20,6 @@ def megaseq_attention() -> list[AttentionSpec]:
             summary="causal softmax attention (torch SDPA; flash-attn varlen on CUDA when installed), RoPE optional",
             memory="megaseq.builtins.sdpa:memory_estimate",
             capabilities=frozenset({"context_parallel", "sequence_tiling", "tensor_parallel"}),
-            mapping="megaseq.builtins.hf:SDPA",
         )
     ]
 
@@ -35,7 +34,6 @@ def megaseq_ffn() -> list[FFNSpec]:
             summary="dense SwiGLU feed-forward",
             memory="megaseq.builtins.swiglu:memory_estimate",
             capabilities=frozenset({"tensor_parallel"}),
-            mapping="megaseq.builtins.hf:SWIGLU",
         )
     ]
 

@@ -27,7 +27,7 @@ def megaseq_command() -> list[CommandSpec]:
         command("train", "train:main", "train a recipe"),
         command("plan", "plan:main", "plan memory (policies, peak per device)"),
         command("eval", "eval:main", "evaluate a checkpoint"),
-        command("import", "interop:import_main", "import a Hugging Face model (a layout an installed plugin provides)"),
+        command("import", "interop:import_main", "import a Hugging Face model (in an installed layout)"),
         command("export", "interop:export_main", "export a checkpoint in Hugging Face format"),
         command("checkpoint", "checkpoint:main", "checkpoint maintenance"),
         command("plugins", "plugins:main", "list plugins and components"),

@@ -10,8 +10,9 @@ from megaseq.commands import run_parsed
 
 def import_parser() -> argparse.ArgumentParser:
     im = argparse.ArgumentParser(prog="megaseq import", description="Convert a Hugging Face model directory (config.json, safetensors, tokenizer.json) "
-                        "of fla's KDA family or Kimi-Linear's layout into OUT/recipe.toml and a checkpoint in "
-                        "OUT/checkpoints. Anything it cannot map exactly is one line, exit status 2, nothing written.")
+                        "into OUT/recipe.toml and a checkpoint in OUT/checkpoints. Its layout is the installed one "
+                        "(kind hf_layout in `megaseq plugins`) that reads config.json's model_type. Anything it "
+                        "cannot map exactly is one line, exit status 2, nothing written.")
     im.add_argument("model", help="the model directory")
     im.add_argument("--out", required=True, metavar="DIR", help="a new directory for the recipe and the checkpoint")
     im.set_defaults(func=cmd_import)
@@ -25,8 +26,9 @@ def export_parser() -> argparse.ArgumentParser:
     ex.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest good checkpoint)")
     ex.add_argument("--out", required=True, metavar="DIR", help="a new directory for the model")
     ex.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face (the only format)")
-    ex.add_argument("--layout", choices=["kda", "kimi_linear"], default="kda",
-                    help="kda: fla's KDAForCausalLM (default); kimi_linear: Kimi-Linear's tensor names")
+    ex.add_argument("--layout", metavar="NAME",
+                    help="an installed Hugging Face layout (kind hf_layout in `megaseq plugins`); default: the "
+                    "one an installed layout declares the default")
     ex.add_argument("--max-shard-gib", type=float, default=5.0, metavar="GiB", help="largest safetensors shard (default 5)")
     ex.set_defaults(func=cmd_export)
     return ex

@@ -3,11 +3,11 @@
 A data source is a record of kind ``data_source`` (``megaseq.records.DataSourceSpec``, hook
 ``megaseq_data_source``): a name whose target fetches the corpus as one local FASTA file. Core provides two
 small DNA excerpts shipped inside megaseq, for tests and demos; other corpora come from plugins
-(megaseq-genome provides the GRCh37 chromosomes), registered the same way. Wherever a dataset is named
+(whole chromosomes, say), registered the same way. Wherever a dataset is named
 (``data.train``, ``data.heldout``, ``megaseq data fetch``), a FASTA path works too.
 
 `tokenized` streams a FASTA through the tokenizer into a flat uint8 file (records joined by one N token, so
-no Markov context and no all-base window silently joins two records) and memory-maps it. The cache entry is
+no k-mer context and no all-base window silently joins two records) and memory-maps it. The cache entry is
 keyed by the source's resolved path, size and mtime, and a JSON beside it records where it came from, the
 record offsets and base counts; a named source's counts are checked against its record. Both files are
 written to temporaries and renamed, the JSON last, so a crashed run never leaves a half-written entry that

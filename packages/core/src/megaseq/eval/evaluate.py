@@ -1,9 +1,9 @@
 """Held-out evaluation: loss by context position for the model and the recipe's baselines.
 
-The model and every baseline ``eval.baselines`` names (``megaseq.contracts.Baseline``, e.g. the k-mer Markov
-model of megaseq-genome) are scored on the same held-out windows (evenly spaced over the held-out data) with
+The model and every baseline ``eval.baselines`` names (``megaseq.contracts.Baseline``, e.g. a k-mer model
+fitted on the training data) are scored on the same held-out windows (evenly spaced over the held-out data) with
 the same weights, so every number has a reference beside it. The analyses ``eval.analyses`` names
-(``megaseq.contracts.EvalAnalysis``, e.g. megaseq-genome's retrieval table) are fed every scorer's per-target
+(``megaseq.contracts.EvalAnalysis``, e.g. loss by the distance to an earlier copy) are fed every scorer's per-target
 losses and report beside them.
 """
 

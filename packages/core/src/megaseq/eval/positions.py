@@ -2,7 +2,7 @@
 
 A target's position in its window is how much preceding context it had. Positions are grouped into
 doubling buckets, [0, f), [f, 2f), [2f, 4f), ..., up to seq_len, so a model that uses long-range context
-shows falling bits/base in the later buckets while a Markov baseline stays flat.
+shows falling bits/base in the later buckets while a baseline of fixed context (a k-mer model) stays flat.
 
 Bucket rule (`bucket_edges`): f = `first` when seq_len > first; otherwise f is the largest power of two
 <= max(1, seq_len // 8), which gives about four buckets for any short window. The last bucket ends at

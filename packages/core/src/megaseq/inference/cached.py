@@ -1,11 +1,11 @@
-"""The ``cached`` inference engine: decoding with the components' own caches (KDA state, DSA and sdpa caches).
+"""The ``cached`` inference engine: decoding with the components' own caches (recurrent states, key caches).
 
 generate: one prefill forward over the prompts ``[B, P]`` with fresh caches (``LanguageModel.init_caches``),
 then one forward per new token, each over the ``[B, 1]`` tokens just drawn; every forward records the MoE
 routing it used (``RoutingReplay("record")``), and the records are concatenated along time. Only the last
 position's hidden state goes through the LM head. The attention contract (decoding equals the full forward)
 makes the log-probabilities equal the training forward's up to floating-point order; how close they are
-is what ``megaseq logprob-gap`` measures.
+is what an RL plugin measures before trusting the engine's log-probabilities.
 
 Sharded: built inside a launched worker with its ``Parallel`` (the process groups of a layout, as training
 creates them: ``megaseq.distributed.groups.init_process_groups``), the engine holds only this rank's shards
@@ -21,9 +21,9 @@ the whole batch with the same generator as one process does, and every rank runs
 parallelism is refused (one line): a decoding step holds one token per sequence.
 
 Numerics: ``dtype = "fp32"`` keeps the model in fp32; ``"bf16"`` casts weights, activations and caches
-to bf16 (as a serving engine would; components keep their own fp32 islands, e.g. KDA's state), while
-logits are taken to fp32 before the softmax. Memory: the caches (O(P + N) per DSA/sdpa layer, O(1) per
-KDA layer) and one prefill forward.
+to bf16 (as a serving engine would; components keep their own fp32 islands, e.g. a recurrent state), while
+logits are taken to fp32 before the softmax. Memory: the caches (O(P + N) per layer that caches keys, O(1)
+per recurrent layer) and one prefill forward.
 """
 
 from __future__ import annotations

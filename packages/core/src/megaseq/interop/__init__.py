@@ -1,6 +1,8 @@
 """Hugging Face format in and out: the mapping contract components implement, and the walker that uses it.
 
-A component declares its mapping on its record (``Component.mapping = "module:attr"``), an object with:
+A component declares its mapping on its record (``Component.mapping = "module:attr"``), or a layout carries
+it (``megaseq.interop.layouts.Layout.mappings``, for a component written for another model family), an
+object with:
 
 ``config_from_hf(hf, layout) -> dict``
     The component's recipe table (``[attention.NAME]``, ``[ffn.NAME]``, ...) from the model's ``config.json``
@@ -15,11 +17,13 @@ A component declares its mapping on its record (``Component.mapping = "module:at
 ``tensors_to_hf(state, config, dims, layout) -> dict[str, Tensor]``
     The inverse: the Hugging Face tensors (relative names) from the component's state dict.
 
-``layout`` names the published parameter layout (``megaseq.interop.layouts.LAYOUTS``); a mapping that does
-not know it raises :class:`InteropError`. Core's walker (``megaseq.interop.convert``) reads the config, decides
-which component each layer's sub-modules are, prefixes the names, and checks the result against the model
-the recipe builds (every tensor present, every shape as the config says). Import of export is the identity:
-``megaseq_testkit.hf.assert_round_trip`` checks a mapping for it.
+``layout`` names the published layout (a registered ``hf_layout``: ``megaseq.hookspecs.megaseq_hf_layout``); a
+mapping that does not know it raises :class:`InteropError` (:func:`unknown_layout`). Core's walker
+(``megaseq.interop.convert``) takes the layout's model-level names and fields and which component each
+layer's sub-modules are (``megaseq.interop.layouts.Layout``), lets each component's mapping convert its own
+part, prefixes the names, and checks the result against the model the recipe builds (every tensor present,
+every shape as the config says). Import of export is the identity: ``megaseq_testkit.hf.assert_round_trip``
+checks a mapping for it.
 """
 
 from __future__ import annotations

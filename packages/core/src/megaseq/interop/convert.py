@@ -1,6 +1,10 @@
 """``megaseq import`` and ``megaseq export``: walk a Hugging Face config and its layers, let each component's
 mapping convert its own part, check the result against the model the recipe builds.
 
+The layouts are the installed plugins' (``megaseq_hf_layout``): import finds one by ``config.json``'s
+``model_type``, export by its name (``--layout``). A component's mapping comes from the layout where the
+layout carries one for it, else from the component's record.
+
 Import writes ``OUT/recipe.toml`` and a verified checkpoint ``OUT/checkpoints/step_0000000`` (what
 ``megaseq train --init-from OUT``, ``megaseq eval OUT`` and the inference engines read). Export writes
 ``config.json`` and safetensors weights. Both check everything before writing anything, write into a staging
@@ -15,6 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +30,85 @@ from megaseq.config import Recipe, validate_recipe
 from megaseq.data.tokenizer import VOCAB
 from megaseq.interop import InteropError, Tensors
 from megaseq.interop.files import read_config, read_tensors, write_model
-from megaseq.interop.layouts import LAYOUTS, Layer, Layout, layout_of
+from megaseq.interop.layouts import Layer, Layout
 from megaseq.interop.recipe_toml import dumps
 from megaseq.interop.tokens import token_ids_for
 from megaseq.model import LanguageModel, build_model
-from megaseq.plugins import Plugins
-from megaseq.records import MAPPING_METHODS, ModelDims
+from megaseq.plugins import Plugins, Provided
+from megaseq.records import ModelDims, mapping_problem
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
+KIND = "hf_layout"
 
 
-def _mapping(plugins: Plugins, kind: str, name: str) -> Any:
-    mapping = plugins.get(kind, name).spec.load_mapping()
+@dataclass(frozen=True)
+class NamedLayout:
+    """A registered layout: its record's ``name`` (what mappings are told) and ``model_type``, its loaded
+    :class:`Layout`, and ``provider``, the plugin that registered it (for errors)."""
+
+    name: str
+    model_type: str
+    layout: Layout
+    provider: str
+
+
+def _installed(plugins: Plugins) -> str:
+    found = sorted(plugins.registry[KIND].items())
+    if not found:
+        return "none is installed (plugins register them: `megaseq plugins` lists what is installed)"
+    return "installed: " + ", ".join(f"{name} (model_type {p.spec.model_type!r}, from {p.plugin.label.strip()})" for name, p in found)
+
+
+def _load(provided: Provided) -> NamedLayout:
+    layout = provided.load()
+    problem = provided.spec.loaded_problem("target", layout)
+    if problem:
+        raise InteropError(f"hf_layout {provided.spec.name!r} from {provided.plugin.label.strip()}: target "
+                           f"{provided.spec.target!r}: {problem}")
+    return NamedLayout(provided.spec.name, provided.spec.model_type, layout, provided.plugin.label.strip())
+
+
+def layout_named(plugins: Plugins, name: str | None) -> NamedLayout:
+    """The installed layout ``name`` (``megaseq export --layout``); ``None``: the one an installed layout
+    declares ``default``. Anything else is one line listing the installed layouts."""
+    registered = plugins.registry[KIND]
+    if name is None:
+        defaults = sorted(n for n, p in registered.items() if p.spec.default)
+        if len(defaults) != 1:
+            why = ("no installed layout declares itself the default" if not defaults
+                   else f"{' and '.join(defaults)} each declare themselves the default")
+            raise InteropError(f"--layout: choose a layout ({why}); {_installed(plugins)}")
+        name = defaults[0]
+    if (KIND, name) in plugins.conflicts:
+        plugins.get(KIND, name)  # the one-line conflict message naming both providers
+    if name not in registered:
+        raise InteropError(f"--layout {name!r}: no such Hugging Face layout; {_installed(plugins)}")
+    return _load(registered[name])
+
+
+def layout_for(hf: dict[str, Any], plugins: Plugins, source: str) -> NamedLayout:
+    """The installed layout of a ``config.json`` by its ``model_type``; any other is refused in one line."""
+    model_type = hf.get("model_type")
+    found = sorted((n, p) for n, p in plugins.registry[KIND].items() if p.spec.model_type == model_type)
+    if not found:
+        raise InteropError(f"{source}: model_type {model_type!r} is not supported; Hugging Face layouts {_installed(plugins)}")
+    if len(found) > 1:
+        named = " and ".join(f"{n} (from {p.plugin.label.strip()})" for n, p in found)
+        raise InteropError(f"{source}: model_type {model_type!r} is read by several layouts, {named}; "
+                           "uninstall all but one or set MEGASEQ_PLUGINS")
+    return _load(found[0][1])
+
+
+def _mapping(plugins: Plugins, layout: NamedLayout, kind: str, name: str) -> Any:
+    mapping = layout.layout.mappings.get((kind, name))
     if mapping is None:
-        raise InteropError(f"{kind} {name!r} has no Hugging Face mapping (its record declares no mapping)")
-    lacking = [m for m in MAPPING_METHODS if not callable(getattr(mapping, m, None))]
-    if lacking:
-        raise InteropError(f"{kind} {name!r}: its mapping lacks {', '.join(lacking)} (megaseq.interop.ComponentMapping)")
+        mapping = plugins.get(kind, name).spec.load_mapping()
+    if mapping is None:
+        raise InteropError(f"{kind} {name!r} has no Hugging Face mapping for the layout {layout.name!r} (its record "
+                           f"declares no mapping, and the layout, from {layout.provider}, carries none for it)")
+    problem = mapping_problem(mapping)
+    if problem:
+        raise InteropError(f"{kind} {name!r}: its mapping {problem} (megaseq.interop.ComponentMapping)")
     return mapping
 
 
@@ -112,17 +179,19 @@ def _check_fits(state: dict[str, Tensor], model: LanguageModel, source: str) -> 
         raise InteropError(f"{source}: no tensor for {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
 
 
-def recipe_from_hf(hf: dict[str, Any], plugins: Plugins, source: str, extra: dict[str, Any] | None = None) -> tuple[Recipe, Layout, list[Layer]]:
+def recipe_from_hf(
+    hf: dict[str, Any], plugins: Plugins, source: str, extra: dict[str, Any] | None = None
+) -> tuple[Recipe, NamedLayout, list[Layer]]:
     """The recipe describing the model of ``config.json`` ``hf`` (``extra``: more recipe sections)."""
-    layout = layout_of(hf, source)
-    layers = layout.layers(hf, source)
-    raw: dict[str, Any] = {"model": _model_section(layout, hf, layers, source), **(extra or {})}
+    named = layout_for(hf, plugins, source)
+    layers = named.layout.layers(hf, source)
+    raw: dict[str, Any] = {"model": _model_section(named.layout, hf, layers, source), **(extra or {})}
     for layer in layers:
         for kind, name in (("attention", layer.attention), (layer.ffn_kind, layer.ffn)):
             if name not in raw.setdefault(kind, {}):
-                table = _mapping(plugins, kind, name).config_from_hf(hf, layout.name)
+                table = _mapping(plugins, named, kind, name).config_from_hf(hf, named.name)
                 raw[kind][name] = {k: v for k, v in table.items() if v is not None}
-    return validate_recipe(raw, plugins, source=source), layout, layers
+    return validate_recipe(raw, plugins, source=source), named, layers
 
 
 def import_model(src: Path, out: Path, plugins: Plugins) -> Path:
@@ -148,7 +217,7 @@ def import_model(src: Path, out: Path, plugins: Plugins) -> Path:
 
 
 def model_from_hf(
-    tensors: dict[str, Tensor], recipe: Recipe, layout: Layout, layers: list[Layer], plugins: Plugins, source: str
+    tensors: dict[str, Tensor], recipe: Recipe, layout: NamedLayout, layers: list[Layer], plugins: Plugins, source: str
 ) -> LanguageModel:
     """The recipe's model holding the Hugging Face ``tensors`` (every one mapped, every shape checked)."""
     state = _state_from_hf(tensors, recipe, layout, layers, plugins, source)
@@ -161,9 +230,9 @@ def model_from_hf(
 
 
 def _state_from_hf(
-    pool: dict[str, Tensor], recipe: Recipe, layout: Layout, layers: list[Layer], plugins: Plugins, source: str
+    pool: dict[str, Tensor], recipe: Recipe, named: NamedLayout, layers: list[Layer], plugins: Plugins, source: str
 ) -> dict[str, Tensor]:
-    m = recipe.model
+    m, layout = recipe.model, named.layout
     dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
     whole = Tensors(pool, "", source)
     state = {"embed.weight": whole.take(layout.embed), "final_norm.weight": whole.take(layout.final_norm)}
@@ -182,7 +251,7 @@ def _state_from_hf(
                 theirs = _ffn_prefix_in(whole, base, layer, source)
             sub = {n[len(theirs):]: whole.take(n) for n in list(whole) if n.startswith(theirs)}
             tensors = Tensors(sub, theirs, source)
-            mapped = _mapping(plugins, kind, name).tensors_from_hf(tensors, recipe.component(kind, name), dims, layout.name)
+            mapped = _mapping(plugins, named, kind, name).tensors_from_hf(tensors, recipe.component(kind, name), dims, named.name)
             if tensors.left():
                 raise InteropError(f"{source}: unknown tensor {tensors.left()[0]} ({kind} {name!r} does not map it)")
             state.update({ours + k: v for k, v in mapped.items()})
@@ -194,24 +263,26 @@ def _state_from_hf(
 def _special_token_ids(recipe: Recipe) -> dict[str, int | None]:
     """``pad_token_id``: the id of N (an unknown base, what a padded position holds). megaseq feeds no
     begin or end token: ``bos_token_id`` and ``eos_token_id`` are null. Written always, because a model
-    class's own defaults (Kimi-Linear's 163839) lie outside a small vocabulary."""
+    class's own defaults (ids of a large vocabulary, e.g. 163839) lie outside a small vocabulary."""
     n = (recipe.data.token_ids or list(range(len(VOCAB))))[VOCAB.index("N")]
     return {"pad_token_id": n if n < recipe.model.vocab_size else None, "bos_token_id": None, "eos_token_id": None}
 
 
-def model_to_hf(model: LanguageModel, recipe: Recipe, layout_name: str, plugins: Plugins) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``(config.json, tensors)`` of a megaseq model in the published layout ``layout_name``."""
-    if layout_name not in LAYOUTS:
-        raise InteropError(f"--layout {layout_name!r}: unknown; layouts: {', '.join(LAYOUTS)}")
-    layout = LAYOUTS[layout_name]
+def model_to_hf(
+    model: LanguageModel, recipe: Recipe, layout_name: str | None, plugins: Plugins
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(config.json, tensors)`` of a megaseq model in the installed layout ``layout_name`` (``None``: the
+    default one, :func:`layout_named`)."""
+    named = layout_named(plugins, layout_name)
+    layout, layout_name = named.layout, named.name
     m = recipe.model
     dims = ModelDims(d_model=m.d_model, n_layers=m.n_layers, vocab_size=m.vocab_size)
-    hf = layout.model_to_hf(m)
+    hf = layout.model_to_hf(m, named.model_type)
     hf.update(_special_token_ids(recipe))
     used = [(kind, name) for kind, name in {("attention", m.attention_of(i)): 0 for i in range(m.n_layers)}]
     used += list({m.ffn_of(i): 0 for i in range(m.n_layers)})
     for kind, name in used:
-        for key, value in _mapping(plugins, kind, name).config_to_hf(recipe.component(kind, name), dims, layout.name).items():
+        for key, value in _mapping(plugins, named, kind, name).config_to_hf(recipe.component(kind, name), dims, layout_name).items():
             if key in hf and hf[key] != value:
                 raise InteropError(f"{kind} {name!r}: config.json field {key} = {value!r} conflicts with {hf[key]!r}")
             hf[key] = value
@@ -236,13 +307,16 @@ def model_to_hf(model: LanguageModel, recipe: Recipe, layout_name: str, plugins:
         for ours, (theirs, kind) in _layer_names(layout, i, layer).items():
             name = layer.attention if kind == "attention" else layer.ffn
             sub = {n[len(ours):]: t for n, t in state.items() if n.startswith(ours)}
-            mapped = _mapping(plugins, kind, name).tensors_to_hf(sub, recipe.component(kind, name), dims, layout.name)
+            mapped = _mapping(plugins, named, kind, name).tensors_to_hf(sub, recipe.component(kind, name), dims, layout_name)
             tensors.update({theirs + k: v for k, v in mapped.items()})
     return hf, tensors
 
 
-def export_checkpoint(path: Path, out: Path, layout_name: str, plugins: Plugins, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Write the megaseq checkpoint (or run directory) ``path`` as a Hugging Face model directory ``out``."""
+def export_checkpoint(
+    path: Path, out: Path, layout_name: str | None, plugins: Plugins, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> list[str]:
+    """Write the megaseq checkpoint (or run directory) ``path`` as a Hugging Face model directory ``out`` in the
+    layout ``layout_name`` (``None``: the default one)."""
     from megaseq.distributed.sharded import read_full_weights
     from megaseq.train import checkpoint
 

@@ -1,30 +1,29 @@
-"""The published model layouts megaseq converts: where each model-level tensor lives, which component each
-layer's sub-modules are, and the model-level ``config.json`` fields. Components map their own sub-modules
-(``megaseq.interop.ComponentMapping``); this module never names a component's tensors.
+"""What a published model layout is, in the terms of core's walker (``megaseq.interop.convert``).
 
-``kda``: flash-linear-attention's KDA model family (``fla.models.KDAConfig``, ``KDAForCausalLM``): KDA layers
-with a SwiGLU MLP, and optional softmax attention layers (``config.attn.layers``), which map to ``sdpa``.
+A plugin registers a layout (``megaseq.hookspecs.megaseq_hf_layout``, a ``megaseq.records.HFLayoutSpec``
+whose target is a :class:`Layout`): where each model-level tensor lives, the model-level ``config.json``
+fields, which component each layer's sub-modules are, how the components are placed back into
+``config.json``, and the mappings of the components the layout uses that do not map themselves to it (a
+component written for another model family: the layout's own softmax attention or gated MLP). Components
+map their own sub-modules (``megaseq.interop.ComponentMapping``); a layout never converts a component's
+tensors itself.
 
-``kimi_linear``: Kimi-Linear's published checkpoints (``KimiLinearForCausalLM``): KDA layers
-(``linear_attn_config.kda_layers``, numbered from 1), MLA layers (the others), a dense SwiGLU MLP in the first
-``first_k_dense_replace`` layers and a mixture of experts with a shared expert after them. These names and
-shapes follow its published config and tensor names. ``KimiLinearForCausalLM`` never ties its head to the
-embedding, whatever ``tie_word_embeddings`` says: a tied model is exported with ``lm_head.weight`` written out
-(a copy of the embedding), and ``tie_word_embeddings`` stays true so that import gives the tied model back.
+Core registers no layout: the package that owns a model family's layers provides its layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from megaseq.interop import InteropError, require
+from megaseq.interop import ComponentMapping, InteropError, require
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer's components and the Hugging Face sub-module prefixes they read (relative to the layer)."""
+    """One layer's components (the names a recipe uses) and the Hugging Face sub-module prefixes they read
+    (relative to the layer). ``ffn_kind``: ``"ffn"`` or ``"moe"``."""
 
     attention: str
     attention_prefix: str
@@ -36,26 +35,43 @@ class Layer:
 
 @dataclass(frozen=True)
 class Layout:
-    name: str
-    model_type: str
+    """A published model layout, without its name and ``model_type`` (the record's, ``HFLayoutSpec``).
+
+    ``architecture``: the class ``config.json``'s ``architectures`` names. ``embed``, ``final_norm``,
+    ``head``: the model-level tensors' names; ``layer_prefix``: a layer's prefix, formatted with its index;
+    ``attn_norm``, ``ffn_norm``: the block's two norms, relative to it. ``eps_key``: the ``config.json`` field
+    of the norms' epsilon. ``hidden_act``: the values of ``hidden_act`` that mean the SiLU megaseq's MLPs
+    compute (the first is written). ``ties_head``: whether the model class takes its head from the
+    embedding when ``tie_word_embeddings`` is true (if not, a tied model is written with its head copied).
+
+    ``layers(hf, source) -> list[Layer]``: each layer's components from ``config.json`` (refusing, in one
+    line naming ``source``, what megaseq cannot compute). ``place(hf, attention, ffn)``: the inverse for
+    export, writing into ``hf`` which layer is which (``attention``: each layer's attention name; ``ffn``:
+    its ``(kind, name)``); the walker reads the result back with ``layers`` and refuses a model the layout
+    cannot hold. ``mappings``: ``(kind, name) -> ComponentMapping`` of components this layout maps for
+    them; the walker prefers these to the component's own ``mapping``.
+    """
+
     architecture: str
     embed: str
     final_norm: str
     head: str
-    layer_prefix: str  # formatted with the layer index
+    layer_prefix: str
     attn_norm: str
     ffn_norm: str
     eps_key: str
-    ties_head: bool  # whether the layout's model class takes the head from the embedding when tied
+    hidden_act: tuple[str, ...]
+    ties_head: bool
     layers: Callable[[dict[str, Any], str], list[Layer]]
     place: Callable[[dict[str, Any], list[str], list[tuple[str, str]]], None]
+    mappings: Mapping[tuple[str, str], ComponentMapping] = field(default_factory=dict)
 
     def model_fields(self, hf: dict[str, Any], source: str) -> dict[str, Any]:
         """``[model]`` fields (without the layer pattern) from ``config.json``."""
         missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if not isinstance(hf.get(k), int)]
         if missing:
             raise InteropError(f"{source}: {missing[0]} is missing or not an integer")
-        require(hf, "hidden_act", ("swish", "silu"), "the MLP activation", source)
+        require(hf, "hidden_act", self.hidden_act, "the MLP activation", source)
         return {
             "d_model": hf["hidden_size"],
             "n_layers": hf["num_hidden_layers"],
@@ -65,105 +81,18 @@ class Layout:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         }
 
-    def model_to_hf(self, model: Any) -> dict[str, Any]:
+    def model_to_hf(self, model: Any, model_type: str) -> dict[str, Any]:
+        """The model-level ``config.json`` fields of ``[model]`` (``model``: a ``ModelConfig``)."""
         return {
-            "model_type": self.model_type,
+            "model_type": model_type,
             "architectures": [self.architecture],
             "hidden_size": model.d_model,
             "num_hidden_layers": model.n_layers,
             "vocab_size": model.vocab_size,
             self.eps_key: model.norm_eps,
             "tie_word_embeddings": model.tie_embeddings,
-            "hidden_act": "swish" if self.name == "kda" else "silu",
+            "hidden_act": self.hidden_act[0],
         }
 
 
-def _fla_layers(hf: dict[str, Any], source: str) -> list[Layer]:
-    for key, allowed, what in (
-        ("attnres_block_size", (None,), "attention residuals"),
-        ("use_l2warp", (False,), "the L2-warp loss"),
-    ):
-        require(hf, key, allowed, what, source)
-    specs = hf.get("attn") or []
-    softmax = {i for spec in ([specs] if isinstance(specs, dict) else specs) for i in spec.get("layers", [])}
-    out_of_range = sorted(i for i in softmax if not 0 <= i < hf["num_hidden_layers"])
-    if out_of_range:
-        raise InteropError(f"{source}: attn.layers names layer {out_of_range[0]}, the model has {hf['num_hidden_layers']}")
-    return [
-        Layer("sdpa" if i in softmax else "kda", "attn.", "ffn", "swiglu", "mlp.") for i in range(hf["num_hidden_layers"])
-    ]
-
-
-def _kimi_layers(hf: dict[str, Any], source: str) -> list[Layer]:
-    linear = hf.get("linear_attn_config") or {}
-    kda_layers = set(linear.get("kda_layers", []))  # numbered from 1 in Kimi-Linear's config
-    require(hf, "moe_layer_freq", (1,), "MoE in every layer after the dense ones", source)
-    dense = int(hf.get("first_k_dense_replace", 0))
-    experts = hf.get("num_experts")
-    layers = []
-    for i in range(hf["num_hidden_layers"]):
-        if i + 1 not in kda_layers:
-            raise InteropError(
-                f"{source}: layer {i} is an MLA layer (not in linear_attn_config.kda_layers): megaseq's dsa cannot "
-                "express Kimi-Linear's MLA exactly (its query is not compressed, q_lora_rank = null, and its key "
-                "has a separate rotary part) and megaseq has no MLA attention; only all-KDA models import"
-            )
-        moe = bool(experts) and i >= dense
-        # transformers' save_pretrained names every layer's MLP block_sparse_moe, the dense ones too
-        layers.append(Layer("kda", "self_attn.", "moe" if moe else "ffn", "chunked" if moe else "swiglu",
-                            "block_sparse_moe." if moe else "mlp.", () if moe else ("block_sparse_moe.",)))
-    # transformers' KimiLinearConfig writes the layer kinds out too, and its model follows them
-    for key, ours in (
-        ("layer_types", ["linear_attention"] * len(layers)),
-        ("mlp_layer_types", ["sparse" if layer.ffn_kind == "moe" else "dense" for layer in layers]),
-    ):
-        theirs = hf.get(key)
-        if theirs is not None and list(theirs) != ours:
-            raise InteropError(
-                f"{source}: {key} = {theirs} disagrees with linear_attn_config.kda_layers, first_k_dense_replace "
-                f"and num_experts, which describe {ours}"
-            )
-    return layers
-
-
-def _fla_place(hf: dict[str, Any], attention: list[str], ffn: list[tuple[str, str]]) -> None:
-    """Which layers are softmax attention (``attn.layers``); everything else ``layers`` checks."""
-    softmax = [i for i, name in enumerate(attention) if name == "sdpa"]
-    if softmax:
-        hf["attn"] = {**hf.get("attn", {}), "layers": softmax}
-
-
-def _kimi_place(hf: dict[str, Any], attention: list[str], ffn: list[tuple[str, str]]) -> None:
-    linear = hf.setdefault("linear_attn_config", {})
-    linear["kda_layers"] = [i + 1 for i, name in enumerate(attention) if name == "kda"]
-    linear["full_attn_layers"] = [i + 1 for i, name in enumerate(attention) if name != "kda"]
-    moe = [i for i, (kind, _) in enumerate(ffn) if kind == "moe"]
-    hf["first_k_dense_replace"] = moe[0] if moe else len(ffn)
-    hf["moe_layer_freq"] = 1
-
-
-LAYOUTS: dict[str, Layout] = {
-    "kda": Layout(
-        name="kda", model_type="kda", architecture="KDAForCausalLM", embed="model.embeddings.weight",
-        final_norm="model.norm.weight", head="lm_head.weight", layer_prefix="model.layers.{}.",
-        attn_norm="attn_norm.weight", ffn_norm="mlp_norm.weight", eps_key="norm_eps", ties_head=True,
-        layers=_fla_layers,
-        place=_fla_place,
-    ),
-    "kimi_linear": Layout(
-        name="kimi_linear", model_type="kimi_linear", architecture="KimiLinearForCausalLM",
-        embed="model.embed_tokens.weight", final_norm="model.norm.weight", head="lm_head.weight",
-        layer_prefix="model.layers.{}.", attn_norm="input_layernorm.weight", ffn_norm="post_attention_layernorm.weight",
-        eps_key="rms_norm_eps", ties_head=False, layers=_kimi_layers, place=_kimi_place,
-    ),
-}
-
-
-def layout_of(hf: dict[str, Any], source: str) -> Layout:
-    """The layout of a ``config.json`` by its ``model_type``; any other architecture is refused."""
-    model_type = hf.get("model_type")
-    for layout in LAYOUTS.values():
-        if layout.model_type == model_type:
-            return layout
-    known = ", ".join(f"{v.model_type!r} ({v.architecture})" for v in LAYOUTS.values())
-    raise InteropError(f"{source}: model_type {model_type!r} is not supported; megaseq imports {known}")
+__all__ = ["Layer", "Layout"]

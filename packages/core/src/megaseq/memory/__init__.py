@@ -35,8 +35,8 @@ Wrapper = Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
 class Layer:
     """One layer of a built model: its index, its components' names, and its modules.
 
-    ``attention``: the attention component's name in the recipe (e.g. ``"kda"``); ``ffn_kind``: ``"ffn"`` or
-    ``"moe"``; ``ffn``: that component's name (e.g. ``"swiglu"``, ``"chunked"``). ``block`` is the residual
+    ``attention``: the attention component's name in the recipe (e.g. ``"sdpa"``); ``ffn_kind``: ``"ffn"`` or
+    ``"moe"``; ``ffn``: that component's name (e.g. ``"swiglu"``). ``block`` is the residual
     block; it also offers the block's halves for tiled execution: ``block.mix(x, ctx)`` (``x +
     attention(norm(x))``), ``block.mix_tile(x, ctx, tile, history)`` (the same on one tile, when
     :attr:`tiles` is true) and ``block.feed(h, ctx)`` (``h + ffn(norm(h))``).

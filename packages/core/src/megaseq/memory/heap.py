@@ -14,7 +14,8 @@ Two remedies, both process-wide:
   in again. Below the threshold a step's activations are small and the page faults cost as large a share of
   the step, for little memory.
 - :func:`map_large_allocations`: every allocation from ``min_bytes`` up gets its own map, which leaves at
-  once when freed. Tighter, and what the offload policy uses, but every fresh page faults, which costs more
+  once when freed. Tighter, and what a policy that offloads to scratch files uses
+  (``MemoryEffect.maps_allocations_from``), but every fresh page faults, which costs more
   CPU time than trimming.
 
 ``benchmarks/train_throughput.py`` measures both trades (``docs/results.md``, "The C library's heap").

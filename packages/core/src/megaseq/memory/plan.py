@@ -24,7 +24,7 @@ the block's two norms, ``x``: the block input, d_model x 4 bytes):
                                              whose input h, x per token, is then kept as well)
 
 A recomputed component also keeps what it declares as ``MemoryEstimate.kept_per_token`` (what its re-run takes
-back instead of computing again, ``ForwardContext.keep``: DSA's selected indices), beside its part's input,
+back instead of computing again, ``ForwardContext.keep``: a sparse attention's selected indices), beside its part's input,
 where the policy's re-runs take it back (``MemoryEffect.reuses_kept``).
 
 Offloading moves what layers keep to host memory (CUDA: a pinned pool; CPU: a scratch file on disk, so it
@@ -196,7 +196,7 @@ class Plan:
 class _LayerCost:
     """One layer's components and their estimates, evaluated at any call length (tiles are shorter calls)."""
 
-    kind: str  # "kda+chunked", for the table
+    kind: str  # "sdpa+swiglu", for the table
     attention: tuple[Any, Any]  # (estimate function, config)
     ffn: tuple[Any, Any]
     ffn_tiles: bool  # a dense feed-forward (it tiles with the attention); else an MoE
@@ -356,7 +356,7 @@ def estimate(
             offloaded += int(moved)
             kept -= moved
             # Backward brings back what each part saved while that part's backward runs, beside its temporary
-            # (measured at 64k: the KDA part peaks at its saved bytes + its temporary). Recomputed parts bring
+            # (measured at 64k: a linear attention's part peaks at its saved bytes + its temporary). Recomputed parts bring
             # back only their input. On CUDA the pool loads ahead: bringing one tensor back starts loading the
             # one packed before it (the layer below's input, as large as this one's), so it is there as well.
             work += unit_input
@@ -406,7 +406,7 @@ def _mib(n: float) -> str:
 
 def policy_time_cost(choice: PolicyChoice, kind: str, time_costs: Mapping[str, float] | None = None) -> float:
     """The extra step time of one policy choice on a ``kind`` device: ``time_costs[str(choice)]`` when a
-    calibration gives it (keys as the plan's table prints choices: ``"offload"``, ``"recompute(part=ffn)"``),
+    calibration gives it (keys as the plan's table prints choices: ``"NAME"``, ``"NAME(part=ffn)"``),
     else the policy's figure for the device kind, else its single estimate."""
     if time_costs is not None and str(choice) in time_costs:
         return time_costs[str(choice)]

@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ from safetensors.torch import load_model, save_model
 
 from megaseq.__about__ import __version__
 from megaseq.errors import UserError
+
+if TYPE_CHECKING:
+    from megaseq.plugins import Plugins
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -312,15 +315,11 @@ def resolve(path: Path) -> Path:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """``meta.json`` of a checkpoint (unverified: call :func:`verify` first when the files matter), its recipe
-    in the current keys (``megaseq.config.stored_recipe``)."""
-    from megaseq.config import stored_recipe
-
+    """``meta.json`` of a checkpoint (unverified: call :func:`verify` first when the files matter). Its recipe
+    is as written: ``megaseq.config.validate_recipe`` reads it in the current keys
+    (``megaseq.config.stored_recipe``)."""
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        if isinstance(meta.get("recipe"), dict):
-            meta["recipe"] = stored_recipe(meta["recipe"])
-        return meta
+        return json.loads((path / "meta.json").read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a megaseq checkpoint (no meta.json)") from None
     except ValueError:
@@ -392,10 +391,13 @@ def load_for_resume(
     model: torch.nn.Module,
     recipe: dict[str, Any],
     read_weights: Callable[[Path, dict[str, Any]], dict[str, torch.Tensor]] | None = None,
+    *,
+    plugins: Plugins,
 ) -> Resumed | None:
     """Load the weights of the newest verified checkpoint under ``root`` into ``model``; None if there is none.
 
-    ``read_weights(path, meta)``: this process's tensors of a checkpoint (``megaseq.distributed.sharded`` reads
+    ``recipe``: the run's recipe (``Recipe.to_dict()``), compared with the checkpoint's, which is read in the
+    current keys of the installed ``plugins`` (``megaseq.config.stored_recipe``). ``read_weights(path, meta)``: this process's tensors of a checkpoint (``megaseq.distributed.sharded`` reads
     a rank's blocks; it raises :class:`ShapeMismatch` for a checkpoint of another model); default
     ``model.safetensors``.
 
@@ -413,8 +415,10 @@ def load_for_resume(
         for damaged in checkpoints(root)[: len(found.skipped)]:
             set_aside(damaged)
         warning += " (the damaged ones are renamed *.damaged)"
+    from megaseq.config import stored_recipe  # config imports the plugin manager; checkpoints need it only here
+
     meta = read_meta(path)
-    changes = recipe_changes(meta["recipe"], recipe)
+    changes = recipe_changes(stored_recipe(meta["recipe"], plugins, f"{path}/meta.json"), recipe)
     try:
         weights = read_weights(path, meta) if read_weights is not None else None
         mismatch = weight_mismatch(path, model, weights)

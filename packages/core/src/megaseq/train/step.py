@@ -1,4 +1,4 @@
-"""One optimizer step, shared by every training loop (core's trainer and the RL loop of megaseq-rl).
+"""One optimizer step, shared by every training loop (core's trainer and a plugin's, such as an RL loop).
 
 A loop drives it as::
 

@@ -9,8 +9,8 @@ loop (hooks included); rank 0 alone logs, reports the evaluation and publishes c
 part in an evaluation whose layout spreads the model or the sequence, see ``Trainer.eval``).
 
 The optimizer step itself (gradient reduction, norm, the non-finite check agreed over ranks, clipping, the
-update, the lifecycle hooks, the learning-rate schedule) is ``megaseq.train.step.OptimizerStep``, which the
-RL loop of megaseq-rl shares: a non-finite step stops the run or is skipped (``train.on_nonfinite``)
+update, the lifecycle hooks, the learning-rate schedule) is ``megaseq.train.step.OptimizerStep``, which a
+plugin's training loop (an RL loop) shares: a non-finite step stops the run or is skipped (``train.on_nonfinite``)
 before the update, so non-finite weights are never written.
 
 Everything checkable is checked before the first step (data, held-out data, device, the run directory, the
@@ -227,6 +227,7 @@ class Trainer:
                 self.model,
                 self.recipe.to_dict(),
                 lambda path, meta: read_local_weights(path, meta, self.placement()),
+                plugins=self.plugins,
             )
 
         # rank 0 first: it sets damaged checkpoints aside, so that the others find the same newest good one

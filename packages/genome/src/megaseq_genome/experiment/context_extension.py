@@ -331,18 +331,19 @@ def evaluation_record(spec: dict) -> dict:
     return json.loads(json.dumps({k: spec[k] for k in keys if k in spec}))  # tuples -> lists, as read back
 
 
-def check_reuse(out: Path, all_stages: list[Stage], jobs: list[Job]) -> list[str]:
+def check_reuse(out: Path, all_stages: list[Stage], jobs: list[Job], plugins: Any) -> list[str]:
     """Refuse (one line) to resume on top of anything made under a different plan: a stage whose checkpoints
     come from another recipe (``train.lr 0.001 -> 0.0001``), a stage with checkpoints whose parent is not
     finished (its weights came from a parent that is gone), an evaluation scored on another held-out set.
     Returns notes for what cannot be checked (evaluations saved before their record was)."""
+    from megaseq.config import stored_recipe
     from megaseq.train import checkpoint
 
     for stage in all_stages:
         found = checkpoint.newest_verified(out / stage.name / "checkpoints")
         if found.path is None:
             continue
-        saved = checkpoint.read_meta(found.path)["recipe"]
+        saved = stored_recipe(checkpoint.read_meta(found.path)["recipe"], plugins, str(found.path / "meta.json"))
         changes = checkpoint.recipe_changes(saved, stage.recipe.to_dict())
         if changes:
             raise UserError(
@@ -406,7 +407,7 @@ def run_context_extension(
         return {}
     threads = max(1, (os.cpu_count() or 1) // plan.jobs)
     jobs = plan_jobs(plan, all_stages, dict(vars(heldout)), recipe.data.train, out, threads)
-    notes = check_reuse(out, all_stages, jobs) if mode == "resume" else []
+    notes = check_reuse(out, all_stages, jobs, plugins) if mode == "resume" else []
     with rundir.RunLock(out, "context-extension experiment"):  # one experiment per directory; each stage locks its own
         prepare_out(out, plan, mode)
         for note in notes:

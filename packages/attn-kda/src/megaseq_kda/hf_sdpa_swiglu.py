@@ -1,12 +1,14 @@
-"""Hugging Face mappings of core's components (``megaseq.interop.ComponentMapping``).
+"""Hugging Face mappings of core's ``sdpa`` and ``swiglu`` in this package's layouts (``megaseq_kda.hf_layouts``),
+which carry them: core's components know no published layout, these layouts' softmax attention and MLP
+are theirs (``megaseq.interop.ComponentMapping``).
 
 ``sdpa``: fla's softmax attention layers of the ``kda`` layout (``config.attn``, fla's ``Attention``:
 ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, head width ``hidden_size / num_heads``, rotary embedding on
 the whole head). fla rotates channel i with channel i + D/2 (the two halves of a head); megaseq's ``rotary``
 rotates neighbours (2i, 2i + 1): import permutes the query and key rows of each head so that megaseq's pairs
 are fla's, export permutes them back (the scores are unchanged: q and k move alike). megaseq's ``qkv`` holds
-each head's q, k and v rows together (``[head, 3, head_dim]``), fla's three projections hold all heads each. Refused: grouped
-key/value heads, a bias on q/k/v, a sliding window, several attention specs that differ.
+each head's q, k and v rows together (``[head, 3, head_dim]``), fla's three projections hold all heads each.
+Refused: grouped key/value heads, a bias on q/k/v, a sliding window, several attention specs that differ.
 
 ``swiglu``: the gated MLP of fla's models and of Kimi-Linear's dense layers, ``down(silu(gate x) * up x)``
 (``gate_proj``, ``up_proj``, ``down_proj``; megaseq's ``w1``, ``w3``, ``w2``). fla sizes it from
