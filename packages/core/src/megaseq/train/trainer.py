@@ -106,15 +106,17 @@ def data_windows(recipe: Recipe, which: str, plugins: Plugins | None = None) -> 
     """The windows of ``data.train`` or ``data.heldout``; unreadable or unusable data is a one-line error."""
     d = recipe.data
     spec = getattr(d, which)
+    alphabet = recipe.alphabet
     try:
-        tokens = tokenized(spec, plugins=plugins)
+        tokens = tokenized(recipe.corpus(which, plugins), plugins=plugins)
     except DataError as exc:
         raise DataError(f"{recipe.source}: data.{which}: {exc}") from None
-    windows = GenomeWindows(tokens, d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight)
+    windows = GenomeWindows(tokens, d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight,
+                            alphabet=alphabet)
     if len(windows) == 0:
         raise DataError(
-            f"{recipe.source}: data.{which} {spec!r} has no window of data.seq_len {d.seq_len} bases with at most "
-            f"data.max_n_fraction {d.max_n_fraction} N"
+            f"{recipe.source}: data.{which} {spec!r} has no window of data.seq_len {d.seq_len} {alphabet.unit}s with "
+            f"at most data.max_n_fraction {d.max_n_fraction} {alphabet.unknown}"
         )
     return windows
 
@@ -141,15 +143,16 @@ MEMORY_NOTE = {
 
 
 def progress_line(
-    metrics: dict[str, float], device: torch.device, planned_gib: float | None = None, tokens_per_s: float | None = None
+    metrics: dict[str, float], device: torch.device, planned_gib: float | None = None, tokens_per_s: float | None = None,
+    unit: str = "base",
 ) -> str:
-    """The progress line's note on a step: its loss in bits per base (the unit of every result), labelled, the
-    throughput over the recent steps (``tokens_per_s``; the step's own when not given), and the measured peak
-    beside the plan's."""
+    """The progress line's note on a step: its loss in bits per token of the data's alphabet (``unit``: a base
+    of DNA, a residue of protein; the unit of every result), labelled, the throughput over the recent steps
+    (``tokens_per_s``; the step's own when not given), and the measured peak beside the plan's."""
     peak = "peak mem" if device.type == "cuda" else "peak RSS"
     plan = f" (plan {planned_gib:.2f} GiB)" if planned_gib is not None else ""
     rate = metrics["tokens_per_s"] if tokens_per_s is None else tokens_per_s
-    return f"loss {metrics['bits_per_base']:.4f} bits/base, {rate:.0f} tok/s, {peak} {metrics['peak_mem_gib']:.2f} GiB{plan}"
+    return f"loss {metrics['bits_per_base']:.4f} bits/{unit}, {rate:.0f} tok/s, {peak} {metrics['peak_mem_gib']:.2f} GiB{plan}"
 
 
 class Trainer:
@@ -446,7 +449,7 @@ class Trainer:
                 metrics = self.train_step()
                 losses.append(metrics["loss"])
                 bar.record(tokens=self.tokens - tokens_before)  # then the line: this step's, with this step's rate
-                bar.show(progress_line(metrics, self.device, self.planned_gib, bar.tokens_per_s))
+                bar.show(progress_line(metrics, self.device, self.planned_gib, bar.tokens_per_s, self.recipe.alphabet.unit))
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(self.step, metrics)
                 if self.step == t.steps:
