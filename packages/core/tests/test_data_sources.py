@@ -175,6 +175,8 @@ def test_the_two_parts_of_a_source_are_fetched_apart(tmp_path):
         (lambda raw: raw["eval"].update(analyses=["dna-analysis"]),
          "p.toml: eval.analyses[0]: eval_analysis 'dna-analysis' handles dna, not protein (the alphabet of data.train "
          "'seqlines'); allowed: no installed eval_analysis handles protein"),
+        (lambda raw: raw.update(data_source={"seqlinse": {"path": "x"}}, data={"train": "seqlinse", "heldout": "x.fa"}),
+         "p.toml: data.train: no data_source named 'seqlinse'; available: excerpt-chr20, excerpt-chrX, seqlines"),
         (lambda raw: raw["model"].update(vocab_size=5), "p.toml: model.vocab_size: 5 is below the 21 tokens of the data's "
          "alphabet protein"),
         (lambda raw: raw["data"].update(token_ids=[0, 1, 2, 3, 4]), "p.toml: data.token_ids: gives the ids of A, C, G, "

@@ -392,9 +392,10 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         used["eval_analysis"].add(name)
         where.setdefault(("eval_analysis", name), f"eval.analyses[{i}]")
     sources = plugins.registry["data_source"]
+    configured = component_raw["data_source"] if isinstance(component_raw["data_source"], dict) else {}
     for which in ("train", "heldout"):  # a name that is no data source is a FASTA path, read when training starts
         name = getattr(recipe.data, which)
-        if name in sources:
+        if name in sources or name in configured:  # a configured name must be a source: it was not meant as a path
             used["data_source"].add(name)
             where.setdefault(("data_source", name), f"data.{which}")
 
