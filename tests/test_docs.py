@@ -13,7 +13,7 @@ Every fenced block of the guide runs:
   snippet of the shared utilities, runs right after it);
 - the "use it" section's runs leave what it says they do: the plugin's step-end metric, the MoE load that core
   logs (``moe/load/KEY``), the memory policy in the run's header, the planner's proposal, the RL algorithm's
-  ``policy/...`` metrics.
+  ``policy/...`` metrics, a protein model trained on the plugin's data source, reported per residue.
 
 The commands see only the installed wheels of megaseq: nothing of this checkout is on their path.
 """
@@ -143,6 +143,10 @@ def test_guide_runs_end_to_end(tmp_path):
     rl = [row for row in metrics("mything-rl") if "policy/clip_frac_high" in row]  # the first row: step 0's eval
     assert rl and "moe/load/routing_entropy" in rl[0], metrics("mything-rl")
     assert "proposed:" in listing, listing  # megaseq plan ran
+    protein = [row for row in metrics("mything-protein") if "loss" in row]
+    assert len(protein) == 2 and all(row["loss"] == row["loss"] for row in protein), protein
+    (heldout,) = (scratch / "runs" / "mything-protein" / "eval").glob("step_*/heldout.json")
+    assert json.loads(heldout.read_text())["alphabet"] == "protein" and "bits/residue" in listing, listing
 
 
 def test_every_hook_is_documented_in_the_guide():

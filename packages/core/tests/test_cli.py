@@ -45,6 +45,8 @@ def test_user_errors_are_one_line_exit_2(tmp_path, capsys):
         (["train", str(recipe), "--set", "oops"], "expected KEY.PATH=VALUE"),
         (["eval", str(tmp_path)], "not a megaseq checkpoint"),
         (["data", "fetch", "grch99-chr1"], "unknown dataset 'grch99-chr1'; known datasets: excerpt-chr20, excerpt-chrX"),
+        (["data", "fetch", "excerpt-chr20", "--set", "path=x.txt"], "data_source.excerpt-chr20.path: unknown key; "
+         "allowed keys: none"),
     ]:
         capsys.readouterr()
         status = main(args)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from megaseq.alphabets import PROTEIN, Alphabet
 from megaseq.data import (
     DataError,
     GenomeWindows,
@@ -167,6 +168,36 @@ def test_bad_character_error_names_char_and_offset() -> None:
         encode(b"ACGUA")
 
 
+def test_protein_alphabet_encodes_every_amino_acid_and_keeps_iupac_letters_apart() -> None:
+    """In the protein alphabet the letters that are also IUPAC nucleotide codes (R, Y, K, M, S, W, D, H, V) and
+    C, G, T, N are amino acids of their own: nothing becomes N or X except the unknown and ambiguous codes."""
+    letters = PROTEIN.letters.encode()
+    tokens = encode(letters + letters.lower(), PROTEIN)
+    assert token_ids(tokens, PROTEIN).tolist() == list(range(20)) * 2
+    assert is_softmasked(tokens, PROTEIN).tolist() == [False] * 20 + [True] * 20
+    assert decode(tokens, PROTEIN) == PROTEIN.letters + PROTEIN.letters.lower()
+    assert token_ids(encode(b"XBZJUOxb", PROTEIN), PROTEIN).tolist() == [PROTEIN.unknown_id] * 8
+    assert (PROTEIN.unknown_id, PROTEIN.softmask_flag, PROTEIN.size) == (20, 32, 21)
+    with pytest.raises(DataError, match=r"invalid amino acid character '\*' at offset 2; allowed: A C D E F"):
+        encode(b"MK*", PROTEIN)
+
+
+def test_a_protein_read_as_dna_is_refused_with_a_hint() -> None:
+    with pytest.raises(DataError, match=r"invalid nucleotide character 'E' at offset 2.*\(protein\? a data source that "
+                       "declares alphabet = megaseq.alphabets.PROTEIN"):
+        encode(b"MKEL")
+
+
+def test_alphabets_are_checked_when_made() -> None:
+    with pytest.raises(ValueError, match="distinct upper case ASCII letters"):
+        Alphabet("rna", "ACGU", "N", ambiguous="A")
+    rna = Alphabet("rna", "ACGU", "N", unit="base")
+    assert (rna.size, rna.softmask_flag, rna.id_mask) == (5, 8, 7)
+    assert DataSourceSpec(name="x", target="m:f", alphabet="protein").alphabet is PROTEIN
+    with pytest.raises(ValueError, match="unknown alphabet 'rna'; core's alphabets: dna, protein"):
+        DataSourceSpec(name="x", target="m:f", alphabet="rna")
+
+
 # ---------------------------------------------------------------- datasets and fetch
 
 
@@ -209,7 +240,10 @@ def test_tokenized_joins_records_with_one_n_and_records_metadata(
         {"name": "empty", "offset": 11, "length": 0},
         {"name": "chr3", "offset": 12, "length": 8},
     ]
-    assert meta["counts"] == {"A": 3, "C": 3, "G": 3, "T": 3, "N": 8, "softmasked": 6}
+    # counts are of the records' letters: the two N that join the three records are separators, not counted
+    assert meta["counts"] == {"A": 3, "C": 3, "G": 3, "T": 3, "N": 6, "softmasked": 6}
+    assert meta["separators"] == 2 and meta["alphabet"] == "dna"
+    assert meta["tokens"] == sum(r["length"] for r in meta["records"]) + meta["separators"]
     assert [p.suffix for p in sorted((isolated_cache / "tokens").iterdir())] == [".json", ".u8"]
 
 
@@ -247,11 +281,49 @@ class MiscountedExcerpt:
 
 
 def test_tokenized_rejects_a_dataset_with_wrong_counts(isolated_cache: Path) -> None:
+    """The error names the declaration that disagrees with the file, not only the file."""
     plugins = fresh_plugins()
     plugins.register(MiscountedExcerpt(), name="miscounted")
-    with pytest.raises(DataError, match="has 200,000 bases .0 N. but dataset miscounted has 200,001 .0 N."):
+    with pytest.raises(DataError) as err:
         tokenized("miscounted", plugins=plugins)
+    message = str(err.value)
+    assert message.startswith("data source 'miscounted' from (local) declares bases = 200,001 on its record, but its file ")
+    assert "holds 200,000 bases in 1 record(s)" in message and "correct DataSourceSpec.bases" in message
+    assert "\n" not in message
     assert list((isolated_cache / "tokens").iterdir()) == []
+
+
+class TwoRecordsWrongN:
+    """A two-record corpus whose n_bases counts the N between its records."""
+
+    @hookimpl
+    def megaseq_data_source(self):
+        return [DataSourceSpec(name="two", target=f"{__name__}:two_records", bases=8, n_bases=3)]
+
+
+def two_records(request) -> Path:
+    path = request.cache_dir / "two.fa"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(">a\nACNN\n>b\nNGTA\n")
+    return path
+
+
+def test_declared_counts_do_not_count_the_separators(isolated_cache: Path) -> None:
+    """bases counts every letter of the records (8), n_bases the N among them (3), the separator neither."""
+    plugins = fresh_plugins()
+    plugins.register(TwoRecordsWrongN(), name="two")
+    meta = token_metadata("two", plugins=plugins)
+    assert (meta["tokens"], meta["separators"], meta["counts"]["N"]) == (9, 1, 3)
+
+    class SeparatorCounted:
+        @hookimpl
+        def megaseq_data_source(self):
+            return [DataSourceSpec(name="two4", target=f"{__name__}:two_records", bases=8, n_bases=4)]
+
+    plugins.register(SeparatorCounted(), name="two4")
+    with pytest.raises(DataError, match=r"declares n_bases = 4 on its record, but its file .* holds 3 N bases in 2 record"):
+        tokenized("two4", plugins=plugins)
 
 
 def test_tokenized_excerpts_match_dataset_counts() -> None:
@@ -259,7 +331,7 @@ def test_tokenized_excerpts_match_dataset_counts() -> None:
     for name in ("excerpt-chr20", "excerpt-chrX"):
         meta = token_metadata(name)
         counts = meta["counts"]
-        assert meta["tokens"] == registry[name].spec.bases == sum(counts[b] for b in "ACGTN")
+        assert meta["tokens"] == registry[name].spec.bases == sum(counts[b] for b in "ACGTN")  # one record each
         assert counts["N"] == registry[name].spec.n_bases and counts["softmasked"] == 0
 
 

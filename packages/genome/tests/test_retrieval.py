@@ -21,13 +21,16 @@ from megaseq_genome.retrieval import (
 
 
 def slow_last_occurrence(ids: list[int], k: int) -> tuple[list[int], list[bool]]:
-    """The definition, position by position: compare the k-mer before each target with every earlier one."""
+    """The definition, position by position: compare the k-mer before each target with every earlier one back to
+    the last N (another document may lie before it)."""
     distance, right = [], []
     for p in range(len(ids) - 1):
         kmer = ids[p - k + 1 : p + 1] if p >= k - 1 else None
         found = None
         if kmer is not None and N_ID not in kmer:
             for q in range(p - 1, k - 2, -1):
+                if ids[q + 1] == N_ID:
+                    break
                 if ids[q - k + 1 : q + 1] == kmer:
                     found = q
                     break

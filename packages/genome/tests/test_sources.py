@@ -12,6 +12,7 @@ import pytest
 
 from megaseq.data import DataError, read_fasta
 from megaseq.data.sources import default_cache_dir
+from megaseq.records import FetchRequest, NoConfig
 from megaseq_genome import sources
 from megaseq_testkit.data_source import DataSourceConformance
 
@@ -26,20 +27,21 @@ def test_fetch_uses_installed_package_file(tmp_path: Path, no_system_files: None
     member = sources.SYSTEM_ROOT / sources.CHR20.member
     member.parent.mkdir(parents=True)
     member.write_bytes(b">20\nACGT\n")
-    assert sources.chr20(tmp_path / "cache") == member
+    request = FetchRequest("grch37-chr20", NoConfig(), tmp_path / "cache")
+    assert sources.fetch(request) == member  # the target of both records, told which one by its name
 
 
 def test_fetch_prefers_cache(tmp_path: Path, no_system_files: None) -> None:
     cached = tmp_path / "cache" / "grch37-chrX" / "hs37chrXtrunc.fa.gz"
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b">X\nACGT\n")
-    assert sources.chrx(tmp_path / "cache") == cached
+    assert sources.fetch_debian(sources.CHRX, tmp_path / "cache") == cached
 
 
 def test_fetch_without_apt_get_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_system_files: None) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     with pytest.raises(DataError) as info:
-        sources.chr20(tmp_path / "cache")
+        sources.fetch_debian(sources.CHR20, tmp_path / "cache")
     message = str(info.value)
     assert "apt-get and dpkg-deb not found" in message
     assert "apt-get install vt-examples" in message and "/usr/share/doc/vt/examples/ref/20.fa.gz" in message
@@ -59,7 +61,7 @@ def test_fetch_reports_apt_get_failure(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(
         DataError, match=r"failed \(E: Unable to locate package vt-examples\); install Debian"
     ):
-        sources.chr20(tmp_path / "cache")
+        sources.fetch_debian(sources.CHR20, tmp_path / "cache")
 
 
 @pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="building a test .deb needs dpkg-deb")
@@ -83,7 +85,7 @@ def test_fetch_extracts_fasta_and_index_from_deb(tmp_path: Path, monkeypatch: py
     fake_apt_get(tmp_path / "bin", f'[ "$1 $2" = "download smalt-examples" ] || exit 3\ncp {deb} .\n')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
 
-    path = sources.chrx(tmp_path / "cache")
+    path = sources.fetch_debian(sources.CHRX, tmp_path / "cache")
     assert path == tmp_path / "cache" / "grch37-chrX" / "hs37chrXtrunc.fa.gz"
     assert list(read_fasta(path)) == [("X", b"ACGTN")]
     assert sorted(p.name for p in path.parent.iterdir()) == ["hs37chrXtrunc.fa.gz", "hs37chrXtrunc.fa.gz.fai"]

@@ -42,8 +42,13 @@ class WindowUnigram:
         return torch.where(targets == N_ID, 0.0, -p.log())
 
 
-def build(config: WindowUnigramConfig, train: str) -> WindowUnigram:
+def build(config: WindowUnigramConfig, train) -> WindowUnigram:
     return WindowUnigram(config.pseudo)
+
+
+def build_from_dict(config: dict, train) -> WindowUnigram:
+    """The reference as a suite's `factory` builds it: from the plain config dict."""
+    return WindowUnigram(**config)
 
 
 class Plugin:
@@ -69,9 +74,19 @@ def test_reference_is_a_slow_loop():
 
 class TestReferenceConformance(BaselineConformance):
     name = "window-unigram"
+    factory = f"{__name__}:build_from_dict"
+    config = {"pseudo": 0.5}
 
-    def build(self):
-        return WindowUnigram()
+
+class TestRegisteredReferenceConformance(BaselineConformance):
+    """Through a plugin manager, as an installed baseline is tested (its record's alphabets included)."""
+
+    name = "window-unigram"
+
+    def plugins(self):
+        plugins = fresh_plugins()
+        plugins.register(Plugin(), name="unigram-test")
+        return plugins
 
 
 class Peeking(WindowUnigram):
@@ -115,12 +130,29 @@ class Drifting(WindowUnigram):
         super().__init__(1.0 + torch.rand(()).item())
 
 
+class TargetAsContext(WindowUnigram):
+    """Takes its context from the targets: inputs[0] and targets[:p + 1], which holds the target itself. It
+    changes nothing when only later inputs change, so the inputs half of test_causal cannot see it."""
+
+    def token_losses(self, inputs, targets):
+        history = torch.cat([inputs[:, :1], targets], dim=1)
+        p = self.probabilities(history)[:, 1:].gather(-1, targets.clamp(max=3)[..., None])[..., 0]
+        return torch.where(targets == N_ID, 0.0, -p.log())
+
+
+class Float32(WindowUnigram):
+    def token_losses(self, inputs, targets):
+        return super().token_losses(inputs, targets).float()
+
+
 @pytest.mark.parametrize(
     ("wrong", "check"),
     [
         (Peeking, "test_causal"),
         (ChargesN, "test_losses_finite_non_negative_and_zero_on_n"),
-        (Overconfident, "test_a_distribution_over_bases"),
+        (Overconfident, "test_a_distribution_over_letters"),
+        (TargetAsContext, "test_causal"),
+        (Float32, "test_losses_finite_non_negative_and_zero_on_n"),
         (AcrossRows, "test_rows_independent"),
         (Unlabelled, "test_protocol"),
         (Drifting, "test_deterministic"),
@@ -137,6 +169,49 @@ def test_suite_catches_wrong_baseline(wrong: type, check: str) -> None:
     Suite().test_protocol() if check != "test_protocol" else None
     with pytest.raises(AssertionError):
         getattr(Suite(), check)()
+
+
+def test_target_as_context_passes_the_inputs_half_of_causality_only():
+    """Before test_causal changed the targets too, nothing but the probability sum noticed this baseline."""
+    inputs, targets = BaselineConformance.windows(TestReferenceConformance())
+    wrong = TargetAsContext()
+    before = wrong.token_losses(inputs, targets)
+    changed = inputs.clone()
+    changed[:, 37:] = (changed[:, 37:] + 1) % 4
+    assert torch.equal(wrong.token_losses(changed, targets)[:, :37], before[:, :37])
+
+
+def test_messages_name_the_quantity_and_the_bound():
+    suite = TestReferenceConformance()
+    with pytest.raises(AssertionError) as err:
+        suite.assert_equal(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0]), "two builds", "loss")
+    assert str(err.value) == ("two builds: the loss at (1,) is 2.5, expected 2 (off by 0.5; allowed: tolerance 1e-06 "
+                              "x max(1, |2|) = 2e-06)")
+    suite.build = Overconfident
+    with pytest.raises(AssertionError, match=r"^sum over A C G T of p\(letter\): the sum of probabilities at \(\d+, \d+\) "
+                       r"is 1\.99\d+, expected 1 \(off by 0\.99\d; allowed: tolerance 1e-06 x max\(1, \|1\|\) = 1e-06\)$"):
+        suite.test_a_distribution_over_letters()
+
+
+def test_a_baseline_that_does_not_declare_the_alphabet_it_is_tested_on():
+    class Suite(TestRegisteredReferenceConformance):
+        train = "proteins"
+
+        def plugins(self):
+            from megaseq.records import DataSourceSpec
+
+            class Proteins:
+                @hookimpl
+                def megaseq_data_source(self):
+                    return [DataSourceSpec(name="proteins", target="megaseq.data.sources:excerpt_chr20",
+                                           alphabet="protein", summary="test")]
+
+            plugins = super().plugins()
+            plugins.register(Proteins(), name="proteins")
+            return plugins
+
+    with pytest.raises(AssertionError, match=r"tested on protein \(proteins\) but its record declares alphabets \['dna'\]"):
+        Suite().test_handles_the_alphabet()
 
 
 RAW = {

@@ -59,6 +59,11 @@ def build(config: MeanLossConfig, info: EvalInfo) -> MeanLoss:
     return MeanLoss(config, info)
 
 
+def build_from_dict(config: dict, info: EvalInfo) -> MeanLoss:
+    """The reference as a suite's `factory` builds it: from the plain config dict."""
+    return MeanLoss(MeanLossConfig(**config), info)
+
+
 class Uniform:
     """A baseline that gives each base probability 1/4."""
 
@@ -84,9 +89,23 @@ class Plugin:
 
 class TestReferenceConformance(EvalAnalysisConformance):
     name = "mean-loss"
+    factory = f"{__name__}:build_from_dict"
+    config = {"scale": 2.0}
 
-    def build(self):
-        return MeanLoss(MeanLossConfig(), self.info())
+
+class TestRegisteredReferenceConformance(EvalAnalysisConformance):
+    """Through a plugin manager, as an installed analysis is tested (its record's alphabets included)."""
+
+    name = "mean-loss"
+
+    def plugins(self):
+        return _plugins()
+
+
+class TestProteinReferenceConformance(TestReferenceConformance):
+    """The same analysis fed protein windows (it reads no ids, so any alphabet serves)."""
+
+    alphabet = "protein"
 
 
 class NoFinish:
@@ -141,6 +160,47 @@ class Drifting(MeanLoss):
         self.scale = 1.0 + random.random()
 
 
+class PerWindowMean(MeanLoss):
+    """Averages each window's targets, then the windows: a window of few scored targets counts as much as a full
+    one."""
+
+    def result(self):
+        means = {s: self.scale * float(np.mean(self.sums[s] / self.weights[s])) for s in self.info.scorers}
+        reference = self.info.baselines[0]
+        return {"mean": means, "gain": {s: means[reference] - m for s, m in means.items()}}
+
+
+class CrossesDocuments(MeanLoss):
+    """Also reports each scorer's mean loss on targets whose preceding 8 letters occurred earlier in the window,
+    looking back across N (into the previous document)."""
+
+    K = 8
+
+    def __init__(self, config, info) -> None:
+        super().__init__(config, info)
+        self.repeat_sums = {s: np.zeros(info.windows) for s in info.scorers}
+        self.repeat_weights = {s: np.zeros(info.windows) for s in info.scorers}
+
+    def repeated(self, ids):
+        seen, out = set(), np.zeros(len(ids) - 1, dtype=bool)
+        for p in range(len(ids) - 1):
+            if p >= self.K - 1:
+                kmer = tuple(ids[p - self.K + 1 : p + 1])
+                out[p] = kmer in seen
+                seen.add(kmer)
+        return out
+
+    def add(self, scorer, window, ids, losses, weights):
+        super().add(scorer, window, ids, losses, weights)
+        chosen = np.where(self.repeated(ids), weights, 0.0)
+        self.repeat_sums[scorer][window] = np.where(chosen > 0, losses, 0.0) @ chosen
+        self.repeat_weights[scorer][window] = chosen.sum()
+
+    def result(self):
+        repeats = {s: float(self.repeat_sums[s].sum() / max(self.repeat_weights[s].sum(), 1e-300)) for s in self.info.scorers}
+        return {**super().result(), "repeats": repeats}
+
+
 @pytest.mark.parametrize(
     ("wrong", "check"),
     [
@@ -150,6 +210,8 @@ class Drifting(MeanLoss):
         (FirstFedIsReference, "test_feed_order_does_not_matter"),
         (CountsUnscored, "test_unscored_targets_do_not_count"),
         (Drifting, "test_deterministic"),
+        (PerWindowMean, "test_targets_count_by_weight"),
+        (CrossesDocuments, "test_context_stops_at_n"),
     ],
     ids=lambda v: v.__name__ if isinstance(v, type) else v,
 )
@@ -164,6 +226,23 @@ def test_suite_catches_wrong_analysis(wrong: type, check: str, tmp_path, monkeyp
     kwargs = {"tmp_path": tmp_path, "monkeypatch": monkeypatch} if check == "test_writes_only_into_out_dir" else {}
     with pytest.raises(AssertionError):
         method(**kwargs)
+
+
+@pytest.mark.parametrize("wrong", [PerWindowMean, CrossesDocuments], ids=lambda v: v.__name__)
+def test_the_new_wrong_analyses_pass_every_other_check(wrong, tmp_path, monkeypatch):
+    """Only the check named for each catches it."""
+    class Suite(EvalAnalysisConformance):
+        name = wrong.__name__
+
+        def build(self):
+            return wrong(MeanLossConfig(), self.info())
+
+    caught = {PerWindowMean: "test_targets_count_by_weight", CrossesDocuments: "test_context_stops_at_n"}[wrong]
+    for check in (n for n in dir(Suite) if n.startswith("test_") and n != caught):
+        kwargs = {"tmp_path": tmp_path / check, "monkeypatch": monkeypatch} if check == "test_writes_only_into_out_dir" else {}
+        if kwargs:
+            kwargs["tmp_path"].mkdir()
+        getattr(Suite(), check)(**kwargs)
 
 
 RAW = {

@@ -2,8 +2,13 @@
 
 Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, ``[parallel]``, and one section per component used,
 ``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory_policy.NAME]``, ``[baseline.NAME]``,
-``[eval_analysis.NAME]``, validated by that
-component's own schema. Every mistake is one line naming the file, the key path and what is allowed.
+``[eval_analysis.NAME]``, ``[data_source.NAME]`` (a data source that ``data.train`` or ``data.heldout`` names),
+validated by that component's own schema. Every mistake is one line naming the file, the key path and what is
+allowed.
+
+The data's alphabet (what its data source declares, DNA for a FASTA path) is the recipe's
+(:attr:`Recipe.alphabet`): ``data.train`` and ``data.heldout`` must share it, ``model.vocab_size`` defaults to
+its size, and every baseline and eval analysis used must declare that it handles it.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from megaseq.alphabets import DNA, Alphabet
 from megaseq.errors import ConfigError
 from megaseq.plugins import Plugins, Provided
 from megaseq.records import ComponentConfig
@@ -25,7 +31,7 @@ MAX_SEQ_LEN = 2**30  # beyond any memory; a bound keeps a typo from reaching the
 CORE_TABLES = ("run", "data", "model", "train", "eval", "parallel")
 COMPONENT_SECTIONS = {
     "attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy", "baseline": "baseline",
-    "eval_analysis": "eval_analysis",
+    "eval_analysis": "eval_analysis", "data_source": "data_source",
 }
 
 
@@ -127,7 +133,9 @@ class ModelConfig(Section):
     dense_layers: int = Field(0, ge=0, description="with moe: the first N layers use the dense ffn")
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = Field(1e-6, gt=0)
-    vocab_size: int = Field(5, ge=2, description="5 for DNA (A C G T N)")
+    vocab_size: int = Field(
+        5, ge=2, description="tokens the model predicts; default: the size of the data's alphabet (5 for DNA: A C G T N)"
+    )
     tie_embeddings: bool = True
     residual_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
@@ -240,9 +248,23 @@ class Recipe(Section):
     parallel: ParallelConfig = ParallelConfig()
     components: dict[str, dict[str, Any]] = Field(default_factory=dict)
     source: str = "<recipe>"
+    _alphabet: Alphabet = PrivateAttr(DNA)
 
     def component(self, kind: str, name: str) -> ComponentConfig:
         return self.components[kind][name]
+
+    @property
+    def alphabet(self) -> Alphabet:
+        """The alphabet of ``data.train`` and ``data.heldout`` (``megaseq.alphabets``), set by validation."""
+        return self._alphabet
+
+    def corpus(self, which: str, plugins: Plugins | None = None) -> Any:
+        """``data.train`` or ``data.heldout`` (``which``: "train" / "heldout") as a ``megaseq.data.Corpus``: the
+        name with its ``[data_source.NAME]`` config and the part read, or the FASTA path."""
+        from megaseq.data.sources import Corpus
+
+        spec = getattr(self.data, which)
+        return Corpus(spec, self.components.get("data_source", {}).get(spec), which, plugins)
 
     @property
     def out_dir(self) -> Path:
@@ -297,6 +319,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 SELECTION_KEYS = {
     ("model", "layer_pattern"): "attention", ("model", "ffn"): "ffn", ("model", "moe"): "moe",
     ("train", "memory_policy"): "memory_policy", ("eval", "baselines"): "baseline", ("eval", "analyses"): "eval_analysis",
+    ("data", "train"): "data_source", ("data", "heldout"): "data_source",
 }
 
 
@@ -331,11 +354,15 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is not a table")
         node[path[-1]] = value
-    for (table, key), section in SELECTION_KEYS.items():
+    for section in set(SELECTION_KEYS.values()):
         tables = out.get(section)
         if not isinstance(tables, dict) or not overrides:
             continue
-        for name in _selected(raw, table, key, section) - _selected(out, table, key, section):
+        # a section stays while any of its selection keys still selects it (data.train or data.heldout)
+        keys = [table_key for table_key, selected in SELECTION_KEYS.items() if selected == section]
+        before = set().union(*(_selected(raw, table, key, section) for table, key in keys))
+        after = set().union(*(_selected(out, table, key, section) for table, key in keys))
+        for name in before - after:
             if name in tables and (section, name) not in touched and (section,) not in touched:
                 del tables[name]
     return out
@@ -353,7 +380,7 @@ def replaced_keys(plugins: Plugins) -> dict[tuple[str, str], list[tuple[Provided
     found: dict[tuple[str, str], list[tuple[Provided, str]]] = {}
     for kind in COMPONENT_SECTIONS.values():
         for provided in plugins.registry[kind].values():
-            for key, config_field in provided.spec.replaces.items():
+            for key, config_field in getattr(provided.spec, "replaces", {}).items():  # a data source replaces none
                 table, _, name = key.partition(".")
                 found.setdefault((table, name), []).append((provided, config_field))
     return found
@@ -479,6 +506,13 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
     for i, name in enumerate(recipe.eval.analyses):
         used["eval_analysis"].add(name)
         where.setdefault(("eval_analysis", name), f"eval.analyses[{i}]")
+    sources = plugins.registry["data_source"]
+    configured = component_raw["data_source"] if isinstance(component_raw["data_source"], dict) else {}
+    for which in ("train", "heldout"):  # a name that is no data source is a FASTA path, read when training starts
+        name = getattr(recipe.data, which)
+        if name in sources or name in configured:  # a configured name must be a source: it was not meant as a path
+            used["data_source"].add(name)
+            where.setdefault(("data_source", name), f"data.{which}")
 
     for section, kind in COMPONENT_SECTIONS.items():
         if not isinstance(component_raw[section], dict):
@@ -492,7 +526,7 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         for name in sorted(set(tables) - used[kind]):
             users = {"attention": "model.layer_pattern", "ffn": "model.ffn", "moe": "model.moe",
                      "memory_policy": "train.memory_policy", "baseline": "eval.baselines",
-                     "eval_analysis": "eval.analyses"}[kind]
+                     "eval_analysis": "eval.analyses", "data_source": "data.train or data.heldout"}[kind]
             raise ConfigError(f"{source}: [{section}.{name}] is configured but not used by {users}")
         for name in sorted(used[kind]):
             provided = plugins.get(kind, name, where=f"{source}: {where[(kind, name)]}")
@@ -506,7 +540,60 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
                 if exc.errors()[0]["type"] == "extra_forbidden":
                     msg += f"; allowed: {_allowed_keys(provided.spec.config)}"
                 raise ConfigError(msg) from None
-    return recipe.model_copy(update={"components": components})
+    alphabet = _check_data(recipe, plugins)
+    model = _model_for_alphabet(raw, recipe, alphabet, plugins)
+    validated = recipe.model_copy(update={"components": components, "model": model})
+    validated._alphabet = alphabet
+    return validated
+
+
+def _check_data(recipe: Recipe, plugins: Plugins) -> Alphabet:
+    """The alphabet of the recipe's data: ``data.train``'s and ``data.heldout``'s must agree, and a data source
+    without parts cannot be both (its held-out windows would be trained on)."""
+    source, data = recipe.source, recipe.data
+    sources = plugins.registry["data_source"]
+    alphabets = {}
+    for which in ("train", "heldout"):
+        name = getattr(data, which)
+        alphabets[which] = sources[name].spec.alphabet if name in sources else DNA
+    if alphabets["train"] != alphabets["heldout"]:
+        raise ConfigError(
+            f"{source}: data.heldout: {data.heldout!r} is {alphabets['heldout'].name} but data.train {data.train!r} is "
+            f"{alphabets['train'].name}; held-out data must be in the training data's alphabet"
+        )
+    if data.train == data.heldout and data.train in sources and not sources[data.train].spec.parts:
+        raise ConfigError(
+            f"{source}: data.heldout: {data.heldout!r} is also data.train, and its data source declares no separate "
+            "held-out part: the held-out windows would be trained on; name another corpus"
+        )
+    return alphabets["train"]
+
+
+def _model_for_alphabet(raw: dict[str, Any], recipe: Recipe, alphabet: Alphabet, plugins: Plugins) -> ModelConfig:
+    """``model`` with ``vocab_size`` from the alphabet when the recipe does not give it, checked against the data's
+    ids; and every baseline and eval analysis used checked to handle the alphabet."""
+    source, model = recipe.source, recipe.model
+    given = isinstance(raw.get("model"), dict) and "vocab_size" in raw["model"]
+    ids = recipe.data.token_ids
+    if ids is not None and alphabet != DNA:
+        raise ConfigError(f"{source}: data.token_ids: gives the ids of A, C, G, T, N (an imported DNA model), but the "
+                          f"data is {alphabet.name}; remove it")
+    if not given:
+        model = model.model_copy(update={"vocab_size": alphabet.size if ids is None else model.vocab_size})
+    elif ids is None and model.vocab_size < alphabet.size:
+        raise ConfigError(f"{source}: model.vocab_size: {model.vocab_size} is below the {alphabet.size} tokens of the "
+                          f"data's alphabet {alphabet.name} ({' '.join(alphabet.symbols)}); allowed: {alphabet.size} or more")
+    for key, kind in (("baselines", "baseline"), ("analyses", "eval_analysis")):
+        for i, name in enumerate(getattr(recipe.eval, key)):
+            spec = plugins.get(kind, name).spec
+            if alphabet.name not in spec.alphabets:
+                able = sorted(n for n, p in plugins.registry[kind].items() if alphabet.name in p.spec.alphabets)
+                raise ConfigError(
+                    f"{source}: eval.{key}[{i}]: {kind} {name!r} handles {', '.join(sorted(spec.alphabets))}, not "
+                    f"{alphabet.name} (the alphabet of data.train {recipe.data.train!r}); allowed: "
+                    f"{', '.join(able) or f'no installed {kind} handles {alphabet.name}'}"
+                )
+    return model
 
 
 def load_recipe(path: str | Path, plugins: Plugins, overrides: list[str] | None = None) -> Recipe:

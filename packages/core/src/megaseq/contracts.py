@@ -27,6 +27,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from megaseq.alphabets import DNA, Alphabet
 from megaseq.documents import Documents
 from megaseq.records import ModelDims
 
@@ -487,13 +488,24 @@ class Baseline(Protocol):
     """A reference predictor scored beside the model on the same held-out windows (e.g. a k-mer model
     fitted on the training data).
 
-    Built by its record's target as ``build(config, train: str)``: ``train`` is the recipe's ``data.train``
-    (a data-source name or a FASTA path), which a baseline that learns from data fits on. ``label`` names its
-    column in the evaluation's results (e.g. ``kmer-8``). ``token_losses(inputs [B, T], targets [B, T])``
-    (token ids, ``megaseq.data.tokenizer``) returns ``[B, T]`` losses in nats, finite and non-negative, 0
-    where the target is N; the target at position p is predicted from ``inputs[:, : p + 1]`` only: never
-    from a later input (``inputs[:, p + 1]`` is ``targets[:, p]``) nor from outside the window.
-    ``megaseq_testkit.baseline.BaselineConformance`` checks all of this.
+    Built by its record's target as ``build(config, train: megaseq.data.Corpus)``: ``train`` is the recipe's
+    ``data.train`` (a data source's name with its config, or a FASTA path; ``str(train)`` is what the recipe
+    wrote, ``train.alphabet`` its alphabet), which a baseline that learns from data fits on, reading it with
+    ``megaseq.data.tokenized(train)``. Fitting is done once: a plugin caches what it fitted under
+    ``megaseq.data.default_cache_dir() / PLUGIN``, keyed by what the fit depends on (the resolved file's path,
+    size and modification time, ``megaseq.data.resolve_fasta(train)``, the alphabet and the config) and written
+    whole or not at all (to a temporary file renamed into place), so that every run and rank shares it.
+
+    ``label`` names its column in the evaluation's results (e.g. ``kmer-8``). ``token_losses(inputs [B, T],
+    targets [B, T])`` (int64 token ids of the data's alphabet, ``megaseq.data.tokenizer``; DNA: A C G T N =
+    0..4) returns float64 ``[B, T]`` losses in nats, finite and non-negative, 0 where the target is the
+    alphabet's unknown symbol (N), ``-log p(target)`` of a distribution over the alphabet's letters (the
+    probabilities of every letter as the target sum to 1). The target at position p is predicted from
+    ``inputs[:, : p + 1]`` only: never from a later input (``inputs[:, p + 1]`` is ``targets[:, p]``), from
+    ``targets`` (the target itself, or an earlier one: the baseline looks a target up, it never reads the
+    targets as context), from another row of the batch or from outside the window. The record declares the
+    alphabets it handles (``BaselineSpec.alphabets``). ``megaseq_testkit.baseline.BaselineConformance`` checks
+    all of this.
     """
 
     label: str
@@ -507,13 +519,16 @@ MODEL_SCORER = "model"  # the model's scorer label in the held-out evaluation (b
 @dataclass(frozen=True)
 class EvalInfo:
     """What an eval analysis is built for: ``source`` (the recipe, for one-line errors), ``seq_len`` (targets
-    per window), ``windows`` (how many held-out windows are scored, numbered ``0 .. windows - 1``) and
-    ``baselines``, the labels of the baselines scored beside the model, in order."""
+    per window), ``windows`` (how many held-out windows are scored, numbered ``0 .. windows - 1``),
+    ``baselines``, the labels of the baselines scored beside the model, in order, and ``alphabet``, the data's
+    (``megaseq.alphabets``; what the window's token ids are). The property ``scorers`` (not a field) is every
+    scorer the analysis is fed: the model first, then the baselines."""
 
     source: str
     seq_len: int
     windows: int
     baselines: tuple[str, ...]
+    alphabet: Alphabet = DNA
 
     @property
     def scorers(self) -> tuple[str, ...]:
@@ -529,10 +544,17 @@ class EvalAnalysis(Protocol):
     Built by its record's target as ``build(config, info: EvalInfo)``; a recipe it cannot serve (e.g. it
     needs a baseline and none is scored) raises ``megaseq.errors.ConfigError`` there, in one line, before
     anything is scored. ``add(scorer, window, ids, losses, weights)`` is called exactly once per scorer of
-    ``info.scorers`` and window, in any order: ``ids`` the window's ``seq_len + 1`` token ids (int64,
-    ``megaseq.data.tokenizer``: A C G T N = 0..4; inputs ``ids[:-1]``, targets ``ids[1:]``), ``losses`` the
-    scorer's ``seq_len`` target losses in nats (float64) and ``weights`` their loss weights (float64, 0 = not
-    scored: the loss there may be anything, even inf or NaN, and must not count). ``finish(out_dir)`` is
+    ``info.scorers`` and window, in any order: ``ids`` the window's ``seq_len + 1`` token ids (int64, in
+    ``info.alphabet``, ``megaseq.data.tokenizer``: for DNA A C G T N = 0..4; inputs ``ids[:-1]``, targets
+    ``ids[1:]``), ``losses`` the scorer's ``seq_len`` target losses in nats (float64) and ``weights`` their loss
+    weights (float64, 0 = not scored: the loss there may be anything, even inf or NaN, and must not count).
+
+    Every scored target counts by its weight, whichever window holds it: sums over targets, never averages per
+    window first (windows hold different numbers of scored targets). A target's context is the part of its
+    window after the last unknown token (N) before it: core joins a corpus's records (packed documents) with
+    one N, so what lies before an N may be another document; an analysis never relates a target to tokens
+    across one. The record declares the alphabets it handles (``EvalAnalysisSpec.alphabets``).
+    ``finish(out_dir)`` is
     called once after every ``add``: it returns ``(result, table)``, a dict that ``json.dumps`` writes
     without NaN or infinity (it goes under ``"analyses"`` in ``heldout.json``) and a text table for the
     console, and writes its own files (plots) into ``out_dir`` only, nothing when ``out_dir`` is ``None``.

@@ -132,8 +132,10 @@ def megaseq_data_source() -> list[DataSourceSpec]:
     fetch`` name).
 
     Returns a list of ``megaseq.records.DataSourceSpec``; each target resolves to
-    ``fetch(cache_dir: Path) -> Path``, the corpus as a local FASTA file. Core tokenises it into its cache and
-    checks the record's base counts. Called like :func:`megaseq_attention`; core provides the two DNA
+    ``fetch(request: megaseq.records.FetchRequest) -> Path``, the corpus as a local FASTA file (the request
+    names the record, carries its validated ``[data_source.NAME]`` config, the cache directory and, for a
+    record that declares ``parts``, the part). Core tokenises it in the record's alphabet into its cache and
+    checks the record's declared counts. Called like :func:`megaseq_attention`; core provides the two DNA
     excerpts ``excerpt-chr20`` and ``excerpt-chrX``.
     """
 

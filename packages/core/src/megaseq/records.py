@@ -10,10 +10,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
+
+from megaseq.alphabets import ALPHABETS, DNA, Alphabet, alphabet_named
 
 
 class ComponentConfig(BaseModel):
@@ -336,35 +339,104 @@ class CommandSpec(Record):
     kind: ClassVar[str] = "command"
 
 
+PARTS = ("train", "heldout")  # the parts of a data source that declares ``parts`` (``FetchRequest.part``)
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """What a data source's ``fetch`` target is asked for: the corpus of the record ``name`` (one function may
+    serve several records) configured by ``config`` (its ``[data_source.NAME]`` section, validated by the
+    record's ``config`` schema; the schema's defaults where the recipe has none), obtained into
+    ``cache_dir / name``; ``part``: ``"train"`` or ``"heldout"`` for a record that declares ``parts`` (the part
+    of its corpus the recipe reads there: the two must share no record), ``None`` otherwise."""
+
+    name: str
+    config: ComponentConfig
+    cache_dir: Path
+    part: str | None = None
+
+
 @dataclass(frozen=True)
 class DataSourceSpec(Record):
     """A named corpus that ``data.train`` / ``data.heldout`` (and ``megaseq data fetch NAME``) can name.
-    ``target`` resolves to ``fetch(cache_dir: Path) -> Path``: the local path of the corpus as one FASTA file
-    (plain or gzip), obtained into ``cache_dir / NAME`` first if needed. ``bases`` and ``n_bases``: the
-    tokens and N tokens its records hold, checked when it is tokenised (``None``: not checked).
-    ``summary`` is its line in ``megaseq data list``."""
+
+    ``target`` resolves to ``fetch(request: FetchRequest) -> Path``: the local path of the corpus as one FASTA
+    file (plain or gzip), obtained into ``request.cache_dir / request.name`` first if needed and reused after
+    (a second fetch of the same request returns the same file, not rewritten). ``config``: the schema of its
+    ``[data_source.NAME]`` recipe section (a ``ComponentConfig``; ``NoConfig``: it takes none), so one record
+    serves any number of user files. ``alphabet``: what its letters are (a ``megaseq.alphabets.Alphabet`` or the name of one of core's;
+    DNA by default);
+    core tokenises the file in it and sizes the model's vocabulary from it. ``parts``: the source splits its
+    corpus into a training and a held-out part, and ``request.part`` says which one to return (a recipe may
+    then name it as both ``data.train`` and ``data.heldout``); without parts it is one corpus, which a recipe
+    may not name as both.
+
+    ``bases`` and ``n_bases``, checked when the file is tokenised (``None``: not checked; a source whose
+    corpus depends on its config cannot know them and leaves them ``None``): ``bases`` counts every letter of
+    the sequence lines of all its records together, the unknown symbol (N) and ambiguity codes included;
+    ``n_bases`` counts those of them that are the unknown symbol after tokenising (N and ambiguity codes).
+    Neither counts the one N that core puts between two records when it joins them into one token stream
+    (``megaseq.data.token_metadata``'s ``separators``). ``summary`` is its line in ``megaseq data list``."""
 
     kind: ClassVar[str] = "data_source"
+    config: type[ComponentConfig] = NoConfig
+    alphabet: Alphabet = DNA
+    parts: bool = False
     bases: int | None = None
     n_bases: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (isinstance(self.config, type) and issubclass(self.config, ComponentConfig)):
+            raise ValueError(f"data_source {self.name!r}: config must be a megaseq.records.ComponentConfig subclass")
+        if not isinstance(self.alphabet, Alphabet | str):
+            raise ValueError(f"data_source {self.name!r}: alphabet must be a megaseq.alphabets.Alphabet or the name of "
+                             f"one of core's ({', '.join(ALPHABETS)}); got {self.alphabet!r}")
+        object.__setattr__(self, "alphabet", alphabet_named(self.alphabet, f"data_source {self.name!r}"))
+        for field_name in ("bases", "n_bases"):
+            value = getattr(self, field_name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"data_source {self.name!r}: {field_name} must be None or a count >= 0, got {value!r}")
+        if self.bases is not None and self.n_bases is not None and self.n_bases > self.bases:
+            raise ValueError(f"data_source {self.name!r}: n_bases {self.n_bases:,} exceeds bases {self.bases:,}")
+
+
+def _check_alphabets(record: Record, alphabets: frozenset[str]) -> frozenset[str]:
+    alphabets = frozenset(alphabets)
+    if not alphabets or not all(isinstance(a, str) and a for a in alphabets):
+        raise ValueError(f"{record.kind} {record.name!r}: alphabets must name the alphabets it handles, e.g. "
+                         "frozenset({'dna'})")
+    return alphabets
 
 
 @dataclass(frozen=True)
 class BaselineSpec(Component):
     """A reference predictor scored beside the model (``eval.baselines``, configured in
     ``[baseline.NAME]``): see ``megaseq.contracts.Baseline``. ``target`` resolves to
-    ``build(config, train: str) -> Baseline``."""
+    ``build(config, train: megaseq.data.Corpus) -> Baseline``. ``alphabets``: the names of the alphabets
+    (``megaseq.alphabets``) it can score; a recipe whose data is in another is refused in one line."""
 
     kind: ClassVar[str] = "baseline"
+    alphabets: frozenset[str] = frozenset({"dna"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "alphabets", _check_alphabets(self, self.alphabets))
 
 
 @dataclass(frozen=True)
 class EvalAnalysisSpec(Component):
     """An analysis of every scorer's per-target losses on the held-out windows (``eval.analyses``, configured
     in ``[eval_analysis.NAME]``): see ``megaseq.contracts.EvalAnalysis``. ``target`` resolves to
-    ``build(config, info: megaseq.contracts.EvalInfo) -> EvalAnalysis``."""
+    ``build(config, info: megaseq.contracts.EvalInfo) -> EvalAnalysis``. ``alphabets``: the names of the
+    alphabets (``megaseq.alphabets``) it can analyse; a recipe whose data is in another is refused in one line."""
 
     kind: ClassVar[str] = "eval_analysis"
+    alphabets: frozenset[str] = frozenset({"dna"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "alphabets", _check_alphabets(self, self.alphabets))
 
 
 @dataclass(frozen=True)

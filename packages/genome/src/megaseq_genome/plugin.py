@@ -15,12 +15,12 @@ from megaseq_genome.config import MarkovConfig, RetrievalConfig
 def megaseq_data_source() -> list[DataSourceSpec]:
     return [
         DataSourceSpec(
-            name="grch37-chr20", target="megaseq_genome.sources:chr20",
+            name="grch37-chr20", target="megaseq_genome.sources:fetch",
             summary="human GRCh37 chromosome 20, complete, upper case (training chromosome; Debian vt-examples)",
             bases=63_025_520, n_bases=3_520_000,
         ),
         DataSourceSpec(
-            name="grch37-chrX", target="megaseq_genome.sources:chrx",
+            name="grch37-chrX", target="megaseq_genome.sources:fetch",
             summary="human GRCh37 chromosome X, first 70 Mb, upper case (held-out chromosome; Debian smalt-examples)",
             bases=69_999_930, n_bases=3_760_000,
         ),

@@ -2,8 +2,9 @@
 
 For a held-out window of tokens ``ids[0 .. L]`` (inputs ``ids[:-1]``, targets ``ids[1:]``), the target at
 position p is ``ids[p + 1]`` and its preceding k-mer is ``ids[p - k + 1 .. p]``. Its **last earlier
-occurrence** is the largest q < p whose k-mer ``ids[q - k + 1 .. q]`` is the same (no N in either); the
-**distance** is p - q, and the occurrence's next base ``ids[q + 1]`` is what a copier would predict: the
+occurrence** is the largest q < p whose k-mer ``ids[q - k + 1 .. q]`` is the same, with no N in either nor
+between them (core joins a corpus's records with one N, so what lies before an N may be another document; an
+N run inside a record is a gap of unknown length); the **distance** is p - q, and the occurrence's next base ``ids[q + 1]`` is what a copier would predict: the
 copy is **right** when it equals the target. A target with p < k - 1, an N in its k-mer, or no earlier
 occurrence has no distance ("none").
 
@@ -62,9 +63,11 @@ def last_occurrence(ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     ids = np.asarray(ids) & TOKEN_ID_MASK
     length = len(ids) - 1
     codes, valid = kmer_codes(ids[:-1], k)  # the k-mer ending at input p precedes target p
+    segment = np.cumsum(ids[:-1] == N_ID)  # the N-free stretch each input lies in: occurrences never cross an N
     positions = np.flatnonzero(valid)
-    order = positions[np.argsort(codes[positions], kind="stable")]  # equal codes stay in position order
-    same = codes[order[1:]] == codes[order[:-1]]
+    # by stretch, then k-mer, then position: an occurrence's predecessor in this order is its last earlier one
+    order = positions[np.lexsort((positions, codes[positions], segment[positions]))]
+    same = (codes[order[1:]] == codes[order[:-1]]) & (segment[order[1:]] == segment[order[:-1]])
     previous = np.full(length, -1)
     previous[order[1:][same]] = order[:-1][same]
     distance = np.where(previous >= 0, np.arange(length) - previous, 0)

@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from megaseq.data.errors import DataError
 from megaseq.data.sources import progress
+from megaseq.records import FetchRequest
 
 # Installed Debian packages put their files here; tests point it at a temporary directory.
 SYSTEM_ROOT = Path("/")
@@ -36,14 +37,13 @@ CHR20 = DebianFile("grch37-chr20", "vt-examples", "usr/share/doc/vt/examples/ref
 CHRX = DebianFile("grch37-chrX", "smalt-examples", "usr/share/doc/smalt/test/data/hs37chrXtrunc.fa.gz")
 
 
-def chr20(cache_dir: Path) -> Path:
-    """GRCh37 chromosome 20 (the ``grch37-chr20`` data source)."""
-    return fetch_debian(CHR20, cache_dir)
+DEBIAN_FILES = {info.name: info for info in (CHR20, CHRX)}
 
 
-def chrx(cache_dir: Path) -> Path:
-    """The first 70 Mb of GRCh37 chromosome X (the ``grch37-chrX`` data source)."""
-    return fetch_debian(CHRX, cache_dir)
+def fetch(request: FetchRequest) -> Path:
+    """The target of both data sources: the chromosome the record ``request.name`` names (GRCh37 chromosome 20,
+    or the first 70 Mb of chromosome X); they take no config."""
+    return fetch_debian(DEBIAN_FILES[request.name], request.cache_dir)
 
 
 def fetch_debian(info: DebianFile, cache_dir: Path) -> Path:

@@ -28,8 +28,8 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | knob | suites | default | meaning |
 |---|---|---|---|
 | `name` | all | (required) | the component's registered name |
-| `config` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline, eval analysis | `{}` | its config, as its recipe section would give it |
-| `factory` | attention, ffn, moe, tiling, memory policy, rl, engine | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; core's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy or an RL algorithm `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)` |
+| `config` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis | `{}` | its config, as its recipe section would give it |
+| `factory` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; the kit's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy or an RL algorithm `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)`, for a baseline `build(config_dict, train)` (`train`: a `megaseq.data.Corpus`), for an eval analysis `build(config_dict, info)`; for a data source the `DataSourceSpec` record itself, registered in a fresh plugin manager |
 | `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
 | `kind` | ffn, moe | `"ffn"` / `"moe"` | the kind to build (set by the suite class) |
 | `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
@@ -59,9 +59,11 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `clip_range` | rl | `(0.2, 0.2)` | `(eps_low, eps_high)` of a PPO-style trust region: just outside `[1 - eps_low, 1 + eps_high]` on the side the advantage pushes a token gets no gradient, just inside it does; `None`: no trust region |
 | `groups`, `group_size`, `tokens` | rl | 5, 4, 7 | prompts, completions per prompt, tokens per completion |
 | `prompt_len`, `new_tokens` | engine | 11, 9 | prompt length and tokens generated |
-| `train` | baseline | `"excerpt-chr20"` | what the baseline is fitted on (a data source or FASTA path) |
+| `train` | baseline | `"excerpt-chr20"` | what the baseline is fitted on (a data source or FASTA path); its alphabet is the one the suite scores |
 | `baselines`, `windows` | eval analysis | `("base-a", "base-b")`, 5 | the labels of the baselines scored beside the model, and the held-out windows fed |
+| `alphabet` | eval analysis | `"dna"` | the alphabet of the windows fed (a name of `megaseq.alphabets.ALPHABETS` or an `Alphabet`) |
 | `cache_dir` | data source | `None` | where to fetch to; `None`: megaseq's cache (`$MEGASEQ_CACHE`, else ~/.cache/megaseq) |
+| `records` | data source | `None` | the sequences the test's input holds, read without the source (its test wrote the input): the records fetched, both parts together, must be exactly these; `None`: the record's declared `bases` are the check, and a record that declares none fails |
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from megaseq.commands import missing_command, run_parsed
+from megaseq.records import PARTS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -16,6 +17,9 @@ def parser() -> argparse.ArgumentParser:
     f = dsub.add_parser("fetch", help="download and tokenise a dataset", description="Fetch a dataset into the cache.")
     f.add_argument("name", help="dataset name (see 'megaseq data list')")
     f.add_argument("--cache-dir", help="default: $MEGASEQ_CACHE or ~/.cache/megaseq")
+    f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a key of the data source's config, as its recipe section [data_source.NAME] would set it")
+    f.add_argument("--part", choices=PARTS, default="train", help="for a data source with parts: which one (default: train)")
     f.set_defaults(func=cmd_data_fetch)
     ls = dsub.add_parser("list", help="known datasets", description="List the known datasets.")
     ls.set_defaults(func=cmd_data_list)
@@ -28,13 +32,22 @@ def main(argv: list[str]) -> int:
 
 
 def cmd_data_fetch(args: argparse.Namespace) -> int:
-    from megaseq.data.sources import fetch, token_metadata
+    from megaseq.config import parse_override
+    from megaseq.data.sources import Corpus, fetch, token_metadata
+    from megaseq.errors import UserError
     from megaseq.plugins import get_plugins
 
     plugins = get_plugins()
     cache_dir = Path(args.cache_dir) if args.cache_dir else None
-    path = fetch(args.name, cache_dir, plugins)
-    meta = token_metadata(args.name, cache_dir, plugins)
+    config = {}
+    for item in args.set:
+        keys, value = parse_override(item)
+        if len(keys) != 1:
+            raise UserError(f"--set {item!r}: a key of data_source.{args.name}'s config, e.g. --set path=VALUE")
+        config[keys[0]] = value
+    corpus = Corpus(args.name, config, args.part, plugins)
+    path = fetch(corpus, cache_dir)
+    meta = token_metadata(corpus, cache_dir)
     print(f"{args.name}: {path}")
     print(json.dumps({k: v for k, v in meta.items() if k != "records"}, indent=2))
     return 0

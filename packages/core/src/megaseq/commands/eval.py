@@ -61,7 +61,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"evaluating {path} (step {meta['step']}) on {recipe.data.heldout}; writing {out}", file=sys.stderr)
         with torch.no_grad():
             result = evaluate_heldout(model, recipe, device, plugins, out_dir=out, baseline=not args.no_baseline, progress=not args.no_progress)
-    print(f"step {meta['step']}: held-out {recipe.data.heldout}, {result['windows']} windows of {recipe.data.seq_len} bases")
+    print(f"step {meta['step']}: held-out {recipe.data.heldout}, {result['windows']} windows of {recipe.data.seq_len} {recipe.alphabet.unit}s")
     print(result["table"])
     extra = ", heldout_by_position.png and the analyses' files" if result["analyses"] else " and heldout_by_position.png"
     print(f"wrote {out}/heldout.json{extra}")

@@ -116,7 +116,8 @@ def print_eval(out_dir: Path, step: int) -> None:
 
     where = eval_dir(out_dir, step)
     heldout = json.loads((where / "heldout.json").read_text())
-    print(f"\nheld-out {heldout['heldout']}, {heldout['windows']} windows of {heldout['seq_len']} bases "
-          f"(bits/base by context position):")
+    unit = heldout.get("unit", "base")  # a heldout.json that names no unit is of DNA
+    print(f"\nheld-out {heldout['heldout']}, {heldout['windows']} windows of {heldout['seq_len']} {unit}s "
+          f"(bits/{unit} by context position):")
     print(format_table(heldout["results"]) + analysis_tables(heldout.get("analyses", {})))
     print(f"\nwrote {where}/heldout.json, heldout_by_position.png; checkpoints in {out_dir}/checkpoints")

@@ -1,8 +1,10 @@
-"""Sequence data: FASTA reading, single-nucleotide tokens, named data sources with a token cache, and windows."""
+"""Sequence data: FASTA reading, single-letter tokens of an alphabet, named data sources with a token cache, and
+windows."""
 
 from megaseq.data.errors import DataError
 from megaseq.data.fasta import read_fasta
 from megaseq.data.sources import (
+    Corpus,
     data_sources,
     default_cache_dir,
     fetch,
@@ -28,6 +30,7 @@ __all__ = [
     "VOCAB",
     "VOCAB_SIZE",
     "Batch",
+    "Corpus",
     "DataError",
     "GenomeWindows",
     "WindowSampler",

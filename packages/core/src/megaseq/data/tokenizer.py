@@ -1,73 +1,93 @@
-"""Single-nucleotide tokenizer.
+"""Single-letter tokenizer: one uint8 per letter of a corpus's alphabet (``megaseq.alphabets``).
 
-Each base becomes one uint8: the low 3 bits are the token id (A0 C1 G2 T3 N4) and bit 3 (`SOFTMASK_FLAG`)
-records that the base was lower case in the FASTA (a soft-masked repeat), so the loss can weight repeats
-without a second array. IUPAC ambiguity codes collapse to N because the model predicts only A/C/G/T/N.
-Encoding is one lookup in a 256-entry table, so a whole chromosome is tokenised at memory speed.
+The low bits of each byte are the token id (DNA: A0 C1 G2 T3 N4) and the bit above them (the alphabet's
+``softmask_flag``, 8 for DNA) records that the letter was lower case in the FASTA (a soft-masked repeat), so
+the loss can weight repeats without a second array. Ambiguity codes (DNA: IUPAC's) collapse to the unknown
+symbol (N) because the model predicts only the alphabet's letters and the unknown symbol; any other character
+is refused, never guessed. Encoding is one lookup in a 256-entry table, so a whole chromosome is tokenised at
+memory speed.
+
+The module constants (``VOCAB``, ``N_ID``, ``SOFTMASK_FLAG``, ``TOKEN_ID_MASK``) are DNA's; every function
+takes the alphabet, DNA by default.
 """
+
+from functools import cache
 
 import numpy as np
 
+from megaseq.alphabets import DNA, PROTEIN, Alphabet
 from megaseq.data.errors import DataError
 
-VOCAB = "ACGTN"
-VOCAB_SIZE = 5
-N_ID = 4
-SOFTMASK_FLAG = 8
-TOKEN_ID_MASK = 7
+VOCAB = DNA.symbols
+VOCAB_SIZE = DNA.size
+N_ID = DNA.unknown_id
+SOFTMASK_FLAG = DNA.softmask_flag
+TOKEN_ID_MASK = DNA.id_mask
 
-AMBIGUITY_CODES = "RYKMSWBDHV"
+AMBIGUITY_CODES = DNA.ambiguous
 _INVALID = 255
 
 
-def _encode_table() -> np.ndarray:
+@cache
+def _encode_table(alphabet: Alphabet) -> np.ndarray:
     table = np.full(256, _INVALID, dtype=np.uint8)
-    for token_id, base in enumerate(VOCAB):
-        table[ord(base)] = token_id
-        table[ord(base.lower())] = token_id | SOFTMASK_FLAG
-    for code in AMBIGUITY_CODES:
-        table[ord(code)] = N_ID
-        table[ord(code.lower())] = N_ID | SOFTMASK_FLAG
+    for token_id, letter in enumerate(alphabet.symbols):
+        table[ord(letter)] = token_id
+        table[ord(letter.lower())] = token_id | alphabet.softmask_flag
+    for code in alphabet.ambiguous:
+        table[ord(code)] = alphabet.unknown_id
+        table[ord(code.lower())] = alphabet.unknown_id | alphabet.softmask_flag
     return table
 
 
-_ENCODE = _encode_table()
-# Index = token byte (id | flag): upper case letter for plain bases, lower case for soft-masked ones.
-_DECODE = np.frombuffer((VOCAB + "???" + VOCAB.lower() + "???").encode(), dtype=np.uint8)
+@cache
+def _decode_table(alphabet: Alphabet) -> np.ndarray:
+    """Index = token byte (id | flag): upper case for plain letters, lower case for soft-masked ones."""
+    table = np.full(256, ord("?"), dtype=np.uint8)
+    for token_id, letter in enumerate(alphabet.symbols):
+        table[token_id] = ord(letter)
+        table[token_id | alphabet.softmask_flag] = ord(letter.lower())
+    return table
 
 
 class InvalidNucleotide(DataError):
-    """A character that is not A/C/G/T/N or an IUPAC ambiguity code; `offset` is its index."""
+    """A character that is not a letter of the alphabet, its unknown symbol or an ambiguity code; ``offset``
+    is its index."""
 
-    def __init__(self, char: str, offset: int) -> None:
+    def __init__(self, char: str, offset: int, alphabet: Alphabet = DNA) -> None:
+        codes = f" and ambiguity codes {' '.join(alphabet.ambiguous)}" if alphabet.ambiguous else ""
+        hint = ""
+        if alphabet is DNA and char.upper() in PROTEIN.letters:
+            hint = (" (protein? a data source that declares alphabet = megaseq.alphabets.PROTEIN reads it; "
+                    "a FASTA path is read as DNA)")
         super().__init__(
-            f"invalid nucleotide character {char!r} at offset {offset}; allowed: A C G T N and IUPAC codes "
-            f"{' '.join(AMBIGUITY_CODES)}, either case"
+            f"invalid {alphabet.letter} character {char!r} at offset {offset}; allowed: "
+            f"{' '.join(alphabet.symbols)}{codes}, either case{hint}"
         )
         self.char = char
         self.offset = offset
 
 
-def encode(seq: bytes) -> np.ndarray:
-    """Token bytes (uint8) of a nucleotide string; InvalidNucleotide (a DataError) on a bad character."""
-    tokens = _ENCODE[np.frombuffer(seq, dtype=np.uint8)]
+def encode(seq: bytes, alphabet: Alphabet = DNA) -> np.ndarray:
+    """Token bytes (uint8) of a sequence; InvalidNucleotide (a DataError) on a character outside ``alphabet``."""
+    tokens = _encode_table(alphabet)[np.frombuffer(seq, dtype=np.uint8)]
     bad = np.flatnonzero(tokens == _INVALID)
     if bad.size:
         offset = int(bad[0])
-        raise InvalidNucleotide(chr(seq[offset]), offset)
+        raise InvalidNucleotide(chr(seq[offset]), offset, alphabet)
     return tokens
 
 
-def token_ids(arr: np.ndarray) -> np.ndarray:
-    """Token ids 0..4 with the soft-mask flag stripped."""
-    return arr & TOKEN_ID_MASK
+def token_ids(arr: np.ndarray, alphabet: Alphabet = DNA) -> np.ndarray:
+    """Token ids (DNA: 0..4) with the soft-mask flag stripped."""
+    return arr & alphabet.id_mask
 
 
-def is_softmasked(arr: np.ndarray) -> np.ndarray:
-    """True where the base was lower case in the source."""
-    return (arr & SOFTMASK_FLAG) != 0
+def is_softmasked(arr: np.ndarray, alphabet: Alphabet = DNA) -> np.ndarray:
+    """True where the letter was lower case in the source."""
+    return (arr & alphabet.softmask_flag) != 0
 
 
-def decode(arr: np.ndarray) -> str:
-    """Inverse of `encode` up to IUPAC codes (which come back as N/n)."""
-    return _DECODE[np.asarray(arr, dtype=np.uint8)].tobytes().decode("ascii")
+def decode(arr: np.ndarray, alphabet: Alphabet = DNA) -> str:
+    """Inverse of `encode` up to ambiguity codes (which come back as the unknown symbol, N/n for DNA)."""
+    return _decode_table(alphabet)[np.asarray(arr, dtype=np.uint8)].tobytes().decode("ascii")

@@ -3,8 +3,8 @@
 A window is seq_len + 1 consecutive tokens: inputs are its first seq_len, targets its last seq_len. With
 the default stride of seq_len, consecutive windows share one token, so every target position is scored
 exactly once. Windows are chosen once, up front: a window whose targets are more than `max_n_fraction` N
-is dropped (N runs are assembly gaps, not DNA), and so is any window whose targets would all weigh 0, so
-a batch can never produce a 0/0 loss. Counting N per window uses prefix sums evaluated block by block, so
+(the alphabet's unknown symbol) is dropped (N runs are assembly gaps, not DNA), and so is any window whose
+targets would all weigh 0, so a batch can never produce a 0/0 loss. Counting N per window uses prefix sums evaluated block by block, so
 a whole-chromosome memmap is never expanded to a full-size integer array.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from megaseq.data.tokenizer import N_ID, SOFTMASK_FLAG, TOKEN_ID_MASK
+from megaseq.alphabets import DNA, Alphabet
 
 if TYPE_CHECKING:
     from megaseq.config import Recipe
@@ -28,7 +28,7 @@ _PREFIX_BLOCK = 1 << 22
 
 @dataclass
 class Batch:
-    """inputs/targets: token ids 0..4, LongTensor [B, T]; weights: FloatTensor [B, T] target loss weights."""
+    """inputs/targets: token ids (DNA: 0..4), LongTensor [B, T]; weights: FloatTensor [B, T] target loss weights."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -71,8 +71,8 @@ def _prefix_counts(
 class GenomeWindows:
     """Windows of `seq_len + 1` tokens starting every `stride` tokens (default: seq_len), filtered as above.
 
-    tokens: uint8 token bytes from `megaseq.data.tokenized` (soft-mask flag allowed).
-    softmask_weight: loss weight of soft-masked (lower-case) targets; N targets always weigh 0.
+    tokens: uint8 token bytes from `megaseq.data.tokenized` (soft-mask flag allowed) in ``alphabet``.
+    softmask_weight: loss weight of soft-masked (lower-case) targets; unknown (N) targets always weigh 0.
     """
 
     def __init__(
@@ -83,6 +83,7 @@ class GenomeWindows:
         max_n_fraction: float = 0.5,
         softmask_weight: float = 1.0,
         stride: int | None = None,
+        alphabet: Alphabet = DNA,
     ) -> None:
         stride = seq_len if stride is None else stride
         if seq_len < 1:
@@ -96,6 +97,8 @@ class GenomeWindows:
         self.tokens = tokens
         self.seq_len = seq_len
         self.softmask_weight = softmask_weight
+        self.alphabet = alphabet
+        unknown, mask, flag = alphabet.unknown_id, alphabet.id_mask, alphabet.softmask_flag
         candidates = np.arange(0, max(len(tokens) - seq_len, 0), stride, dtype=np.int64)
         # Targets of the window at s are tokens[s + 1 : s + seq_len + 1].
         bounds = np.concatenate([candidates + 1, candidates + seq_len + 1])
@@ -106,11 +109,11 @@ class GenomeWindows:
             prefix[order] = _prefix_counts(tokens, bounds[order], indicator)
             return prefix[len(candidates) :] - prefix[: len(candidates)]
 
-        n_targets = targets_count(lambda block: (block & TOKEN_ID_MASK) == N_ID)
+        n_targets = targets_count(lambda block: (block & mask) == unknown)
         keep = n_targets <= max_n_fraction * seq_len
         if softmask_weight == 0.0:
             zero_weight = targets_count(
-                lambda block: ((block & TOKEN_ID_MASK) == N_ID) | (block & SOFTMASK_FLAG != 0)
+                lambda block: ((block & mask) == unknown) | (block & flag != 0)
             )
         else:
             zero_weight = n_targets
@@ -125,11 +128,11 @@ class GenomeWindows:
         """The windows `indices` (into `starts`) as a Batch."""
         span = np.arange(self.seq_len + 1)
         windows = np.asarray(self.tokens)[self.starts[np.asarray(indices, dtype=np.int64)][:, None] + span]
-        ids = torch.from_numpy((windows & TOKEN_ID_MASK).astype(np.int64))
+        ids = torch.from_numpy((windows & self.alphabet.id_mask).astype(np.int64))
         targets = ids[:, 1:]
-        soft = torch.from_numpy((windows[:, 1:] & SOFTMASK_FLAG) != 0)
+        soft = torch.from_numpy((windows[:, 1:] & self.alphabet.softmask_flag) != 0)
         weights = torch.where(soft, self.softmask_weight, 1.0).to(torch.float32)
-        weights[targets == N_ID] = 0.0
+        weights[targets == self.alphabet.unknown_id] = 0.0
         return Batch(inputs=ids[:, :-1], targets=targets, weights=weights)
 
 
@@ -191,15 +194,17 @@ def recipe_windows(recipe: Recipe, which: str, plugins: Plugins | None = None) -
 
     d = recipe.data
     spec = getattr(d, which)
+    alphabet = recipe.alphabet
     try:
-        tokens = tokenized(spec, plugins=plugins)
+        tokens = tokenized(recipe.corpus(which, plugins), plugins=plugins)
     except DataError as exc:
         raise DataError(f"{recipe.source}: data.{which}: {exc}") from None
-    windows = GenomeWindows(tokens, d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight)
+    windows = GenomeWindows(tokens, d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight,
+                            alphabet=alphabet)
     if len(windows) == 0:
         raise DataError(
-            f"{recipe.source}: data.{which} {spec!r} has no window of data.seq_len {d.seq_len} bases with at most "
-            f"data.max_n_fraction {d.max_n_fraction} N"
+            f"{recipe.source}: data.{which} {spec!r} has no window of data.seq_len {d.seq_len} {alphabet.unit}s with "
+            f"at most data.max_n_fraction {d.max_n_fraction} {alphabet.unknown}"
         )
     return windows
 

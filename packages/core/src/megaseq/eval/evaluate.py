@@ -34,7 +34,8 @@ def batch_to(batch: Batch, device: torch.device) -> Batch:
 
 def heldout_windows(recipe: Recipe, plugins: Plugins | None = None) -> tuple[GenomeWindows, list[int]]:
     d = recipe.data
-    windows = GenomeWindows(tokenized(d.heldout, plugins=plugins), d.seq_len, max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight)
+    windows = GenomeWindows(tokenized(recipe.corpus("heldout", plugins), plugins=plugins), d.seq_len,
+                            max_n_fraction=d.max_n_fraction, softmask_weight=d.softmask_weight, alphabet=recipe.alphabet)
     if len(windows) == 0:
         raise UserError(f"{recipe.source}: data.heldout {d.heldout!r} has no window of seq_len {d.seq_len}")
     n = min(recipe.eval.windows, len(windows))
@@ -94,18 +95,19 @@ def score_model(
 
 def build_baselines(recipe: Recipe, plugins: Plugins) -> list[Baseline]:
     """The baselines ``eval.baselines`` names, each built from its ``[baseline.NAME]`` config and fitted on
-    ``data.train`` (see ``megaseq.contracts.Baseline``)."""
+    ``data.train``, given as a ``megaseq.data.Corpus`` (see ``megaseq.contracts.Baseline``)."""
     built = []
+    train = recipe.corpus("train", plugins)
     for name in recipe.eval.baselines:
         provided = plugins.get("baseline", name, where=f"{recipe.source}: eval.baselines")
-        built.append(provided.load()(recipe.component("baseline", name), recipe.data.train))
+        built.append(provided.load()(recipe.component("baseline", name), train))
     return built
 
 
 def build_analyses(recipe: Recipe, plugins: Plugins, baselines: list[Baseline], windows: int) -> dict[str, EvalAnalysis]:
     """The analyses ``eval.analyses`` names, each built from its ``[eval_analysis.NAME]`` config for the model
     and ``baselines`` on ``windows`` held-out windows (see ``megaseq.contracts.EvalAnalysis``)."""
-    info = EvalInfo(recipe.source, recipe.data.seq_len, windows, tuple(b.label for b in baselines))
+    info = EvalInfo(recipe.source, recipe.data.seq_len, windows, tuple(b.label for b in baselines), recipe.alphabet)
     built = {}
     for name in recipe.eval.analyses:
         provided = plugins.get("eval_analysis", name, where=f"{recipe.source}: eval.analyses")
@@ -182,8 +184,10 @@ def evaluate_heldout(
     reports = {name: dict(zip(("result", "table"), analysis.finish(out_dir), strict=True)) for name, analysis in analyses.items()}
     table = format_table(results) + analysis_tables(reports)
     if out_dir is not None:
-        payload = {"heldout": recipe.data.heldout, "seq_len": recipe.data.seq_len, "windows": len(indices), "results": results}
+        payload = {"heldout": recipe.data.heldout, "alphabet": recipe.alphabet.name, "unit": recipe.alphabet.unit,
+                   "seq_len": recipe.data.seq_len, "windows": len(indices), "results": results}
         (out_dir / "heldout.json").write_text(json.dumps(payload | ({"analyses": reports} if reports else {}), indent=2))
-        plot_positions(results, out_dir / "heldout_by_position.png", f"{recipe.run.name}: held-out {recipe.data.heldout}")
+        plot_positions(results, out_dir / "heldout_by_position.png", f"{recipe.run.name}: held-out {recipe.data.heldout}",
+                       recipe.alphabet.unit)
     analysed = {name: report["result"] for name, report in reports.items()}
     return {"results": results, "analyses": analysed, "table": table, "flat": flatten(results), "windows": len(indices)}

@@ -109,8 +109,9 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_positions(results: dict[str, dict], path: Path, title: str) -> None:
-    """PNG of bits/base against position bucket (log2 x axis, bucket midpoints), one line per model."""
+def plot_positions(results: dict[str, dict], path: Path, title: str, unit: str = "base") -> None:
+    """PNG of bits per token (``unit``: a base of DNA, a residue of protein) against position bucket (log2 x axis,
+    bucket midpoints), one line per model."""
     # Imported here because matplotlib is slow to import and only plotting needs it; the object-oriented
     # Agg API draws without touching pyplot's global backend state.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -125,7 +126,7 @@ def plot_positions(results: dict[str, dict], path: Path, title: str) -> None:
         axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("position in window (bucket midpoint, tokens of preceding context)")
-    axes.set_ylabel("bits per base")
+    axes.set_ylabel(f"bits per {unit}")
     axes.set_title(title)
     axes.grid(True, alpha=0.3)
     axes.legend()

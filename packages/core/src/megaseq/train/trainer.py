@@ -98,15 +98,16 @@ MEMORY_NOTE = {
 
 
 def progress_line(
-    metrics: dict[str, float], device: torch.device, planned_gib: float | None = None, tokens_per_s: float | None = None
+    metrics: dict[str, float], device: torch.device, planned_gib: float | None = None, tokens_per_s: float | None = None,
+    unit: str = "base",
 ) -> str:
-    """The progress line's note on a step: its loss in bits per base (the unit of every result), labelled, the
-    throughput over the recent steps (``tokens_per_s``; the step's own when not given), and the measured peak
-    beside the plan's."""
+    """The progress line's note on a step: its loss in bits per token of the data's alphabet (``unit``: a base
+    of DNA, a residue of protein; the unit of every result), labelled, the throughput over the recent steps
+    (``tokens_per_s``; the step's own when not given), and the measured peak beside the plan's."""
     peak = "peak mem" if device.type == "cuda" else "peak RSS"
     plan = f" (plan {planned_gib:.2f} GiB)" if planned_gib is not None else ""
     rate = metrics["tokens_per_s"] if tokens_per_s is None else tokens_per_s
-    return f"loss {metrics['bits_per_base']:.4f} bits/base, {rate:.0f} tok/s, {peak} {metrics['peak_mem_gib']:.2f} GiB{plan}"
+    return f"loss {metrics['bits_per_base']:.4f} bits/{unit}, {rate:.0f} tok/s, {peak} {metrics['peak_mem_gib']:.2f} GiB{plan}"
 
 
 class Trainer:
@@ -389,7 +390,7 @@ class Trainer:
                 metrics = self.train_step()
                 losses.append(metrics["loss"])
                 bar.record(tokens=self.tokens - tokens_before)  # then the line: this step's, with this step's rate
-                bar.show(progress_line(metrics, self.device, self.memory.peak_gib, bar.tokens_per_s))
+                bar.show(progress_line(metrics, self.device, self.memory.peak_gib, bar.tokens_per_s, self.recipe.alphabet.unit))
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(self.step, metrics)
                 if self.step == t.steps:
