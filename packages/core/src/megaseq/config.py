@@ -2,7 +2,7 @@
 
 Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, ``[parallel]``, and one section per component used,
 ``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory_policy.NAME]``, ``[baseline.NAME]``,
-``[eval_analysis.NAME]``, validated by that
+``[eval_analysis.NAME]``, ``[data_transform.NAME]``, validated by that
 component's own schema. Every mistake is one line naming the file, the key path and what is allowed.
 """
 
@@ -23,7 +23,7 @@ from megaseq.records import ComponentConfig
 MAX_SEQ_LEN = 2**30  # beyond any memory; a bound keeps a typo from reaching the planner's arithmetic
 COMPONENT_SECTIONS = {
     "attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy", "baseline": "baseline",
-    "eval_analysis": "eval_analysis",
+    "eval_analysis": "eval_analysis", "data_transform": "data_transform",
 }
 # keys a recipe may no longer hold, with what replaced them (one line each)
 REPLACED_KEYS = {
@@ -87,11 +87,24 @@ class DataConfig(Section):
         "until_step = 500}, {seq_len = 1024, until_tokens = 4e6}]; each step reads the same data.seq_len windows, "
         "cut into stage-length windows (the same tokens per step, more rows); after the last stage, data.seq_len",
     )
+    transforms: list[str] = Field(
+        [],
+        description="data transforms (megaseq plugins lists them) applied in order to every training micro-batch "
+        "after the schedule's cut, never to held-out windows, each configured in [data_transform.NAME]",
+    )
 
     @model_validator(mode="after")
     def _distinct_ids(self) -> DataConfig:
         if self.token_ids is not None and (len(set(self.token_ids)) != 5 or min(self.token_ids) < 0):
             raise ValueError(f"token_ids must be 5 distinct ids >= 0, got {self.token_ids}")
+        return self
+
+    @model_validator(mode="after")
+    def _transforms_once(self) -> DataConfig:
+        for i, name in enumerate(self.transforms):
+            if name in self.transforms[:i]:
+                raise ValueError(f"transforms[{i}] {name!r} is already transforms[{self.transforms.index(name)}]: each "
+                                 "transform is applied once, configured in its one [data_transform.NAME]")
         return self
 
     @model_validator(mode="after")
@@ -300,6 +313,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 SELECTION_KEYS = {
     ("model", "layer_pattern"): "attention", ("model", "ffn"): "ffn", ("model", "moe"): "moe",
     ("train", "memory_policy"): "memory_policy", ("eval", "baselines"): "baseline", ("eval", "analyses"): "eval_analysis",
+    ("data", "transforms"): "data_transform",
 }
 
 
@@ -412,6 +426,9 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
     for i, name in enumerate(recipe.eval.analyses):
         used["eval_analysis"].add(name)
         where.setdefault(("eval_analysis", name), f"eval.analyses[{i}]")
+    for i, name in enumerate(recipe.data.transforms):
+        used["data_transform"].add(name)
+        where.setdefault(("data_transform", name), f"data.transforms[{i}]")
 
     for section, kind in COMPONENT_SECTIONS.items():
         if not isinstance(component_raw[section], dict):
@@ -425,7 +442,7 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         for name in sorted(set(tables) - used[kind]):
             users = {"attention": "model.layer_pattern", "ffn": "model.ffn", "moe": "model.moe",
                      "memory_policy": "train.memory_policy", "baseline": "eval.baselines",
-                     "eval_analysis": "eval.analyses"}[kind]
+                     "eval_analysis": "eval.analyses", "data_transform": "data.transforms"}[kind]
             raise ConfigError(f"{source}: [{section}.{name}] is configured but not used by {users}")
         for name in sorted(used[kind]):
             provided = plugins.get(kind, name, where=f"{source}: {where[(kind, name)]}")
