@@ -63,6 +63,8 @@ def recorded(name: str, transform):
 
 
 def build_rotate(config: RotateConfig):
+    if config.p == 0:
+        raise ConfigError("p: 0 rotates no window; allowed: more than 0, up to 1 (or leave rotate out of data.transforms)")
     return recorded("rotate", Rotate(config))
 
 
@@ -137,6 +139,14 @@ def test_a_window_shorter_than_a_transform_acts_on_is_refused_before_training(tm
     with pytest.raises(ConfigError) as caught:
         build_transforms(r, plugins())
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_a_config_the_transform_refuses_is_one_line_naming_its_section(tmp_path):
+    r = recipe(tmp_path, ["halve", "rotate"], sections={"data_transform": {"rotate": {"p": 0}}})
+    with pytest.raises(ConfigError) as caught:
+        build_transforms(r, plugins())
+    assert str(caught.value) == ("r.toml: [data_transform.rotate] p: 0 rotates no window; allowed: more than 0, up to 1 "
+                                 "(or leave rotate out of data.transforms)")
 
 
 def test_a_set_that_deselects_a_transform_drops_its_section():

@@ -142,6 +142,9 @@ def genome_plugins():
      "r.toml: data_transform.planted-repeats.segment: Input should be greater than or equal to 32 (got 16)"),
     ({"data_transform": {"planted-repeats": {"anneal_until_step": 1}}},
      "r.toml: data_transform.planted-repeats.anneal_until_step: Input should be greater than or equal to 2 (got 1)"),
+    ({"data_transform": {"planted-repeats": {"share": 0, "anneal_until_step": 100}}},
+     "r.toml: [data_transform.planted-repeats] anneal_until_step 100: share is 0, there is nothing to anneal; allowed: "
+     "a share above 0, or no anneal_until_step"),
     ({"data_transform": {"planted-repeats": {"plant": 0.5}}},
      "r.toml: data_transform.planted-repeats.plant: unknown key; allowed: share, segment, anneal_until_step"),
     ({"data_transform": {"reverse-complement": {"p": 1.5}}},

@@ -551,9 +551,11 @@ class DataTransform(Protocol):
     """A change made to every training micro-batch: an augmentation (the reverse complement of DNA), planted
     repeats, a curriculum of them.
 
-    Built by its record's target as ``build(config)``; a recipe applies transforms with ``data.transforms =
-    ["NAME", ...]``, in that order, each configured in ``[data_transform.NAME]``; the record declares
-    ``changes_distribution`` (``megaseq.records.DataTransformSpec``). Core calls
+    Built by its record's target as ``build(config)``, which raises ``megaseq.errors.ConfigError`` (one line
+    naming the key and what is allowed) for a config its schema admits but it cannot serve; core prefixes the
+    recipe and ``[data_transform.NAME]``. A recipe applies transforms with ``data.transforms = ["NAME", ...]``,
+    in that order, each configured in ``[data_transform.NAME]``; the record declares ``changes_distribution``
+    (``megaseq.records.DataTransformSpec``). Core calls
     ``transform(batch, step=step, generator=generator) -> Batch``:
 
     - On training micro-batches only. Evaluation never calls it, and nothing else may change: a transform

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from megaseq.data.tokenizer import N_ID
 from megaseq.data.windows import Batch
+from megaseq.errors import ConfigError
 from megaseq_genome.config import MIN_PLANTED_SEGMENT, PlantedRepeatsConfig, ReverseComplementConfig
 
 COMPLEMENT = torch.tensor([3, 2, 1, 0, N_ID])  # A C G T N -> T G C A N
@@ -94,4 +95,7 @@ def build_reverse_complement(config: ReverseComplementConfig) -> ReverseCompleme
 
 
 def build_planted_repeats(config: PlantedRepeatsConfig) -> PlantedRepeats:
+    if config.anneal_until_step is not None and config.share == 0:
+        raise ConfigError(f"anneal_until_step {config.anneal_until_step}: share is 0, there is nothing to anneal; "
+                          "allowed: a share above 0, or no anneal_until_step")
     return PlantedRepeats(config.share, config.segment, config.anneal_until_step)

@@ -52,16 +52,20 @@ def transform_generator(seed: int, step: int, micro_batch: int, position: int) -
 
 
 def build_transforms(recipe: Recipe, plugins: Plugins) -> list[BuiltTransform]:
-    """The transforms ``data.transforms`` names, in order, each built from its ``[data_transform.NAME]``; a
-    window of the recipe (``data.seq_len``, a ``data.schedule`` stage) shorter than a transform acts on is one
-    line here, before training."""
+    """The transforms ``data.transforms`` names, in order, each built from its ``[data_transform.NAME]``. A
+    config a transform refuses (its ``megaseq.errors.ConfigError``, naming the key) and a window of the recipe
+    (``data.seq_len``, a ``data.schedule`` stage) shorter than a transform acts on are one line here, naming the
+    recipe and the section, before training."""
     from megaseq.distributed.layout import window_lengths
 
     built = []
     for position, name in enumerate(recipe.data.transforms):
         provided = plugins.get("data_transform", name, where=f"{recipe.source}: data.transforms[{position}]")
         config = recipe.component("data_transform", name)
-        transform = provided.load()(config)
+        try:
+            transform = provided.load()(config)
+        except ConfigError as exc:  # a config its schema admits but the transform cannot serve
+            raise ConfigError(f"{recipe.source}: [data_transform.{name}] {exc}") from None
         if not isinstance(transform, DataTransform):
             raise TypeError(f"data transform {name!r}: its target built a {type(transform).__name__}, which does not "
                             "implement megaseq.contracts.DataTransform (min_length and __call__)")
