@@ -43,12 +43,13 @@ bases, a segment is copied d bases further on; a model that copies predicts the 
 on the copy against the original for the model, for the model with each attention kind's output zeroed (which
 layers copy), and for the order-11 Markov baseline (a control: it cannot copy). ``copy-train`` asks whether the
 recipe's model learns to copy when the training data asks for it: it trains the recipe with a repeat planted
-in a share (``--plant``) of the training windows (a random segment of 32 to ``--segment`` bases copied at least
-its length further on) and prints the ``copy`` table after chosen steps. With ``--synthetic`` the training
-windows are i.i.d. uniform bases, so that the planted copies are all there is to learn, and the table is also
-printed on uniform bases. ``--windows-until W:S ...`` is a window-length curriculum: until step S, each
-training window of ``data.seq_len`` bases is cut into windows of W bases (the same tokens per step, more rows),
-each planted on its own; after the last S, windows are whole. ``--retrieval`` adds, after the last step, the
+in a share (``--plant``) of the training windows (megaseq-genome's ``planted-repeats`` data transform: a random
+segment of 32 to ``--segment`` bases copied at least its length further on) and prints the ``copy`` table after
+chosen steps. With ``--synthetic`` the training windows are i.i.d. uniform bases, so that the planted copies are
+all there is to learn, and the table is also printed on uniform bases; this replaces the data rather than
+transforming it, so it stays an option of this probe. ``--windows-until W:S ...`` is a window-length curriculum
+(core's ``data.schedule``): until step S, each training window of ``data.seq_len`` bases is cut into windows of
+W bases (the same tokens per step, more rows), each planted on its own; after the last S, windows are whole. ``--retrieval`` adds, after the last step, the
 retrieval table of the held-out windows' own (natural) repeats, each window cut into windows of
 ``data.seq_len`` bases: does copying learned on planted repeats reach the genome's repeats, which the Markov
 baselines partly know?
@@ -373,15 +374,15 @@ def probe_copy(args: argparse.Namespace) -> None:
     _copy_table(recipe, model, [inputs[0] for inputs, _ in heldout.windows(tokens)], args, markov=fitted_markov("grch37-chr20", 11))
 
 
-def _window_stage(text: str, seq_len: int) -> tuple[int, int]:
-    """``W:S`` of ``--windows-until``: (S, W), W a divisor of ``seq_len`` of at least 66 bases (a planted
-    segment of 32 bases and its copy fit)."""
+def _window_stage(text: str) -> tuple[int, int]:
+    """``W:S`` of ``--windows-until``: (S, W); the recipe checks W (a divisor of ``data.seq_len``, long enough for
+    a planted segment and its copy)."""
     try:
         width, until = (int(part) for part in text.split(":"))
     except ValueError:
         raise SystemExit(f"--windows-until {text!r}: expected W:S, a window length and a step, e.g. 128:2500") from None
-    if width < 66 or seq_len % width or until < 1:
-        raise SystemExit(f"--windows-until {text!r}: W must divide data.seq_len={seq_len} and be at least 66; S at least 1")
+    if until < 1:
+        raise SystemExit(f"--windows-until {text!r}: S must be at least 1")
     return until, width
 
 
@@ -424,42 +425,33 @@ def _natural_retrieval(recipe: Any, model: Any, held: list[Any], plan: Any) -> N
 def probe_copy_train(args: argparse.Namespace) -> None:
     from megaseq.config import load_recipe
     from megaseq.data.windows import Batch
+    from megaseq.errors import UserError
     from megaseq.plugins import get_plugins
     from megaseq.train.trainer import Trainer
 
     plugins = get_plugins()
-    sets = [f"train.steps={args.steps}", "run.out_dir='runs/diagnose/copy-train'", *args.set]
-    trainer = Trainer(load_recipe(args.recipe, plugins, sets), plugins, progress=False, tensorboard=False)
-    windows, rng = trainer.train_windows, np.random.default_rng(0)
-    schedule = sorted(_window_stage(text, trainer.recipe.data.seq_len) for text in args.windows_until)  # (until step, W)
+    schedule = sorted(_window_stage(text) for text in args.windows_until)  # (until step, W)
+    stages = ", ".join(f"{{seq_len = {width}, until_step = {until}}}" for until, width in schedule)
+    sets = [f"train.steps={args.steps}", "run.out_dir='runs/diagnose/copy-train'", 'data.transforms=["planted-repeats"]',
+            f"data_transform.planted-repeats.share={args.plant}", f"data_transform.planted-repeats.segment={args.segment}",
+            *([f"data.schedule=[{stages}]"] if schedule else []), *args.set]
+    try:
+        trainer = Trainer(load_recipe(args.recipe, plugins, sets), plugins, progress=False, tensorboard=False)
+    except UserError as exc:
+        raise SystemExit(f"copy-train: {exc}") from None
+    if args.synthetic:
+        windows, rng = trainer.train_windows, np.random.default_rng(0)
 
-    class Planted:  # the training windows, a random segment of each copied further on with probability --plant
-        def __len__(self) -> int:
-            return len(windows)
+        class Uniform:  # the training windows' shapes, i.i.d. uniform bases: only the planted copies can be predicted
+            def __len__(self) -> int:
+                return len(windows)
 
-        def batch(self, indices: Any) -> Batch:
-            out = windows.batch(indices)
-            if args.synthetic:  # i.i.d. uniform bases: only the planted copies can be predicted
+            def batch(self, indices: Any) -> Batch:
+                out = windows.batch(indices)
                 ids = torch.from_numpy(rng.integers(0, 4, (len(out.inputs), out.inputs.shape[1] + 1))).to(out.inputs.dtype)
-                out = Batch(ids[:, :-1].clone(), ids[:, 1:].clone(), torch.ones_like(out.weights))
-            width = next((w for until, w in schedule if trainer.step < until), out.inputs.shape[1])
-            # row r's targets are its inputs shifted by one, so cutting both into W-wide pieces gives W-base windows
-            out = Batch(*(t.reshape(-1, width).clone() for t in (out.inputs, out.targets, out.weights)))
-            length = width + 1
-            for row in range(len(out.inputs)):
-                if rng.random() >= args.plant:
-                    continue
-                seg = int(rng.integers(32, min(args.segment, (length - 1) // 2) + 1))
-                d = int(rng.integers(seg, length - seg))
-                a = int(rng.integers(0, length - d - seg + 1))
-                ids = torch.cat([out.inputs[row], out.targets[row, -1:]])
-                ids[a + d : a + d + seg] = ids[a : a + seg].clone()
-                weights = torch.cat([out.weights[row, :1], out.weights[row]])
-                weights[a + d : a + d + seg] = weights[a : a + seg].clone()
-                out.inputs[row], out.targets[row], out.weights[row] = ids[:-1], ids[1:], weights[1:]
-            return out
+                return Batch(ids[:, :-1].clone(), ids[:, 1:].clone(), torch.ones_like(out.weights))
 
-    trainer.train_windows = Planted()
+        trainer.train_windows = Uniform()
     plan, heldout, tokens = _heldout(args)
     held = [inputs[0] for inputs, _ in heldout.windows(tokens)]
     uniform = [torch.from_numpy(np.random.default_rng(1).integers(0, 4, len(ids))).to(ids.dtype) for ids in held]

@@ -105,3 +105,14 @@ def test_a_window_length_schedule_under_cp_equals_one_process(tmp_path, hybrid):
     assert [m["seq_len"] for m in expected["metrics"]] == [48, 96]
     ranks = run_gloo(2, train_under_layouts, raw, [Layout(cp=2)], str(tmp_path), 2)
     _check(ranks[0], [Layout(cp=2)], expected)
+
+
+@pytest.mark.slow
+def test_data_transforms_under_dp_equal_one_process(tmp_path, hybrid):
+    """``data.transforms`` under dp=2: every rank transforms the whole global micro-batch with the same generators,
+    then takes its share, so the run is the one process's."""
+    raw = {**hybrid, "data": {**hybrid["data"], "transforms": ["reverse-complement", "planted-repeats"]},
+           "data_transform": {"planted-repeats": {"share": 1.0, "segment": 40}}}
+    expected = train_single(single_trainer(raw, tmp_path / "single"), 2)
+    ranks = run_gloo(2, train_under_layouts, raw, [Layout(dp=2)], str(tmp_path), 2)
+    _check(ranks[0], [Layout(dp=2)], expected)

@@ -172,6 +172,7 @@ SUITES = {
     "data source": "megaseq_testkit.data_source:DataSourceConformance",
     "baseline": "megaseq_testkit.baseline:BaselineConformance",
     "eval analysis": "megaseq_testkit.eval_analysis:EvalAnalysisConformance",
+    "data transform": "megaseq_testkit.data_transform:DataTransformConformance",
 }
 KNOB_HEADER = "| knob | suites | default | meaning |"
 

@@ -2,7 +2,7 @@
 
 Sections: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[eval]``, ``[parallel]``, and one section per component used,
 ``[attention.NAME]``, ``[ffn.NAME]``, ``[moe.NAME]``, ``[memory_policy.NAME]``, ``[baseline.NAME]``,
-``[eval_analysis.NAME]``, ``[data_source.NAME]`` (a data source that ``data.train`` or ``data.heldout`` names),
+``[eval_analysis.NAME]``, ``[data_transform.NAME]``, ``[data_source.NAME]`` (a data source that ``data.train`` or ``data.heldout`` names),
 validated by that component's own schema. Every mistake is one line naming the file, the key path and what is
 allowed.
 
@@ -31,7 +31,7 @@ MAX_SEQ_LEN = 2**30  # beyond any memory; a bound keeps a typo from reaching the
 CORE_TABLES = ("run", "data", "model", "train", "eval", "parallel")
 COMPONENT_SECTIONS = {
     "attention": "attention", "ffn": "ffn", "moe": "moe", "memory_policy": "memory_policy", "baseline": "baseline",
-    "eval_analysis": "eval_analysis", "data_source": "data_source",
+    "eval_analysis": "eval_analysis", "data_source": "data_source", "data_transform": "data_transform",
 }
 
 
@@ -90,11 +90,24 @@ class DataConfig(Section):
         "until_step = 500}, {seq_len = 1024, until_tokens = 4e6}]; each step reads the same data.seq_len windows, "
         "cut into stage-length windows (the same tokens per step, more rows); after the last stage, data.seq_len",
     )
+    transforms: list[str] = Field(
+        [],
+        description="data transforms (megaseq plugins lists them) applied in order to every training micro-batch "
+        "after the schedule's cut, never to held-out windows, each configured in [data_transform.NAME]",
+    )
 
     @model_validator(mode="after")
     def _distinct_ids(self) -> DataConfig:
         if self.token_ids is not None and (len(set(self.token_ids)) != 5 or min(self.token_ids) < 0):
             raise ValueError(f"token_ids must be 5 distinct ids >= 0, got {self.token_ids}")
+        return self
+
+    @model_validator(mode="after")
+    def _transforms_once(self) -> DataConfig:
+        for i, name in enumerate(self.transforms):
+            if name in self.transforms[:i]:
+                raise ValueError(f"transforms[{i}] {name!r} is already transforms[{self.transforms.index(name)}]: each "
+                                 "transform is applied once, configured in its one [data_transform.NAME]")
         return self
 
     @model_validator(mode="after")
@@ -320,6 +333,7 @@ SELECTION_KEYS = {
     ("model", "layer_pattern"): "attention", ("model", "ffn"): "ffn", ("model", "moe"): "moe",
     ("train", "memory_policy"): "memory_policy", ("eval", "baselines"): "baseline", ("eval", "analyses"): "eval_analysis",
     ("data", "train"): "data_source", ("data", "heldout"): "data_source",
+    ("data", "transforms"): "data_transform",
 }
 
 
@@ -513,6 +527,9 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         if name in sources or name in configured:  # a configured name must be a source: it was not meant as a path
             used["data_source"].add(name)
             where.setdefault(("data_source", name), f"data.{which}")
+    for i, name in enumerate(recipe.data.transforms):
+        used["data_transform"].add(name)
+        where.setdefault(("data_transform", name), f"data.transforms[{i}]")
 
     for section, kind in COMPONENT_SECTIONS.items():
         if not isinstance(component_raw[section], dict):
@@ -526,7 +543,8 @@ def validate_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<recip
         for name in sorted(set(tables) - used[kind]):
             users = {"attention": "model.layer_pattern", "ffn": "model.ffn", "moe": "model.moe",
                      "memory_policy": "train.memory_policy", "baseline": "eval.baselines",
-                     "eval_analysis": "eval.analyses", "data_source": "data.train or data.heldout"}[kind]
+                     "eval_analysis": "eval.analyses", "data_source": "data.train or data.heldout",
+                     "data_transform": "data.transforms"}[kind]
             raise ConfigError(f"{source}: [{section}.{name}] is configured but not used by {users}")
         for name in sorted(used[kind]):
             provided = plugins.get(kind, name, where=f"{source}: {where[(kind, name)]}")

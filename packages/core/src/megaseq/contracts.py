@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -30,6 +30,9 @@ from torch import Tensor
 from megaseq.alphabets import DNA, Alphabet
 from megaseq.documents import Documents
 from megaseq.records import ModelDims
+
+if TYPE_CHECKING:
+    from megaseq.data.windows import Batch
 
 
 @dataclass(frozen=True)
@@ -566,6 +569,48 @@ class EvalAnalysis(Protocol):
     def finish(self, out_dir: Any) -> tuple[dict[str, Any], str]: ...
 
 
+@runtime_checkable
+class DataTransform(Protocol):
+    """A change made to every training micro-batch: an augmentation (the reverse complement of DNA), planted
+    repeats, a curriculum of them.
+
+    Built by its record's target as ``build(config)``, which raises ``megaseq.errors.ConfigError`` (one line
+    naming the key and what is allowed) for a config its schema admits but it cannot serve; core prefixes the
+    recipe and ``[data_transform.NAME]``. A recipe applies transforms with ``data.transforms = ["NAME", ...]``,
+    in that order, each configured in ``[data_transform.NAME]``; the record declares ``changes_distribution``
+    (``megaseq.records.DataTransformSpec``). Core calls
+    ``transform(batch, step=step, generator=generator) -> Batch``:
+
+    - On training micro-batches only. Evaluation never calls it, and nothing else may change: a transform
+      never touches held-out windows, the token cache, data paths or ``megaseq.data`` itself; all it changes
+      is the batch it returns.
+    - On the whole global micro-batch (every data-parallel rank transforms the same rows, then takes its
+      share, so a layout equals one process), after the window-length schedule's cut (``data.schedule``: the
+      rows are the stage's windows) and before the batch is mapped into the model's vocabulary
+      (``data.token_ids``): ``batch`` (``megaseq.data.windows.Batch``, on the CPU) holds token ids of the
+      data's alphabet, A C G T N = 0..4 (``megaseq.data.tokenizer``), ``inputs`` and ``targets`` int64
+      ``[B, T]``, ``weights`` float32 ``[B, T]`` (the targets' loss weights: 0 on N, ``data.softmask_weight``
+      on soft-masked bases), and each row is a window: ``targets[:, :-1] == inputs[:, 1:]``.
+    - It returns a batch of the same shapes and dtypes, ids in 0..4, finite weights >= 0, 0 on every N target,
+      each row still a window; it never changes ``batch`` in place (the caller's tensors stay as they were).
+    - Its randomness comes from ``generator`` alone: a CPU ``torch.Generator`` that core seeds from the run's
+      seed, the step, the micro-batch's index in the step and the transform's position in
+      ``data.transforms`` (``megaseq.data.transforms.transform_generator``). It leaves the global generators
+      (torch, numpy, ``random``) untouched. ``step`` is the optimizer step being taken, counting from 1 (a
+      curriculum reads it). The result depends on ``batch``, ``step`` and ``generator`` only: the transform
+      keeps no state from call to call, so a resumed run, with a freshly built transform, transforms each
+      batch as the straight run did.
+    - ``min_length``: the shortest window (tokens per row) it acts on; core refuses, before training, a recipe
+      whose windows (``data.seq_len``, every ``data.schedule`` stage) are shorter.
+
+    ``megaseq_testkit.data_transform.DataTransformConformance`` checks all of this.
+    """
+
+    min_length: int
+
+    def __call__(self, batch: Batch, *, step: int, generator: torch.Generator) -> Batch: ...
+
+
 def iter_modules(model: torch.nn.Module, cls: type) -> Iterator[tuple[str, Any]]:
     """``(name, module)`` for each submodule that is an instance of ``cls``: how a plugin finds its own
     modules in a model from its lifecycle hooks."""
@@ -580,6 +625,7 @@ __all__ = [
     "Attention",
     "Baseline",
     "ContextParallel",
+    "DataTransform",
     "EvalAnalysis",
     "EvalInfo",
     "FeedForward",

@@ -8,9 +8,10 @@ Two families:
 
 - **Registration hooks** (``megaseq_attention``, ``megaseq_ffn``, ``megaseq_moe``, ``megaseq_memory_policy``,
   ``megaseq_rl_algorithm``, ``megaseq_inference_engine``, ``megaseq_command``, ``megaseq_data_source``,
-  ``megaseq_baseline``, ``megaseq_eval_analysis``, ``megaseq_hf_layout``) return the plugin's components as records (``megaseq.records``). Core calls each
-  plugin's implementation separately, once per plugin manager, when the registry is first needed (listing
-  plugins, validating a recipe, building a model), so that a failure is pinned on the plugin that caused it:
+  ``megaseq_baseline``, ``megaseq_eval_analysis``, ``megaseq_hf_layout``, ``megaseq_data_transform``) return
+  the plugin's components as records (``megaseq.records``). Core calls each plugin's implementation
+  separately, once per plugin manager, when the registry is first needed (listing plugins, validating a
+  recipe, building a model), so that a failure is pinned on the plugin that caused it:
   an exception, a record of the wrong type or a record whose target does not exist makes that plugin
   ``broken`` (all of its components become unavailable, with the reason in ``megaseq plugins``, and the
   plugin is blocked: none of its hooks, lifecycle hooks included, runs again) and leaves the other
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
         BaselineSpec,
         CommandSpec,
         DataSourceSpec,
+        DataTransformSpec,
         EvalAnalysisSpec,
         FFNSpec,
         HFLayoutSpec,
@@ -172,6 +174,17 @@ def megaseq_hf_layout() -> list[HFLayoutSpec]:
     may be another plugin's) and carries the mappings of those that do not map themselves to it; core's
     walker takes a component's mapping from the layout where it has one, else from the component's record.
     Called like :func:`megaseq_attention`.
+    """
+
+
+@hookspec
+def megaseq_data_transform() -> list[DataTransformSpec]:
+    """The data transforms (``data.transforms``: augmentations, planted repeats; changes made to every training
+    micro-batch, never to held-out windows) this plugin provides.
+
+    Returns a list of ``megaseq.records.DataTransformSpec``; each target resolves to
+    ``build(config) -> DataTransform`` implementing ``megaseq.contracts.DataTransform``, and each record declares
+    ``changes_distribution``. Called like :func:`megaseq_attention`.
     """
 
 

@@ -470,10 +470,28 @@ class HFLayoutSpec(Record):
         return None
 
 
+@dataclass(frozen=True)
+class DataTransformSpec(Component):
+    """A change made to every training micro-batch (``data.transforms``, applied in order, each configured in
+    ``[data_transform.NAME]``): see ``megaseq.contracts.DataTransform``. ``target`` resolves to
+    ``build(config) -> DataTransform``. ``changes_distribution`` (required): whether the transformed windows
+    are drawn from another distribution than the data's (planted repeats do; the reverse complement of DNA,
+    the genome's other strand, does not); the run header says it beside each transform."""
+
+    kind: ClassVar[str] = "data_transform"
+    changes_distribution: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.changes_distribution, bool):
+            raise ValueError(f"data_transform {self.name!r}: declare changes_distribution = True or False (whether "
+                             "the transformed windows are drawn from another distribution than the data's)")
+
+
 SPEC_TYPES: dict[str, type[Record]] = {
     cls.kind: cls
     for cls in (
         AttentionSpec, FFNSpec, MoESpec, MemoryPolicySpec, RLAlgorithmSpec, InferenceEngineSpec, CommandSpec,
-        DataSourceSpec, BaselineSpec, EvalAnalysisSpec, HFLayoutSpec,
+        DataSourceSpec, BaselineSpec, EvalAnalysisSpec, HFLayoutSpec, DataTransformSpec,
     )
 }

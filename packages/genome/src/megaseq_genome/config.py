@@ -31,3 +31,25 @@ class RetrievalConfig(ComponentConfig):
     )
     k: RetrievalK = Field(20, description="k-mer length of the printed table and the plot (heldout.json holds every k)")
     bootstrap_samples: int = Field(1000, ge=100, description="resamples of the held-out windows behind each 95% interval")
+
+
+class ReverseComplementConfig(ComponentConfig):
+    """``[data_transform.reverse-complement]``."""
+
+    p: float = Field(0.5, ge=0, le=1, description="probability that a training window is replaced by its reverse complement")
+
+
+MIN_PLANTED_SEGMENT = 32  # the shortest planted segment, in bases (megaseq_genome.transforms.PlantedRepeats)
+
+
+class PlantedRepeatsConfig(ComponentConfig):
+    """``[data_transform.planted-repeats]``."""
+
+    share: float = Field(0.5, ge=0, le=1, description="share of training windows given a planted repeat (at step 1 "
+                         "when annealed)")
+    segment: int = Field(256, ge=MIN_PLANTED_SEGMENT, description="longest planted segment in bases (each is 32 to this "
+                         "many, at most half the window), copied at least its length further on")
+    anneal_until_step: int | None = Field(
+        None, ge=2, description="the share falls linearly from its value at step 1 to 0 at this step, so that training "
+        "ends on natural data; None: the same share throughout",
+    )

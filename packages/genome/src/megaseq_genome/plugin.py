@@ -1,5 +1,6 @@
 """megaseq plugin registration: the ``grch37-chr20`` and ``grch37-chrX`` data sources, the ``markov``
-baseline, the ``retrieval`` eval analysis and the ``megaseq context-extension`` command.
+baseline, the ``retrieval`` eval analysis, the ``reverse-complement`` and ``planted-repeats`` data transforms and
+the ``megaseq context-extension`` command.
 
 Listing plugins imports this module, so it imports nothing heavy (no torch): targets load lazily.
 """
@@ -7,8 +8,8 @@ Listing plugins imports this module, so it imports nothing heavy (no torch): tar
 from __future__ import annotations
 
 from megaseq.hookspecs import hookimpl
-from megaseq.records import BaselineSpec, CommandSpec, DataSourceSpec, EvalAnalysisSpec
-from megaseq_genome.config import MarkovConfig, RetrievalConfig
+from megaseq.records import BaselineSpec, CommandSpec, DataSourceSpec, DataTransformSpec, EvalAnalysisSpec
+from megaseq_genome.config import MarkovConfig, PlantedRepeatsConfig, RetrievalConfig, ReverseComplementConfig
 
 
 @hookimpl
@@ -47,6 +48,23 @@ def megaseq_eval_analysis() -> list[EvalAnalysisSpec]:
             summary="bits/base by distance to the last earlier occurrence of each target's k-mer, and the share of "
             "a perfect copier's gain captured",
         )
+    ]
+
+
+@hookimpl
+def megaseq_data_transform() -> list[DataTransformSpec]:
+    return [
+        DataTransformSpec(
+            name="reverse-complement", target="megaseq_genome.transforms:build_reverse_complement",
+            config=ReverseComplementConfig, changes_distribution=False,
+            summary="with probability p, a training window replaced by its reverse complement (the other strand)",
+        ),
+        DataTransformSpec(
+            name="planted-repeats", target="megaseq_genome.transforms:build_planted_repeats",
+            config=PlantedRepeatsConfig, changes_distribution=True,
+            summary="in a share of the training windows, a random segment copied at least its length further on "
+            "(optionally annealed to none by a step)",
+        ),
     ]
 
 

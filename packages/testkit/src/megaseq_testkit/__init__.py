@@ -19,7 +19,8 @@ The suites are the executable definition of "a working plugin", one per kind:
 - ``megaseq_testkit.engine.EngineConformance`` (``inference_engine``),
 - ``megaseq_testkit.data_source.DataSourceConformance`` (``data_source``),
 - ``megaseq_testkit.baseline.BaselineConformance`` (``baseline``),
-- ``megaseq_testkit.eval_analysis.EvalAnalysisConformance`` (``eval_analysis``).
+- ``megaseq_testkit.eval_analysis.EvalAnalysisConformance`` (``eval_analysis``),
+- ``megaseq_testkit.data_transform.DataTransformConformance`` (``data_transform``).
 
 They build components by name through the installed entry points, so they also check that registration
 works. Their building blocks are in ``megaseq_testkit.checks``. Every suite takes its settings as class
@@ -28,8 +29,8 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | knob | suites | default | meaning |
 |---|---|---|---|
 | `name` | all | (required) | the component's registered name |
-| `config` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis | `{}` | its config, as its recipe section would give it |
-| `factory` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; the kit's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy or an RL algorithm `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)`, for a baseline `build(config_dict, train)` (`train`: a `megaseq.data.Corpus`), for an eval analysis `build(config_dict, info)`; for a data source the `DataSourceSpec` record itself, registered in a fresh plugin manager |
+| `config` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis, data transform | `{}` | its config, as its recipe section would give it |
+| `factory` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis, data transform | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; the kit's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy, an RL algorithm or a data transform `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)`, for a baseline `build(config_dict, train)` (`train`: a `megaseq.data.Corpus`), for an eval analysis `build(config_dict, info)`; for a data source the `DataSourceSpec` record itself, registered in a fresh plugin manager |
 | `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
 | `kind` | ffn, moe | `"ffn"` / `"moe"` | the kind to build (set by the suite class) |
 | `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
@@ -39,9 +40,9 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `invariance_tolerance` | rl | 1e-4 | shift and scale invariance of advantages, relative to the largest advantage |
 | `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement |
 | `memory_lengths` | attention, ffn, moe, tiling | `(64, 256)` | sequence lengths at which the estimate is checked (tiling: in four tiles) |
-| `seq_len` | attention, ffn, moe, tiling, memory policy, eval analysis | 48; ffn, moe 13; tiling 45; memory policy 67; eval analysis 701 | tokens per row (memory policy: per micro-batch; eval analysis: targets per window) |
+| `seq_len` | attention, ffn, moe, tiling, memory policy, eval analysis, data transform | 48; ffn, moe 13; tiling 45; memory policy 67; eval analysis 701; data transform 150 | tokens per row (memory policy: per micro-batch; eval analysis: targets per window; data transform: per window, at least its `min_length`) |
 | `grad_seq_len` | attention, ffn, moe | 10; ffn, moe 5 | tokens per row of the gradient check (each parameter costs two forwards) |
-| `batch` | ffn, moe, engine | 2; engine 3 | rows (engine: prompts) |
+| `batch` | ffn, moe, engine, data transform | 2; engine 3; data transform 16 | rows (engine: prompts; data transform: windows per micro-batch) |
 | `doc_lengths` | attention, tiling, memory policy | `(5, 17, 0, 1, 25)`; tiling `(12, 4, 13, 0, 16)`; memory policy `(20, 1, 29, 17)` | documents of the packed tests (an empty one included; tiling: one starts on a tile edge) |
 | `prefill` | attention | 19 | tokens decoded as one prefill before the decoding steps |
 | `decode_steps` | attention | `(3, 1, 5, 2)` | token counts of the decoding steps after the prefill, cycled, beside single-token steps |
@@ -62,6 +63,7 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `train` | baseline | `"excerpt-chr20"` | what the baseline is fitted on (a data source or FASTA path); its alphabet is the one the suite scores |
 | `baselines`, `windows` | eval analysis | `("base-a", "base-b")`, 5 | the labels of the baselines scored beside the model, and the held-out windows fed |
 | `alphabet` | eval analysis | `"dna"` | the alphabet of the windows fed (a name of `megaseq.alphabets.ALPHABETS` or an `Alphabet`) |
+| `random` | data transform | `True` | the transform draws from its generator, so different seeds must give different batches; `False` (one that draws nothing, or is configured to, e.g. a probability of 0): they must not |
 | `cache_dir` | data source | `None` | where to fetch to; `None`: megaseq's cache (`$MEGASEQ_CACHE`, else ~/.cache/megaseq) |
 | `records` | data source | `None` | the sequences the test's input holds, read without the source (its test wrote the input): the records fetched, both parts together, must be exactly these; `None`: the record's declared `bases` are the check, and a record that declares none fails |
 """

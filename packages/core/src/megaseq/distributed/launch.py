@@ -40,6 +40,7 @@ from typing import Any
 from megaseq import threads
 from megaseq.capabilities import check_components
 from megaseq.config import Recipe, RunConfig, validate_recipe
+from megaseq.data.transforms import build_transforms
 from megaseq.devices import bind_ray_device, device_type, join_torchrun
 from megaseq.distributed.experts import layout_splits
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups, rank_groups
@@ -60,11 +61,13 @@ QUIET_RAY = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
 def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, address: str | None = None) -> None:
     """Everything about a layout that can be checked before a worker starts: the layout, what it asks of the
-    components (their declared capabilities), the experts' split, the checkpoint to resume, the cluster."""
+    components (their declared capabilities), the data transforms against the windows, the experts' split, the
+    checkpoint to resume, the cluster."""
     if address is not None:
         check_address(address)
     check_layout(recipe, layout)
     check_components(recipe, plugins, layout)
+    build_transforms(recipe, plugins)
     layout_splits(recipe, plugins, layout.ep, layout.tp, layout.etp)  # builds on the meta device: components may refuse
     if resume and (path := checkpoint.newest_verified(recipe.out_dir / "checkpoints").path) is not None:
         check_resharding(path, recipe, plugins)

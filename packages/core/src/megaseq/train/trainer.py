@@ -39,6 +39,7 @@ from megaseq import threads
 from megaseq.capabilities import check_components
 from megaseq.config import Recipe
 from megaseq.contracts import ForwardContext
+from megaseq.data.transforms import apply_transforms, build_transforms
 from megaseq.data.windows import Batch, WindowSampler, training_windows
 from megaseq.devices import pick_device
 from megaseq.distributed.experts import build_rank_model
@@ -131,6 +132,7 @@ class Trainer:
         self.device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)
         self.train_windows = training_windows(recipe, plugins)
+        self.transforms = build_transforms(recipe, plugins)  # data.transforms, for training batches only
         self.rank = build_rank_model(recipe, plugins, self.device, self.parallel)
         self.memory = plan_run(recipe, plugins, self.device)
         self.recipe = recipe = self.memory.recipe  # with the planner's policies under memory_policy = "auto"
@@ -278,11 +280,15 @@ class Trainer:
         self.notes.append(f"weights from {found}")
 
     # -- the loop -----------------------------------------------------------------------------------
-    def _micro_batch(self, totals: StepTotals) -> None:
-        """Forward and backward of this rank's part of one global micro-batch; what it saw goes to ``totals``."""
+    def _micro_batch(self, totals: StepTotals, index: int) -> None:
+        """Forward and backward of this rank's part of global micro-batch ``index`` of the step; what it saw goes to
+        ``totals``. The data transforms see the whole micro-batch (every rank the same rows) in the data's ids,
+        after the schedule's cut."""
         t, p = self.recipe.train, self.parallel
         length = self.recipe.data.length_at(self.step, self.tokens)  # the window-length schedule's stage
-        whole = self.train_windows.batch(self.sampler.next_indices()).to_vocab(self.recipe.data.token_ids).cut(length)
+        whole = self.train_windows.batch(self.sampler.next_indices()).cut(length)
+        whole = apply_transforms(self.transforms, whole, self.recipe.run.seed, self.step + 1, index)
+        whole = whole.to_vocab(self.recipe.data.token_ids)
         batch = batch_to(p.local_batch(whole), self.device)
         ctx = p.forward_context(length)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16)
@@ -300,8 +306,8 @@ class Trainer:
         started = time.perf_counter()
         totals = StepTotals()
         with self.optimizer_step.forwards():
-            for _ in range(t.grad_accum):
-                self._micro_batch(totals)
+            for index in range(t.grad_accum):
+                self._micro_batch(totals, index)
         loss, tokens, aux, metrics = totals.reduce(p.sum, p.layout.dp, t.grad_accum)
         update = self.optimizer_step.update(info.step, loss, aux)
         self.skipped_steps += not update.applied  # a skipped step consumes its windows all the same
@@ -350,6 +356,7 @@ class Trainer:
             f"  data: {len(self.train_windows)} training windows of {self.recipe.data.seq_len} bases"
             + "".join(f", cut into {s.seq_len} until " + (f"step {s.until_step}" if s.until_step else f"{s.until_tokens} tokens")
                       for s in self.recipe.data.schedule) + f"; out: {self.out_dir}",
+            *([f"  data transforms, in order: {'; '.join(b.describe() for b in self.transforms)}"] if self.transforms else []),
             f"  memory: {describe_memory_policy(self.recipe, self.memory.chosen_by)}; heap: {self.heap}; plan: {self.memory.note}",
             f"  {MEMORY_NOTE[self.device.type]}",
             *(f"  {note}" for note in self.notes),
