@@ -631,3 +631,28 @@ def test_floor_check_rejects_a_stale_floor():
     ]
     fine = [("p", Requirement("numpy>=2.4,<3"), False), ("p", Requirement("vllm>=0.33"), True)]  # an extra not installed here
     assert floor_problems(fine, installed, "2.13.0") == []
+
+
+def test_architecture_names_every_contract_and_suite():
+    """Every Protocol of ``megaseq.contracts`` (and the engine's), the records a contract hands a component
+    (``EvalInfo``), and every conformance suite of ``megaseq_testkit`` appear in docs/architecture.md."""
+    import inspect
+    import pkgutil
+    from typing import Protocol
+
+    import megaseq_testkit
+    from megaseq import contracts, inference
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    protocols = {name for module in (contracts, inference) for name, obj in vars(module).items()
+                 if inspect.isclass(obj) and Protocol in getattr(obj, "__mro__", ()) and obj is not Protocol
+                 and obj.__module__ == module.__name__ and not name.startswith("_")}
+    suites = set()
+    for info in pkgutil.iter_modules(megaseq_testkit.__path__):
+        if info.name in ("hopper", "pytest_plugin"):  # hopper needs triton; the pytest plugin holds no suite
+            continue
+        module = importlib.import_module(f"megaseq_testkit.{info.name}")
+        suites |= {name for name, obj in vars(module).items()
+                   if inspect.isclass(obj) and name.endswith("Conformance") and obj.__module__ == module.__name__}
+    missing = sorted(name for name in protocols | suites | {"EvalInfo"} if f"`{name}`" not in text)
+    assert protocols and suites and not missing, f"docs/architecture.md does not name {missing}"
