@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from megaseq.commands import add_run_arguments
 from megaseq.errors import UserError
 
 
@@ -24,12 +25,7 @@ def rl_main(argv: list[str]) -> int:
         "torchrun --nproc-per-node N --no-python megaseq rl RECIPE.",
     )
     p.add_argument("recipe", help="an RL recipe, e.g. packages/rl/recipes/genome-rl-cpu.toml")
-    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
-    start = p.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
-    start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
-    p.add_argument("--out", metavar="DIR", help="the run directory (as --set run.out_dir=DIR)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(p)
     args = p.parse_args(argv)
 
     from megaseq.plugins import get_plugins

@@ -32,7 +32,7 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `config` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis, data transform | `{}` | its config, as its recipe section would give it |
 | `factory` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis, data transform | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; the kit's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy, an RL algorithm or a data transform `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)`, for a baseline `build(config_dict, train)` (`train`: a `megaseq.data.Corpus`), for an eval analysis `build(config_dict, info)`; for a data source the `DataSourceSpec` record itself, registered in a fresh plugin manager |
 | `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
-| `kind` | ffn, moe | `"ffn"` / `"moe"` | the kind to build (set by the suite class) |
+| `kind` | attention, ffn, moe, tiling | `"attention"`; `"ffn"`, `"moe"`; tiling `"attention"` | the kind to build (set by the suite class) |
 | `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
 | `d_model` | attention, ffn, moe, tiling | 32 | model width |
 | `tolerance` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline, eval analysis | 1e-5; memory policy, baseline 1e-6; rl 1e-10; engine 1e-4; eval analysis 1e-9 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; eval analysis: each number of two results, relative to its size; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
@@ -78,7 +78,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -167,6 +167,26 @@ def declared_capabilities(
     if factory is not None:
         return frozenset(knob or ())
     return (plugins or installed_plugins()).get(kind, name).spec.capabilities
+
+
+class ComponentSuite:
+    """What every suite of a model component (attention, feed-forward, MoE, sequence tiling) shares: the knobs
+    that name and build the component and bound its checks (each suite adds its own; the module docstring's
+    table lists them all), and the component's declared capabilities."""
+
+    kind: ClassVar[str]
+    name: ClassVar[str]
+    config: ClassVar[dict[str, Any]] = {}
+    factory: ClassVar[str | None] = None
+    memory: ClassVar[str | None] = None
+    d_model: ClassVar[int] = 32
+    tolerance: ClassVar[float] = 1e-5
+    memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
+    memory_tolerance: ClassVar[float] = 0.25
+    capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
+
+    def declared(self) -> frozenset[str]:
+        return declared_capabilities(self.kind, self.name, self.factory, self.capabilities)
 
 
 def load_factory(target: str) -> Any:

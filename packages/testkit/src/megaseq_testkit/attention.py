@@ -59,15 +59,21 @@ from megaseq.contracts import ContextParallel, ForwardContext, KeptValues
 from megaseq.parallel import zigzag_shard
 from megaseq.records import ModelDims
 from megaseq_testkit import (
+    ComponentSuite,
     assert_close,
     build_component,
     check_deterministic,
     check_gradients,
-    declared_capabilities,
     memory_estimator,
     watch_host_syncs,
 )
-from megaseq_testkit.checks import check_saved_estimate, check_two_forwards, forward_backward, saved_bytes
+from megaseq_testkit.checks import (
+    check_saved_estimate,
+    check_shape_and_dtype,
+    check_two_forwards,
+    forward_backward,
+    saved_bytes,
+)
 from megaseq_testkit.tensor_parallel import check_tensor_parallel
 
 # A context-parallel case: (config, x [B, T, d_model], grad_out [B, T, d_model], cu_seqlens or None).
@@ -191,30 +197,19 @@ def check_context_parallel(
     return results
 
 
-class AttentionConformance:
+class AttentionConformance(ComponentSuite):
     """Base class of an attention component's conformance tests (the knobs are documented in
     docs/writing-a-plugin.md)."""
 
-    name: ClassVar[str]
-    config: ClassVar[dict[str, Any]] = {}
-    factory: ClassVar[str | None] = None
-    memory: ClassVar[str | None] = None
-    d_model: ClassVar[int] = 32
-    tolerance: ClassVar[float] = 1e-5
+    kind: ClassVar[str] = "attention"
     grad_tolerance: ClassVar[float] = 1e-6
     seq_len: ClassVar[int] = 48
     grad_seq_len: ClassVar[int] = 10
     doc_lengths: ClassVar[tuple[int, ...]] = (5, 17, 0, 1, 25)
     prefill: ClassVar[int] = 19
     decode_steps: ClassVar[tuple[int, ...]] = (3, 1, 5, 2)
-    memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
-    memory_tolerance: ClassVar[float] = 0.25
     cp_world_sizes: ClassVar[tuple[int, ...]] = (2, 4)
     cp_seq_len: ClassVar[int] = 32
-    capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
-
-    def declared(self) -> frozenset[str]:
-        return declared_capabilities("attention", self.name, self.factory, self.capabilities)
 
     def build(self, seed: int = 0) -> nn.Module:
         return _build(self.name, self.config, self.d_model, seed, self.factory)
@@ -228,14 +223,7 @@ class AttentionConformance:
         return _cu([0, *itertools.accumulate(self.doc_lengths)])
 
     def test_shape_and_dtype(self) -> None:
-        module = self.build()
-        for dtype in (torch.float32, torch.float64):
-            module = module.to(dtype)
-            x = self.inputs(2, self.seq_len).to(dtype)
-            out = module(x, ForwardContext())
-            assert out.shape == x.shape, f"output shape {tuple(out.shape)} for input {tuple(x.shape)}"
-            assert out.dtype == x.dtype, f"output dtype {out.dtype} for input dtype {x.dtype}"
-            assert torch.isfinite(out).all(), f"non-finite output ({dtype})"
+        check_shape_and_dtype(self.build(), self.inputs(2, self.seq_len), ForwardContext)
 
     def test_causal(self) -> None:
         module = self.build()

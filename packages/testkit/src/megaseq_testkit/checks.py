@@ -233,3 +233,14 @@ __all__ = [
     "saved_bytes",
     "watch_host_syncs",
 ]
+
+
+def check_shape_and_dtype(module: nn.Module, x: Tensor, context: Callable[[], Any]) -> None:
+    """The output of ``module`` keeps the input's shape and dtype and is finite, in float32 and float64
+    (``context()``: a fresh forward context per call)."""
+    for dtype in (torch.float32, torch.float64):
+        module = module.to(dtype)
+        out = module(x.to(dtype), context())
+        assert out.shape == x.shape, f"output shape {tuple(out.shape)} for input {tuple(x.shape)}"
+        assert out.dtype == dtype, f"output dtype {out.dtype} for input dtype {dtype}"
+        assert torch.isfinite(out).all(), f"non-finite output ({dtype})"

@@ -29,7 +29,7 @@ float32 comparisons; the float64 gradient check uses ``grad_tolerance``, 1e-6).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 import torch
@@ -38,39 +38,33 @@ from torch import Tensor, nn
 from megaseq.contracts import ForwardContext
 from megaseq.records import ModelDims
 from megaseq_testkit import (
+    ComponentSuite,
     assert_close,
     build_component,
     check_deterministic,
     check_gradients,
-    declared_capabilities,
     memory_estimator,
     watch_host_syncs,
 )
-from megaseq_testkit.checks import check_saved_estimate, check_two_forwards, forward_backward, saved_bytes
+from megaseq_testkit.checks import (
+    check_saved_estimate,
+    check_shape_and_dtype,
+    check_two_forwards,
+    forward_backward,
+    saved_bytes,
+)
 from megaseq_testkit.tensor_parallel import check_tensor_parallel
 
 
-class FeedForwardConformance:
+class FeedForwardConformance(ComponentSuite):
     """Base class of a feed-forward component's conformance tests (the knobs are documented in
     docs/writing-a-plugin.md)."""
 
     kind: ClassVar[str] = "ffn"
-    name: ClassVar[str]
-    config: ClassVar[dict[str, Any]] = {}
-    factory: ClassVar[str | None] = None
-    memory: ClassVar[str | None] = None
-    d_model: ClassVar[int] = 32
-    tolerance: ClassVar[float] = 1e-5
     grad_tolerance: ClassVar[float] = 1e-6
     batch: ClassVar[int] = 2
     seq_len: ClassVar[int] = 13
     grad_seq_len: ClassVar[int] = 5
-    memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
-    memory_tolerance: ClassVar[float] = 0.25
-    capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
-
-    def declared(self) -> frozenset[str]:
-        return declared_capabilities(self.kind, self.name, self.factory, self.capabilities)
 
     def build(self, seed: int = 0) -> nn.Module:
         """The module under test, in training mode."""
@@ -83,14 +77,7 @@ class FeedForwardConformance:
         return torch.randn(self.batch, length or self.seq_len, self.d_model, generator=gen)
 
     def test_shape_and_dtype(self) -> None:
-        module = self.build()
-        for dtype in (torch.float32, torch.float64):
-            module = module.to(dtype)
-            x = self.inputs().to(dtype)
-            out = module(x, ForwardContext())
-            assert out.shape == x.shape, f"output shape {tuple(out.shape)} for input {tuple(x.shape)}"
-            assert out.dtype == x.dtype, f"output dtype {out.dtype} for input dtype {x.dtype}"
-            assert torch.isfinite(out).all(), f"non-finite output ({dtype})"
+        check_shape_and_dtype(self.build(), self.inputs(), ForwardContext)
 
     def test_per_token(self) -> None:
         module = self.build()

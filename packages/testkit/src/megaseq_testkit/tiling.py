@@ -19,7 +19,7 @@ a view of a larger tensor counting as all of it) must be within ``memory_toleran
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, SequenceTiling, Tile
 from megaseq.records import MemoryEstimate, ModelDims
-from megaseq_testkit import assert_close, build_component, declared_capabilities, memory_estimator
+from megaseq_testkit import ComponentSuite, assert_close, build_component, declared_capabilities, memory_estimator
 from megaseq_testkit.checks import check_saved_estimate
 
 
@@ -53,24 +53,16 @@ def run_tiled(module: nn.Module, x: Tensor, ctx: ForwardContext, tile_tokens: in
     return torch.cat(outputs, dim=1)
 
 
-class SequenceTilingConformance:
+class SequenceTilingConformance(ComponentSuite):
     """Base class of a tiling attention component's conformance tests."""
 
-    name: ClassVar[str]
-    config: ClassVar[dict[str, Any]] = {}
-    factory: ClassVar[str | None] = None
-    memory: ClassVar[str | None] = None
-    d_model: ClassVar[int] = 32
-    tolerance: ClassVar[float] = 1e-5
+    kind: ClassVar[str] = "attention"
     seq_len: ClassVar[int] = 45
     tile_sizes: ClassVar[tuple[int, ...]] = (1, 7, 16, 45)
     # packed documents, one empty: with tiles of 16 one starts exactly at a tile boundary (16) and one
     # crosses a boundary (29..45 over 32); tiles of 5 cut most of them
     doc_lengths: ClassVar[tuple[int, ...]] = (12, 4, 13, 0, 16)
     packed_tile_sizes: ClassVar[tuple[int, ...]] = (5, 16)
-    memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
-    memory_tolerance: ClassVar[float] = 0.25
-    capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
 
     def build(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)

@@ -46,6 +46,17 @@ def missing_command(prog: str, commands: argparse.Action):
     return run
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, out_default: str = "runs/{run.name}") -> None:
+    """The arguments of a command that trains into a run directory (``megaseq train``, and a plugin's that
+    does): ``--set``, ``--resume`` or ``--overwrite``, ``--out``, ``--no-progress``."""
+    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
+    start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
+    parser.add_argument("--out", metavar="DIR", help=f"the run directory (as --set run.out_dir=DIR; default {out_default})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def run_parsed(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     """Parse ``argv`` and call the ``func`` the parser (or its subcommand) set."""
     args = parser.parse_args(argv)
@@ -71,4 +82,4 @@ def parse_policy_argument(value: str) -> str | list[str]:
     return names
 
 
-__all__ = ["megaseq_command", "memory_policy_override", "missing_command", "parse_policy_argument", "run_parsed"]
+__all__ = ["add_run_arguments", "megaseq_command", "memory_policy_override", "missing_command", "parse_policy_argument", "run_parsed"]

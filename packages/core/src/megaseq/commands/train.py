@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from megaseq.commands import memory_policy_override, run_parsed
+from megaseq.commands import add_run_arguments, memory_policy_override, run_parsed
 
 TRAIN_HELP = """Train the model a TOML recipe describes.
 
@@ -28,12 +28,7 @@ gzip), e.g. --set data.train=/path/genome.fa.gz."""
 def parser() -> argparse.ArgumentParser:
     t = argparse.ArgumentParser(prog="megaseq train", description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("recipe", help="path to a TOML recipe, e.g. recipes/genome-cpu.toml")
-    t.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe value")
-    start = t.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in the run directory")
-    start.add_argument("--overwrite", action="store_true", help="delete the run directory's output and start over")
-    t.add_argument("--out", metavar="DIR", help="the run directory (as --set run.out_dir=DIR; default runs/{run.name})")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(t)
     t.add_argument("--parallel", metavar="dp=N,cp=N,tp=N,ep=N,etp=N", help="process layout (overrides the recipe's "
                    "[parallel]): dp x cp x tp workers; ep x etp of them (dividing the workers) share each MoE layer's "
                    "experts, etp splitting each expert's hidden width")
