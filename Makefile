@@ -59,6 +59,8 @@ test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS)
 # every extra is installed here, so a test module skipped whole is a missing dependency: megaseq-testkit's pytest
 # plugin fails it
 test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export MEGASEQ_TEST_EVERY_MODULE = 1
+# pytest writes to make's pipe: unbuffered, so that each line shows when it is complete
+test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export PYTHONUNBUFFERED = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-testkit's pytest plugin, megaseq_testkit/pytest_plugin.py). What to run while working on a
