@@ -115,3 +115,52 @@ def test_the_trainer_takes_its_share_at_a_step(registry, tmp_path, monkeypatch):
         torch.set_num_threads(before)
     monkeypatch.setenv(threads.AUTO, "0")  # the user's own OMP_NUM_THREADS: no sharing
     assert Trainer(validate_recipe(raw, plugins), plugins, progress=False, tensorboard=False).core_share is None
+
+
+class FakeCounters:
+    """``machine_busy`` as a machine whose other processes keep ``others`` cores busy, this one ``own``."""
+
+    def __init__(self, others: float, own: float) -> None:
+        self.others, self.own, self.t = others, own, 0.0
+
+    def __call__(self) -> tuple[float, float]:
+        return (self.others + self.own) * self.t, self.own * self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.mark.parametrize(("others", "expected"), [(0.0, 4), (0.4, 4), (1.0, 3), (2.0, 2), (3.6, 1), (6.0, 1)])
+def test_busy_cores_of_other_work_are_left_to_it(registry, others, expected):
+    counters = FakeCounters(others, own=4.0)  # this trainer spinning on every core does not count against itself
+    share = threads.CoreShare(registry, busy=counters)
+    try:
+        assert share.decide(now=0.0) == 4  # no interval measured yet: the registry's share
+        counters.advance(2.0)
+        assert share.decide(now=2.0) == expected
+    finally:
+        share.close()
+
+
+def test_another_trainer_is_not_counted_twice(registry):
+    """Beside a second megaseq trainer using its two cores, this one takes its share (2 of 4), not less."""
+    counters = FakeCounters(2.0, own=2.0)
+    share = threads.CoreShare(registry, busy=counters)
+    other = subprocess.Popen([sys.executable, "-c", HOLDER, str(registry)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "registered"
+        share.decide(now=0.0)
+        counters.advance(1.5)
+        assert share.decide(now=1.5) == 2
+    finally:
+        other.kill()
+        other.wait()
+        share.close()
+
+
+def test_the_machine_counters_describe_this_machine():
+    busy = threads.machine_busy()
+    if busy is None:  # a container on a larger host: no adjustment, and the decision falls back to the registry
+        return
+    machine, own = busy
+    assert machine > 0 and 0 <= own

@@ -6,8 +6,12 @@ for the next parallel region. That is fast for a process that has the machine to
 does not: two training processes with spinning threads on two cores slow each other to a crawl. So a
 trainer uses ``cores // live trainers`` threads, where the live trainers are the processes registered in
 ``$MEGASEQ_CACHE/trainers/`` (:class:`CoreShare`): alone it uses every core it may run on, two at once use
-half each. Each trainer re-decides at most every ``RECOUNT_S`` seconds, at a step boundary, so one that
-started alone gives cores back when a second one starts. ``benchmarks/train_throughput.py --settings alone
+half each. Work that is not a megaseq trainer counts too: each decision measures the cores the rest of the
+machine kept busy since the last one (``/proc/stat`` less this process's own CPU time), and a trainer takes
+no more threads than the cores left idle, at least one: two spinning threads beside a busy compiler or test
+run wait for each other on a core that is not theirs. Each trainer re-decides at most every ``RECOUNT_S``
+seconds, at a step boundary, so one that started alone gives cores back when a second one (or other work)
+starts, and takes them again when it ends. ``benchmarks/train_throughput.py --settings alone
 pair`` measures both situations.
 
 Every command starts with one thread: ``apply_defaults`` sets ``OMP_NUM_THREADS=1`` when the user has not
@@ -23,7 +27,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import IO
 
@@ -75,13 +79,32 @@ def registry_dir() -> Path:
     return default_cache_dir() / "trainers"
 
 
+def machine_busy() -> tuple[float, float] | None:
+    """``(seconds every core of the machine spent busy, seconds this process spent on the CPU)`` since boot and
+    since it started; None where the machine's counters do not describe this process's cores (no ``/proc``,
+    or more cores in ``/proc/stat`` than this process may use, as in a container on a larger host)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    per_core = [line for line in lines if line.startswith("cpu") and line[3:4].isdigit()]
+    if len(per_core) != cores():
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal, *_ = (int(v) for v in lines[0].split()[1:])
+    ticks = os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return (user + nice + system + irq + softirq + steal) / ticks, own.user + own.system
+
+
 class CoreShare:
     """This process's entry in the registry of live trainers: a file ``PID@HOST`` it holds an ``flock`` on
     while it lives (the kernel drops the lock when the process dies, however it dies). The other entries
     whose lock can be taken belong to dead processes and are removed."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, busy: Callable[[], tuple[float, float] | None] = machine_busy) -> None:
         self.directory = directory
+        self._busy = busy
+        self._last: tuple[float, float, float] | None = None  # (time, machine busy, own) at the last decision
         directory.mkdir(parents=True, exist_ok=True)
         self.name = f"{os.getpid()}@{socket.gethostname()}"
         # locked under a hidden name first, then renamed: no other trainer ever sees the entry unlocked
@@ -108,8 +131,26 @@ class CoreShare:
                 continue
         return count
 
-    def decide(self) -> int:
-        return max(1, cores() // self.live())
+    def others_busy(self, now: float) -> float | None:
+        """Cores the rest of the machine (every other process) kept busy since the last call, None the first time
+        or without counters."""
+        busy = self._busy()
+        if busy is None:
+            return None
+        last, self._last = self._last, (now, *busy)
+        if last is None or now <= last[0]:
+            return None
+        return max(0.0, (busy[0] - last[1]) - (busy[1] - last[2])) / (now - last[0])
+
+    def decide(self, now: float | None = None) -> int:
+        share = cores() // self.live()
+        others = self.others_busy(time.monotonic() if now is None else now)
+        if others is None:
+            return max(1, share)
+        # another megaseq trainer's busy cores are counted in both terms, its share and the busy ones: the
+        # smaller of the two is what is left for this one
+        idle = cores() - round(others)
+        return max(1, min(share, idle))
 
     def update(self, now: float | None = None) -> int | None:
         """Set torch's intra-op threads to this process's share when ``RECOUNT_S`` has passed since the last
@@ -118,7 +159,7 @@ class CoreShare:
         if now - self._counted_at < RECOUNT_S:
             return None
         self._counted_at = now
-        threads = self.decide()
+        threads = self.decide(now)
         if threads == self.threads:
             return None
         import torch
