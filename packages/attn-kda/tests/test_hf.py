@@ -491,3 +491,15 @@ def test_resume_and_init_from_an_import_train_the_same_and_the_engine_scores_lik
     tokens = torch.randint(0, len(VOCAB), (2, 23))
     expected = torch.log_softmax(fla_logits(fla, tokens), -1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
     assert relative(engine.score(tokens), expected) < 1e-5
+
+
+def test_the_hf_extra_brings_what_import_fla_needs():
+    """fla's package imports triton at import time: an `[hf]` install without it could not load fla's models."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    names = {Requirement(r).name for r in meta["project"]["optional-dependencies"]["hf"]}
+    assert {"flash-linear-attention", "triton"} <= names, names
