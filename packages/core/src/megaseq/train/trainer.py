@@ -276,18 +276,21 @@ class Trainer:
         self.notes.append(f"weights from {found}")
 
     # -- the loop -----------------------------------------------------------------------------------
-    def _micro_batch(self, totals: StepTotals) -> None:
-        """Forward and backward of this rank's part of one global micro-batch; what it saw goes to ``totals``."""
+    def _micro_batch(self, totals: StepTotals, last: bool) -> None:
+        """Forward and backward of this rank's part of one global micro-batch (``last``: the step's last, whose
+        backward sums the gradients over the ranks); what it saw goes to ``totals``."""
         t, p = self.recipe.train, self.parallel
         whole = self.train_windows.batch(self.sampler.next_indices()).to_vocab(self.recipe.data.token_ids)
         batch = batch_to(p.local_batch(whole), self.device)
         ctx = p.forward_context(self.recipe.data.seq_len)
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16)
-        with autocast:
-            loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
-        total = loss + sum(ctx.losses.values()) / p.layout.dp
-        (total / t.grad_accum).backward()
-        totals.add(loss.detach(), batch.inputs.numel() // p.layout.tp, ctx)  # tensor-parallel ranks share them
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16):
+                loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
+            return (loss + sum(ctx.losses.values()) / p.layout.dp) / t.grad_accum, loss.detach()
+
+        loss = self.optimizer_step.backward(forward, last)
+        totals.add(loss, batch.inputs.numel() // p.layout.tp, ctx)  # tensor-parallel ranks share them
 
     def train_step(self) -> dict[str, float]:
         t, p = self.recipe.train, self.parallel
@@ -297,8 +300,8 @@ class Trainer:
         started = time.perf_counter()
         totals = StepTotals()
         with self.optimizer_step.forwards():
-            for _ in range(t.grad_accum):
-                self._micro_batch(totals)
+            for i in range(t.grad_accum):
+                self._micro_batch(totals, last=i == t.grad_accum - 1)
         loss, tokens, aux, metrics = totals.reduce(p.sum, p.layout.dp, t.grad_accum)
         update = self.optimizer_step.update(info.step, loss, aux)
         self.skipped_steps += not update.applied  # a skipped step consumes its windows all the same
