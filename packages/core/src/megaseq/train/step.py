@@ -81,7 +81,8 @@ def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) ->
 
 def moe_load_metrics(model: nn.Module, parallel: Parallel) -> dict[str, float]:
     """``moe/load/KEY`` for each of ``LOAD_STAT_KEYS``: the MoE layers' ``load_stats()`` (each describes its
-    layer's last training forward, the step's last micro-batch), averaged over the layers and over all ranks.
+    layer's last training forward, the step's last micro-batch), averaged over the layers and over all ranks,
+    read from the device once for all layers.
     They describe routing as each rank saw it, so they depend on how the layout splits the batch (unlike the
     loss and the weights, which every layout reproduces).
     Empty for a model without MoE layers or before any training forward."""
@@ -91,9 +92,11 @@ def moe_load_metrics(model: nn.Module, parallel: Parallel) -> dict[str, float]:
     missing = sorted({key for stats in rows for key in LOAD_STAT_KEYS if key not in stats})
     if missing:
         raise ValueError(f"an MoE layer's load_stats() lacks {missing} (megaseq.contracts.MoE)")
-    totals = torch.tensor([[stats[key] for key in LOAD_STAT_KEYS] for stats in rows], dtype=torch.float64).mean(0)
-    totals = parallel.sum(totals) / parallel.layout.world_size
-    return {f"moe/load/{key}": float(value) for key, value in zip(LOAD_STAT_KEYS, totals, strict=True)}
+    values = [stats[key] for stats in rows for key in LOAD_STAT_KEYS]
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    table = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    totals = parallel.sum(table.view(len(rows), -1).mean(0)) / parallel.layout.world_size
+    return {f"moe/load/{key}": value for key, value in zip(LOAD_STAT_KEYS, totals.tolist(), strict=True)}
 
 
 @dataclass(frozen=True)
@@ -173,18 +176,23 @@ class OptimizerStep:
         p = self.parallel
         params = [param for param in self.model.parameters() if param.requires_grad]
         self.reduction.finish()
-        grad_norm = float(p.grad_norm(params, self.expert_params, self.tp_params))
-        finite = all(math.isfinite(v) for v in (loss, grad_norm, *aux.values()))
-        agreed = p.max(torch.tensor([float(not finite), peak_memory_gib(self.device)], dtype=torch.float64))
-        applied = bool(agreed[0] == 0)
+        norm = p.grad_norm(params, self.expert_params, self.tp_params)
+        # one read of the device for the whole verdict: whether some rank saw a non-finite value, the busiest
+        # rank's peak memory, and the norm (the same on every rank, so its maximum is itself)
+        finite_host = all(math.isfinite(v) for v in (loss, *aux.values()))
+        nonfinite = (~torch.isfinite(norm)) | (not finite_host)
+        verdict = torch.stack([nonfinite.to(torch.float64), torch.tensor(peak_memory_gib(self.device),
+                               dtype=torch.float64, device=norm.device), norm.to(torch.float64)])
+        flag, peak, grad_norm = p.max(verdict).tolist()
+        applied = flag == 0
         if applied:
             if self.train.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, self.train.grad_clip, torch.tensor(grad_norm))
+                torch.nn.utils.clip_grads_with_norm_(params, self.train.grad_clip, norm)
             self.optimizer.step()
         elif self.train.on_nonfinite == "stop":
             raise diverged(step, loss, grad_norm, aux)
         self.optimizer.zero_grad(set_to_none=True)
-        return Update(grad_norm, applied, float(agreed[1]))
+        return Update(grad_norm, applied, peak)
 
     def end(self, info: StepInfo, tokens: int, metrics: dict[str, Any]) -> None:
         """Finish the loop step begun as ``info``; ``tokens``: the total after it. Adds the MoE layers' load
