@@ -115,3 +115,15 @@ def test_the_trainer_takes_its_share_at_a_step(registry, tmp_path, monkeypatch):
         torch.set_num_threads(before)
     monkeypatch.setenv(threads.AUTO, "0")  # the user's own OMP_NUM_THREADS: no sharing
     assert Trainer(validate_recipe(raw, plugins), plugins, progress=False, tensorboard=False).core_share is None
+
+
+@pytest.mark.parametrize(("environ", "ranks", "expected"), [
+    ({"OMP_NUM_THREADS": "1", threads.AUTO: "1"}, 8, 2),  # megaseq's count: 16 cores shared by 8 ranks
+    ({"OMP_NUM_THREADS": "1", threads.AUTO: "1"}, 1, 16),
+    ({"OMP_NUM_THREADS": "1", threads.AUTO: "1"}, 32, 1),  # more ranks than cores: one each
+    ({}, 4, 4),
+    ({"OMP_NUM_THREADS": "3"}, 8, 3),  # the user's count stays
+])
+def test_host_update_threads_share_the_machines_cores_among_its_ranks(monkeypatch, environ, ranks, expected):
+    monkeypatch.setattr(threads, "cores", lambda: 16)
+    assert threads.host_update_threads(ranks, environ) == expected

@@ -10,6 +10,12 @@ half each. Each trainer re-decides at most every ``RECOUNT_S`` seconds, at a ste
 started alone gives cores back when a second one starts. ``benchmarks/train_throughput.py --settings alone
 pair`` measures both situations.
 
+The host optimizer's update (``train.optimizer_state = "host"`` on an accelerator,
+``megaseq.train.optimizer.HostAdamW``) runs on the CPU while the process's own work is on the device, where
+one thread suffices: it uses ``cores // ranks on the machine`` threads while it runs (:func:`host_update_threads`:
+the training processes of a machine share its cores evenly, each assumed to see all of them), then goes back
+to the process's count. A thread count the user set is kept there too.
+
 Every command starts with one thread: ``apply_defaults`` sets ``OMP_NUM_THREADS=1`` when the user has not
 set it, before torch is imported (libgomp reads it when it loads; child processes inherit it), and marks it
 as megaseq's own (``MEGASEQ_AUTO_THREADS``), so that child processes share cores too. A value the user set
@@ -66,6 +72,15 @@ def shared(environ: MutableMapping[str, str] = os.environ) -> bool:
 def cores() -> int:
     """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def host_update_threads(ranks_on_host: int, environ: MutableMapping[str, str] = os.environ) -> int:
+    """Intra-op threads for the host optimizer's update in one of ``ranks_on_host`` training processes of this
+    machine whose work is otherwise on an accelerator (module docstring); the user's ``OMP_NUM_THREADS`` when
+    set."""
+    if not shared(environ):
+        return max(1, int(environ["OMP_NUM_THREADS"]))
+    return max(1, cores() // max(1, ranks_on_host))
 
 
 def registry_dir() -> Path:
@@ -151,5 +166,6 @@ def core_share() -> CoreShare | None:
 
 
 __all__ = [
-    "AUTO", "DEFAULT_THREADS", "RECOUNT_S", "CoreShare", "apply_defaults", "core_share", "cores", "fix", "registry_dir", "shared",
+    "AUTO", "DEFAULT_THREADS", "RECOUNT_S", "CoreShare", "apply_defaults", "core_share", "cores", "fix",
+    "host_update_threads", "registry_dir", "shared",
 ]

@@ -165,6 +165,16 @@ class Parallel:
         names = sorted(set().union(*gathered))
         return {name: sum(rank.get(name, 0.0) for rank in gathered) for name in names}
 
+    def ranks_on_host(self) -> int:
+        """How many ranks run on this rank's machine (itself included): the processes that share its memory and
+        cores. Every rank must call it (a gather of host names)."""
+        import socket
+
+        if not self.distributed:
+            return 1
+        host = socket.gethostname()
+        return collectives.all_gather_object(host, self.world_group).count(host)
+
     def barrier(self) -> None:
         if self.distributed:
             collectives.barrier(self.world_group)
