@@ -16,7 +16,9 @@ The settings, and why:
   reduces their sum once;
 - ``find_unused_parameters``: a parameter may get no gradient on some ranks. DDP sums zeros for it there,
   and leaves ``grad`` None where no rank had one in the whole step, as one process does (the optimizer then
-  leaves it alone);
+  leaves it alone). Its price is a walk over the autograd graph per synchronised forward, on the host; when a
+  step finds no such parameter DDP prints once per rank that the flag could be turned off, which here it
+  cannot;
 - an anchor per DDP, a scalar parameter of its own that every objective carries times zero: DDP launches
   its first all-reduce (and learns which parameters went unused) from the first gradient hook it sees, so a
   rank on which none of its parameters got a gradient would never join the all-reduces the others wait in;
