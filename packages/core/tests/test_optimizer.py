@@ -14,7 +14,7 @@ from torch import nn
 from megaseq.config import TrainConfig, validate_recipe
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
-from megaseq.train.optimizer import HostAdamW, make_optimizer, param_groups
+from megaseq.train.optimizer import HostAdamW, HostShare, host_share, make_optimizer, param_groups
 from megaseq.train.trainer import Trainer
 from megaseq_testkit import fresh_plugins
 
@@ -68,6 +68,46 @@ def test_host_adamw_equals_torch_adamw():
     _run(host, optimizer)
     _assert_same_weights(host, reference)
     assert all(s["exp_avg"].device.type == "cpu" for s in optimizer.state.values())
+
+
+def test_host_update_is_multi_tensor(monkeypatch):
+    """The host update runs torch's foreach AdamW (one kernel per operation over a bucket's tensors), never the
+    tensor-by-tensor loop, and still equals torch.optim.AdamW."""
+    import torch.optim.adam as adam
+
+    reference, host = _model(), _model()
+    _run(reference, make_optimizer(reference, TRAIN))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the host update ran AdamW tensor by tensor")
+
+    monkeypatch.setattr(adam, "_single_tensor_adam", refused)
+    _run(host, make_optimizer(host, TRAIN.model_copy(update={"optimizer_state": "host"})))
+    _assert_same_weights(host, reference)
+
+
+def test_host_update_runs_with_its_share_of_threads_and_restores_the_process_count(monkeypatch):
+    import megaseq.train.optimizer as optimizer
+
+    seen = []
+    update = optimizer.adamw_update
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer, "adamw_update", spy)
+    before = torch.get_num_threads()
+    model = _model(torch.bfloat16)
+    host = HostAdamW(param_groups(model, TRAIN), share=HostShare(threads=before + 2))
+    _grads(model, 0)
+    host.step()
+    assert seen and set(seen) == {before + 2} and torch.get_num_threads() == before
+    seen.clear()
+    HostAdamW(param_groups(_model(), TRAIN)).step()  # no share of threads given: the process's own
+    assert set(seen) <= {before}
+    # on a CPU run the trainer's core share decides the threads; one process is alone on its machine
+    assert host_share(_model(), None) == HostShare(ranks=1, threads=None)
 
 
 def test_the_comparison_catches_l2_decay_in_place_of_decoupled_decay():
@@ -207,3 +247,47 @@ def test_a_host_that_cannot_hold_the_state_is_one_line_before_any_step(monkeypat
     assert "needs 0.00 GiB of host memory" in str(err.value) and "\n" not in str(err.value)
     monkeypatch.setattr(optimizer, "available_host_memory", lambda: need)
     HostAdamW(param_groups(model, TRAIN))
+
+
+def test_the_host_check_counts_every_training_process_of_the_machine(monkeypatch):
+    """Eight ranks on one machine each pass a check of their own state alone; together they need eight times it."""
+    import megaseq.train.optimizer as optimizer
+
+    model = _model(torch.bfloat16)
+    need = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    monkeypatch.setattr(optimizer, "available_host_memory", lambda: 8 * need - 1)
+    HostAdamW(param_groups(model, TRAIN))  # alone it fits
+    with pytest.raises(UserError) as err:
+        HostAdamW(param_groups(model, TRAIN), share=HostShare(ranks=8))
+    message = str(err.value)
+    assert "the optimizer state of the 8 training processes on this machine" in message and "\n" not in message
+    monkeypatch.setattr(optimizer, "available_host_memory", lambda: 8 * need)
+    HostAdamW(param_groups(model, TRAIN), share=HostShare(ranks=8))
+
+
+def _host_state_on_two_ranks(rank: int, world: int, available: int) -> str:
+    import torch.distributed as dist
+
+    import megaseq.train.optimizer as optimizer
+    from megaseq.distributed.groups import Parallel
+
+    parallel = Parallel(layout=Layout(dp=world), rank=rank, dp_rank=rank, world_group=dist.group.WORLD)
+    optimizer.available_host_memory = lambda: available
+    try:
+        make_optimizer(_model(torch.bfloat16), TRAIN.model_copy(update={"optimizer_state": "host"}), parallel)
+    except UserError as err:
+        return str(err)
+    return f"built; {host_share(_model(), parallel)}"
+
+
+@pytest.mark.slow
+def test_ranks_on_one_machine_are_checked_together():
+    """The ranks find how many of them share the machine (both gloo ranks here) and each checks their total."""
+    from megaseq_testkit.distributed import run_gloo
+
+    model = _model(torch.bfloat16)
+    need = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for answer in run_gloo(2, _host_state_on_two_ranks, 2 * need - 1):
+        assert "the optimizer state of the 2 training processes on this machine" in answer, answer
+    for answer in run_gloo(2, _host_state_on_two_ranks, 2 * need):
+        assert answer == "built; HostShare(ranks=2, threads=None)", answer

@@ -295,6 +295,26 @@ def test_optimizer_state_in_host_memory_and_sharded():
                                                  machine=cuda, policies="none"))
 
 
+def test_reduction_buckets_count_under_gradient_accumulation_on_several_ranks():
+    """The gradient reduction's buckets hold every reduced gradient; they take the gradients' place unless
+    micro-batches accumulate beside them (several ranks, train.grad_accum > 1): then one more copy of the
+    parameters' bytes, in the peak and in the table. ``tests/test_gradient_reduction.py`` measures a run's."""
+    plugins = fresh_plugins()
+    machine = Machine("cuda", 64 * GiB, None)
+
+    def one(layout, accum):
+        recipe = load_recipe(TINY, plugins, ["train.batch_size=4", f"train.grad_accum={accum}"])
+        return plan(recipe, plugins, seq_len=4096, layout=layout, machine=machine, policies="none").candidates[0]
+
+    dp2 = Layout.parse("dp=2")
+    assert one(None, 2).reduction == 0 and one(dp2, 1).reduction == 0
+    accumulating = one(dp2, 2)
+    assert accumulating.reduction == accumulating.weights
+    assert accumulating.device_peak - one(dp2, 1).device_peak == accumulating.weights
+    recipe = load_recipe(TINY, plugins, ["train.batch_size=4", "train.grad_accum=2"])
+    assert "reduction buckets" in render_table(plan(recipe, plugins, layout=dp2, machine=machine, policies="none"))
+
+
 def test_host_optimizer_state_counts_against_host_memory(capsys):
     """--host-mem bounds everything the step holds in host memory: the host optimizer state too."""
     plugins = fresh_plugins()

@@ -164,3 +164,15 @@ def test_the_machine_counters_describe_this_machine():
         return
     machine, own = busy
     assert machine > 0 and 0 <= own
+
+
+@pytest.mark.parametrize(("environ", "ranks", "expected"), [
+    ({"OMP_NUM_THREADS": "1", threads.AUTO: "1"}, 8, 2),  # megaseq's count: 16 cores shared by 8 ranks
+    ({"OMP_NUM_THREADS": "1", threads.AUTO: "1"}, 1, 16),
+    ({"OMP_NUM_THREADS": "1", threads.AUTO: "1"}, 32, 1),  # more ranks than cores: one each
+    ({}, 4, 4),
+    ({"OMP_NUM_THREADS": "3"}, 8, 3),  # the user's count stays
+])
+def test_host_update_threads_share_the_machines_cores_among_its_ranks(monkeypatch, environ, ranks, expected):
+    monkeypatch.setattr(threads, "cores", lambda: 16)
+    assert threads.host_update_threads(ranks, environ) == expected

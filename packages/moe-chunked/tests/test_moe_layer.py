@@ -345,9 +345,9 @@ def test_experts_follow_a_cuda_bf16_autocast(monkeypatch) -> None:
     products, routers = [], []
     real_linear, real_affinities = experts.grouped_linear, Router.affinities
 
-    def spy_linear(x, weight, counts, use_grouped_mm):
+    def spy_linear(x, weight, counts, use_grouped_mm, sizes=None):
         products.append((x.dtype, weight.dtype, use_grouped_mm))
-        return real_linear(x, weight, counts, use_grouped_mm)
+        return real_linear(x, weight, counts, use_grouped_mm, sizes)
 
     def spy_affinities(self, x):
         out = real_affinities(self, x)

@@ -191,8 +191,8 @@ class ForwardContext:
     ``etp_group``: the expert-tensor-parallel group (each routed expert's hidden width split as
     ``ModelDims.etp_rank/etp_size``; its ranks hold the same experts), or ``None``.
     ``losses``: auxiliary losses (already weighted) that the trainer adds to the LM loss and logs by name.
-    ``metrics``: scalars a component wants logged for this step (``log``); ``metric_counts``: how many values
-    each holds the mean of.
+    ``metrics``: scalars a component wants logged for this step (``log``), each a float or, for a tensor logged,
+    a 0-dim float64 tensor on its device; ``metric_counts``: how many values each holds the mean of.
 
     Recomputation: while a forward is re-run during backward (see :func:`recomputing`), :meth:`add_loss`
     and :meth:`log` do nothing, because the first forward already recorded the same values and its losses
@@ -209,7 +209,7 @@ class ForwardContext:
     tp: TensorParallel | None = None
     etp_group: Any | None = None
     losses: dict[str, Tensor] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | Tensor] = field(default_factory=dict)
     metric_counts: dict[str, int] = field(default_factory=dict)
     _documents: Documents | None = field(default=None, init=False, repr=False, compare=False)
     _records_in_backward: bool = field(default=False, repr=False, compare=False)
@@ -243,13 +243,15 @@ class ForwardContext:
         """Report a scalar metric, a mean over this forward's local tokens (e.g. per token of this rank's
         shard). Values reported under one name (e.g. once per layer) are averaged: ``metrics[name]`` is their
         mean. The trainer logs, per step, the mean over every value reported under the name, in every
-        micro-batch and on every rank; use per-layer names to see layers apart. Ignored during recomputation
-        (see the class docstring)."""
+        micro-batch and on every rank; use per-layer names to see layers apart. A tensor stays on its device (the
+        trainer reads all of a step's values at once, so logging costs no host synchronisation). Ignored during
+        recomputation (see the class docstring)."""
         if self.recomputing and not self._records_in_backward:
             return
         n = self.metric_counts.get(name, 0) + 1
         mean = self.metrics.get(name, 0.0)
-        value = float(value.detach()) if isinstance(value, Tensor) else float(value)  # a metric carries no gradient
+        # a metric carries no gradient; float64, the precision of the host's float
+        value = value.detach().to(torch.float64) if isinstance(value, Tensor) else float(value)
         self.metrics[name] = mean + (value - mean) / n
         self.metric_counts[name] = n
 
@@ -342,7 +344,8 @@ class MoE(FeedForward, Protocol):
     whatever ``chunk_tokens`` is (an attribute that may be changed at run time; ``None`` = unchunked).
     ``load_stats`` describes the last training forward and returns at least
     :data:`LOAD_STAT_KEYS`: counts of (token, expert) assignments per expert and per
-    expert-parallel rank (max, mean) and the routing entropy in nats (``log n_experts`` when even).
+    expert-parallel rank (max, mean) and the routing entropy in nats (``log n_experts`` when even), each a
+    float or a 0-dim tensor (left on the device: the trainer reads every layer's at once, once per step).
     """
 
     n_experts: int
@@ -358,7 +361,7 @@ class MoE(FeedForward, Protocol):
 
     def shared_forward(self, x: Tensor) -> Tensor: ...
 
-    def load_stats(self) -> dict[str, float]: ...
+    def load_stats(self) -> dict[str, float | Tensor]: ...
 
 
 @runtime_checkable

@@ -14,6 +14,12 @@ seconds, at a step boundary, so one that started alone gives cores back when a s
 starts, and takes them again when it ends. ``benchmarks/train_throughput.py --settings alone
 pair`` measures both situations.
 
+The host optimizer's update (``train.optimizer_state = "host"`` on an accelerator,
+``megaseq.train.optimizer.HostAdamW``) runs on the CPU while the process's own work is on the device, where
+one thread suffices: it uses ``cores // ranks on the machine`` threads while it runs (:func:`host_update_threads`:
+the training processes of a machine share its cores evenly, each assumed to see all of them), then goes back
+to the process's count. A thread count the user set is kept there too.
+
 Every command starts with one thread: ``apply_defaults`` sets ``OMP_NUM_THREADS=1`` when the user has not
 set it, before torch is imported (libgomp reads it when it loads; child processes inherit it), and marks it
 as megaseq's own (``MEGASEQ_AUTO_THREADS``), so that child processes share cores too. A value the user set
@@ -72,6 +78,15 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def host_update_threads(ranks_on_host: int, environ: MutableMapping[str, str] = os.environ) -> int:
+    """Intra-op threads for the host optimizer's update in one of ``ranks_on_host`` training processes of this
+    machine whose work is otherwise on an accelerator (module docstring); the user's ``OMP_NUM_THREADS`` when
+    set."""
+    if not shared(environ):
+        return max(1, int(environ["OMP_NUM_THREADS"]))
+    return max(1, cores() // max(1, ranks_on_host))
+
+
 def registry_dir() -> Path:
     """``trainers/`` in megaseq's cache (``$MEGASEQ_CACHE``, else ``~/.cache/megaseq``)."""
     from megaseq.data.sources import default_cache_dir
@@ -90,7 +105,7 @@ def machine_busy() -> tuple[float, float] | None:
     per_core = [line for line in lines if line.startswith("cpu") and line[3:4].isdigit()]
     if len(per_core) != cores():
         return None
-    user, nice, system, idle, iowait, irq, softirq, steal, *_ = (int(v) for v in lines[0].split()[1:])
+    user, nice, system, _idle, _iowait, irq, softirq, steal, *_ = (int(v) for v in lines[0].split()[1:])
     ticks = os.sysconf("SC_CLK_TCK")
     own = os.times()
     return (user + nice + system + irq + softirq + steal) / ticks, own.user + own.system
@@ -192,5 +207,6 @@ def core_share() -> CoreShare | None:
 
 
 __all__ = [
-    "AUTO", "DEFAULT_THREADS", "RECOUNT_S", "CoreShare", "apply_defaults", "core_share", "cores", "fix", "registry_dir", "shared",
+    "AUTO", "DEFAULT_THREADS", "RECOUNT_S", "CoreShare", "apply_defaults", "core_share", "cores", "fix",
+    "host_update_threads", "registry_dir", "shared",
 ]

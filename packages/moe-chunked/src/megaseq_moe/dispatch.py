@@ -32,15 +32,17 @@ class DispatchPlan:
     """Where each (token, slot) pair of a chunk goes and how received rows are grouped.
 
     ``order``: flat pair indices (``token * k + slot``) sorted by expert; sent rows follow this order.
-    ``send_counts`` / ``recv_counts``: rows to / from each rank. ``grouping``: permutation that groups
-    received rows by local expert. ``expert_counts``: rows per local expert after grouping.
+    ``send_counts`` / ``recv_counts``: rows to / from each rank (host integers: the exchange's split sizes, read
+    from the device once per chunk; empty with one rank, where nothing is exchanged and nothing is read).
+    ``grouping``: permutation that groups received rows by local expert (None with one rank: the sent order
+    is already grouped). ``expert_counts``: rows per local expert after grouping.
     """
 
     order: Tensor
     top_k: int
     send_counts: list[int]
     recv_counts: list[int]
-    grouping: Tensor
+    grouping: Tensor | None
     expert_counts: Tensor
     group: Any | None
 
@@ -51,13 +53,24 @@ class DispatchPlan:
 
     def send(self, rows: Tensor) -> Tensor:
         """Rows in send order (one per pair) -> this rank's received rows grouped by local expert."""
+        if self.grouping is None:
+            return rows
         return exchange_rows(rows, self.send_counts, self.recv_counts, self.group)[self.grouping]
 
     def send_back(self, grouped: Tensor) -> Tensor:
         """Inverse of :meth:`send`: rows grouped by local expert -> the origin's rows in send order."""
+        if self.grouping is None:
+            return grouped
         received_order = torch.empty_like(grouped)
         received_order[self.grouping] = grouped
         return exchange_rows(received_order, self.recv_counts, self.send_counts, self.group)
+
+
+def count_ids(ids: Tensor, n: int) -> Tensor:
+    """Occurrences of each id in ``[0, n)`` among ``ids`` (int64 ``[n]``), without reading anything back to the
+    host: on CUDA ``torch.bincount`` reads the largest id to size its output, a synchronisation."""
+    ids = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
 
 
 def plan_dispatch(indices: Tensor, n_experts: int, group: Any | None) -> DispatchPlan:
@@ -65,16 +78,21 @@ def plan_dispatch(indices: Tensor, n_experts: int, group: Any | None) -> Dispatc
     ranks = group_size(group)
     per_rank = n_experts // ranks
     flat = indices.reshape(-1)
-    sent = torch.bincount(flat, minlength=n_experts).view(ranks, per_rank)
+    sent = count_ids(flat, n_experts).view(ranks, per_rank)
+    order = torch.argsort(flat, stable=True)
+    if group is None:  # every pair stays here, already grouped by expert: no exchange, no host read
+        return DispatchPlan(order=order, top_k=indices.shape[1], send_counts=[], recv_counts=[], grouping=None,
+                            expert_counts=sent[0], group=None)
     received = exchange_counts(sent, group)  # [source rank, local expert]
-    row_expert = (
-        torch.arange(per_rank, device=flat.device).repeat(ranks).repeat_interleave(received.reshape(-1))
-    )
+    # the exchange's split sizes in one read; the row of every received pair is computed on the device
+    send_counts, recv_counts = torch.stack([sent.sum(1), received.sum(1)]).tolist()
+    row_expert = torch.arange(per_rank, device=flat.device).repeat(ranks).repeat_interleave(
+        received.reshape(-1), output_size=sum(recv_counts))
     return DispatchPlan(
-        order=torch.argsort(flat, stable=True),
+        order=order,
         top_k=indices.shape[1],
-        send_counts=sent.sum(1).tolist(),
-        recv_counts=received.sum(1).tolist(),
+        send_counts=send_counts,
+        recv_counts=recv_counts,
         grouping=torch.argsort(row_expert, stable=True),
         expert_counts=received.sum(0),
         group=group,
@@ -110,9 +128,11 @@ class TensorGather:
 def plan_tensor_gather(expert_counts: Tensor, group: Any) -> TensorGather:
     """Plan :class:`TensorGather` for this rank's received rows, ``expert_counts[e]`` of them for local expert e."""
     every = collectives.all_gather_tensor(expert_counts, group)
-    row_expert = torch.cat([torch.arange(len(c), device=c.device).repeat_interleave(c) for c in every])
+    sizes = torch.stack(every).sum(1).tolist()  # the exchange's split sizes, in one read
+    row_expert = torch.cat([torch.arange(len(c), device=c.device).repeat_interleave(c, output_size=n)
+                            for c, n in zip(every, sizes, strict=True)])
     return TensorGather(
-        sizes=[int(c.sum()) for c in every],
+        sizes=sizes,
         grouping=torch.argsort(row_expert, stable=True),
         expert_counts=torch.stack(every).sum(0),
         group=group,

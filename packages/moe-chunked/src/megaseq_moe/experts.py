@@ -3,7 +3,8 @@
 Routed experts keep their weights stacked (``[E, d_in, d_out]``) so that one grouped GEMM
 (``torch.nn.functional.grouped_mm``) multiplies every expert's rows by that expert's matrix. grouped_mm
 needs 16-byte aligned row strides and runs in fp32/bf16 on CPU but only in bf16 on CUDA (compute capability
-8.0 or newer); elsewhere the same product is a loop over experts, which reads the group sizes to the host.
+8.0 or newer); elsewhere the same product is a loop over experts, which reads the group sizes to the host
+(once per call, a synchronisation on CUDA).
 Both paths are tested against each other and a float64 oracle.
 
 The routed and shared experts compute in :func:`expert_dtype`: bf16 under a CUDA bf16 autocast (so that the
@@ -50,9 +51,12 @@ def expert_dtype(device_type: str, dtype: torch.dtype, autocast: torch.dtype | N
     return torch.bfloat16 if device_type == "cuda" and autocast == torch.bfloat16 else dtype
 
 
-def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, use_grouped_mm: bool) -> Tensor:
+def grouped_linear(
+    x: Tensor, weight: Tensor, counts: Tensor, use_grouped_mm: bool, sizes: list[int] | None = None
+) -> Tensor:
     """``x [m, d_in]`` holds ``counts[e]`` consecutive rows for each expert ``e``; row block e is multiplied
-    by ``weight[e] [d_in, d_out]``. Returns ``[m, d_out]``."""
+    by ``weight[e] [d_in, d_out]``. Returns ``[m, d_out]``. The loop over experts (``use_grouped_mm`` false)
+    needs the counts on the host: ``sizes`` when the caller has read them already, else read here."""
     if use_grouped_mm:
         if x.stride() != (x.shape[1], 1):
             # a column slice with 0 or 1 rows counts as contiguous yet keeps its parent's row stride, which
@@ -60,7 +64,7 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, use_grouped_mm: bo
             x = x.clone(memory_format=torch.contiguous_format)
         offsets = counts.cumsum(0).to(torch.int32)
         return F.grouped_mm(x, weight, offs=offsets)
-    blocks = x.split(counts.tolist())
+    blocks = x.split(counts.tolist() if sizes is None else sizes)
     return torch.cat([block @ weight[e] for e, block in enumerate(blocks)])
 
 
@@ -101,9 +105,10 @@ class GroupedExperts(nn.Module):
         gate_up = self.w_gate_up.flatten(2).to(dtype)  # [E, d, gate | up]: one product for both
         down = self.w_down.to(dtype)
         use_grouped_mm = grouped_mm_supported(rows.device, dtype, *gate_up.shape[1:], *down.shape[1:])
-        hidden = swiglu(grouped_linear(rows.to(dtype), gate_up, counts, use_grouped_mm), self.limit)
+        sizes = None if use_grouped_mm else counts.tolist()  # read once for both products
+        hidden = swiglu(grouped_linear(rows.to(dtype), gate_up, counts, use_grouped_mm, sizes), self.limit)
         # back in the rows' dtype: combined with the routing weights and summed over ranks in at least fp32
-        return grouped_linear(hidden, down, counts, use_grouped_mm).to(rows.dtype)
+        return grouped_linear(hidden, down, counts, use_grouped_mm, sizes).to(rows.dtype)
 
     def one(self, local: int, x: Tensor) -> Tensor:
         """Expert ``local`` applied to each row of ``x``: the definition the grouped path must match."""

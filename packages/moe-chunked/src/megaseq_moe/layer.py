@@ -37,7 +37,7 @@ from megaseq.dtypes import compute_dtype
 from megaseq.parallel import collectives, tp_chunk
 from megaseq.records import MemoryEstimate, ModelDims
 from megaseq_moe.config import ChunkedMoEConfig
-from megaseq_moe.dispatch import plan_dispatch, plan_tensor_gather
+from megaseq_moe.dispatch import count_ids, plan_dispatch, plan_tensor_gather
 from megaseq_moe.ep import agree_max, group_size, sum_over
 from megaseq_moe.experts import GroupedExperts, SharedExpert, expert_dtype
 from megaseq_moe.router import Router
@@ -119,7 +119,7 @@ class ChunkedMoE(nn.Module):
         if ctx.routing is not None:
             indices = ctx.routing.route(self.routing_key, indices)
         if self.training and not ctx.recomputing:  # a re-run for recomputation must not count the load again
-            self.last_load = sum_over(torch.bincount(indices.reshape(-1), minlength=self.n_experts), group)
+            self.last_load = sum_over(count_ids(indices, self.n_experts), group)
             self.step_load += self.last_load
         with_aux = self.training and self.aux_loss_coef > 0
         segments, n_segments = self._segments(batch, length, ctx, x.device) if with_aux else (None, 0)
@@ -217,7 +217,7 @@ class ChunkedMoE(nn.Module):
             (segments[:, None] * e + indices).reshape(-1),
             torch.ones(indices.numel(), device=indices.device),
         )
-        tokens = torch.bincount(segments, minlength=n_segments).float()
+        tokens = count_ids(segments, n_segments).float()
         for group in sharing:
             counts, tokens = sum_over(counts, group), sum_over(tokens, group)
         present = tokens > 0
@@ -397,19 +397,20 @@ def _or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
     return grad if grad is not None else torch.zeros_like(like)
 
 
-def load_summary(load: Tensor, ep_size: int) -> dict[str, float]:
+def load_summary(load: Tensor, ep_size: int) -> dict[str, Tensor]:
     """Statistics of (token, expert) assignments per expert: max / mean per expert and per expert-parallel
-    rank, and the routing entropy in nats of the share per expert (``log(n_experts)`` when perfectly even)."""
+    rank, and the routing entropy in nats of the share per expert (``log(n_experts)`` when perfectly even).
+    0-dim float64 tensors on ``load``'s device: the trainer reads them together with every other layer's."""
     load = load.double()
     per_rank = load.view(ep_size, -1).sum(1)
     share = load / load.sum().clamp_min(1)
     entropy = -(share * share.clamp_min(1e-300).log()).sum()
     return {
-        "tokens_per_expert_max": load.max().item(),
-        "tokens_per_expert_mean": load.mean().item(),
-        "tokens_per_rank_max": per_rank.max().item(),
-        "tokens_per_rank_mean": per_rank.mean().item(),
-        "routing_entropy": entropy.item(),
+        "tokens_per_expert_max": load.max(),
+        "tokens_per_expert_mean": load.mean(),
+        "tokens_per_rank_max": per_rank.max(),
+        "tokens_per_rank_mean": per_rank.mean(),
+        "routing_entropy": entropy,
     }
 
 
@@ -417,7 +418,9 @@ def end_step(model: nn.Module, metrics: dict[str, float]) -> None:
     """After an optimizer step: nudge every layer's balancing bias by the step's load and report the load.
 
     The loads are summed over all ranks (when torch.distributed is up) so every data-parallel replica moves
-    its bias identically; the rule uses only the sign of ``mean - load``, which the sum does not change.
+    its bias identically; the rule uses only the sign of ``mean - load``, which the sum does not change. A layer
+    without a training forward since the last step (no load) keeps its bias and reports nothing. Every layer is
+    handled on the device and the metrics are read once, whatever the number of layers.
     """
     layers = [module for _, module in iter_modules(model, ChunkedMoE)]
     if not layers:
@@ -425,22 +428,28 @@ def end_step(model: nn.Module, metrics: dict[str, float]) -> None:
     loads = torch.stack([layer.step_load for layer in layers])
     if dist.is_available() and dist.is_initialized():
         collectives.all_reduce(loads, dist.group.WORLD)
-    expert_ratio, rank_ratio, entropy = [], [], []
-    for layer, load in zip(layers, loads, strict=True):
+    routed = loads.sum(1) > 0
+    rows = []
+    for layer, load, moved in zip(layers, loads, routed, strict=True):
         layer.step_load.zero_()
-        if load.sum() == 0:  # no training forward since the last step
-            continue
-        layer.router.update_bias(load, layer.bias_update_rate)
+        layer.router.update_bias(load, layer.bias_update_rate * moved)
         stats = load_summary(load, layer.ep_size)
-        expert_ratio.append(stats["tokens_per_expert_max"] / stats["tokens_per_expert_mean"])
-        rank_ratio.append(stats["tokens_per_rank_max"] / stats["tokens_per_rank_mean"])
-        entropy.append(stats["routing_entropy"])
-        metrics[f"moe/{layer.routing_key}/expert_max_over_mean"] = expert_ratio[-1]
-    if expert_ratio:
-        metrics["moe/expert_max_over_mean"] = max(expert_ratio)
-        metrics["moe/rank_max_over_mean"] = max(rank_ratio)
-        metrics["moe/routing_entropy"] = sum(entropy) / len(entropy)
-        metrics["moe/bias_abs_max"] = max(layer.router.expert_bias.abs().max().item() for layer in layers)
+        rows.append(torch.stack([
+            stats["tokens_per_expert_max"] / stats["tokens_per_expert_mean"],
+            stats["tokens_per_rank_max"] / stats["tokens_per_rank_mean"],
+            stats["routing_entropy"],
+            layer.router.expert_bias.abs().max().double(),
+        ]))
+    table = torch.cat([routed[:, None].double(), torch.stack(rows)], dim=1).tolist()  # the one read
+    used = [(layer, row[1:]) for layer, row in zip(layers, table, strict=True) if row[0]]
+    if not used:
+        return
+    for layer, (expert_ratio, _, _, _) in used:
+        metrics[f"moe/{layer.routing_key}/expert_max_over_mean"] = expert_ratio
+    metrics["moe/expert_max_over_mean"] = max(row[0] for _, row in used)
+    metrics["moe/rank_max_over_mean"] = max(row[1] for _, row in used)
+    metrics["moe/routing_entropy"] = sum(row[2] for _, row in used) / len(used)
+    metrics["moe/bias_abs_max"] = max(row[4] for row in table)
 
 
 def build(config: ChunkedMoEConfig, dims: ModelDims, layer_idx: int) -> ChunkedMoE:

@@ -267,12 +267,16 @@ class RLRun:
         for _ in range(u.updates_per_step):
             shares: dict[str, float] = {}
             with self.optimizer_step.forwards():
-                for rows in slices:
+                for i, rows in enumerate(slices):
                     weight = self.algorithm.batch_weight(mask[rows]) / total if total else 0.0
-                    logprobs, entropy, ctx = self.terms(batch, rows)
-                    loss, m = self.algorithm.loss(logprobs, old[rows.start], adv[rows], mask[rows], entropy)
-                    aux = sum(ctx.losses.values()) * ((rows.stop - rows.start) / b) if ctx.losses else 0.0
-                    (loss * weight + aux).backward()
+
+                    def forward(rows: slice = rows, weight: float = weight) -> tuple[torch.Tensor, Any]:
+                        logprobs, entropy, ctx = self.terms(batch, rows)
+                        loss, m = self.algorithm.loss(logprobs, old[rows.start], adv[rows], mask[rows], entropy)
+                        aux = sum(ctx.losses.values()) * ((rows.stop - rows.start) / b) if ctx.losses else 0.0
+                        return loss * weight + aux, (loss, m, ctx)
+
+                    loss, m, ctx = self.optimizer_step.backward(forward, last=i == len(slices) - 1)
                     terms = {**m, "loss": float(loss.detach()), **{f"aux/{k}": float(v.detach()) for k, v in ctx.losses.items()}}
                     for key, value in terms.items():
                         shares[key] = shares.get(key, 0.0) + value * weight

@@ -84,7 +84,13 @@ from torch import nn
 
 from megaseq.plugins import Plugins, get_plugins
 from megaseq.records import MemoryEstimate, ModelDims, load_target
-from megaseq_testkit.checks import assert_close, check_deterministic, check_gradients, watch_host_syncs
+from megaseq_testkit.checks import (
+    assert_close,
+    check_deterministic,
+    check_gradients,
+    count_host_syncs,
+    watch_host_syncs,
+)
 
 
 def fresh_plugins(autoload: bool = False) -> Plugins:
@@ -233,6 +239,7 @@ __all__ = [
     "build_component",
     "check_deterministic",
     "check_gradients",
+    "count_host_syncs",
     "env",
     "fresh_plugins",
     "installed_plugins",

@@ -6,6 +6,8 @@
 - :func:`check_deterministic`: a forward and backward repeated with torch's global random generator moved
   between the two runs gives identical results, and leaves the generator's state alone.
 - :func:`watch_host_syncs`: counts how often a tensor (e.g. ``cu_seqlens``) is read back to the host.
+- :func:`count_host_syncs`: every read of any tensor back to the host (and every ``torch.cuda.synchronize``)
+  while a block runs, by the line that asked for it: the host syncs of a whole training step.
 - :func:`check_two_forwards`: two forwards of one module before one backward give each forward's own
   gradients (state kept on the module between a forward and its backward is overwritten by the second).
 - :func:`saved_bytes` and :func:`check_saved_estimate`: what autograd keeps for backward, in bytes, and a
@@ -14,8 +16,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+import inspect
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -184,6 +189,47 @@ def watch_host_syncs(tensor: Tensor) -> tuple[Tensor, Callable[[], int]]:
     return tensor.as_subclass(Watched), lambda: count[0]
 
 
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[list[str]]:
+    """Within the block, record every host read of a tensor (``_READS``: ``.item()``, ``.tolist()``, ``.cpu()``,
+    ``.numpy()``, ``bool``, ``int``, ``float``, ``__index__``) and every ``torch.cuda.synchronize()`` as
+    ``"file:line"`` of the code that asked for it, into the list it yields. On CPU nothing waits, but on CUDA
+    each would stall the host until the device catches up.
+
+    Reads made by torch's own code are left out: torch reads host-side tensors of its own (the optimizer's step
+    counters, which never live on the device); a torch function that does synchronise is still counted at the
+    line of the caller that asked for it when it goes through one of these methods from outside torch."""
+    sites: list[str] = []
+    torch_dir = os.path.dirname(torch.__file__)
+    patched = {name: getattr(Tensor, name) for name in _READS}
+    patched_sync = torch.cuda.synchronize
+
+    def caller() -> str | None:
+        frame = inspect.currentframe()
+        frame = frame.f_back.f_back if frame and frame.f_back else None  # the wrapper's caller
+        if frame is None or frame.f_code.co_filename.startswith(torch_dir):
+            return None
+        return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def read(*args: Any, **kwargs: Any) -> Any:
+            if (site := caller()) is not None:
+                sites.append(site)
+            return original(*args, **kwargs)
+
+        return read
+
+    for name, original in patched.items():
+        setattr(Tensor, name, counting(original))
+    torch.cuda.synchronize = counting(patched_sync)
+    try:
+        yield sites
+    finally:
+        for name, original in patched.items():
+            setattr(Tensor, name, original)
+        torch.cuda.synchronize = patched_sync
+
+
 def saved_bytes(run: Callable[[], Any], inputs: tuple[Tensor, ...] = (), exclude: tuple[Tensor, ...] = ()) -> tuple[int, Any]:
     """Bytes of the distinct storages autograd saves for backward while ``run()`` builds its graph, plus those
     of ``inputs``, minus those of ``exclude`` (parameters: they are counted as parameters); and ``run()``'s
@@ -229,6 +275,7 @@ __all__ = [
     "check_gradients",
     "check_saved_estimate",
     "check_two_forwards",
+    "count_host_syncs",
     "forward_backward",
     "saved_bytes",
     "watch_host_syncs",

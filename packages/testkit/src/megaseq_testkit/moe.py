@@ -25,7 +25,7 @@ two must hold exactly the one-process layer's block of each expert tensor from t
 equal, and leave the global generator where building the whole layer leaves it (:func:`check_local_experts`).
 
 ``load_stats()`` must report at least ``megaseq.contracts.LOAD_STAT_KEYS`` (the trainer logs them as
-``moe/load/KEY``) for the last training forward, counting
+``moe/load/KEY``; floats or 0-dim tensors) for the last training forward, counting
 (token, expert) assignments, the same chunked (``chunk_tokens``) as unchunked; ``routing_entropy`` is in nats
 of the share of assignments per expert.
 """
@@ -62,6 +62,11 @@ def dense_reference(module: Any, x: Tensor, indices: Tensor | None = None) -> Te
 def _grad(p: Tensor) -> Tensor:
     """A parameter's gradient; zeros when no gradient reached it (e.g. an expert no token chose)."""
     return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _load_stats(module: nn.Module) -> dict[str, float]:
+    """``module.load_stats()`` with every value as a float (the contract allows 0-dim tensors)."""
+    return {key: float(value) for key, value in module.load_stats().items()}
 
 
 def _record(module: nn.Module, x: Tensor) -> tuple[Tensor, RoutingReplay]:
@@ -258,7 +263,7 @@ class MoEConformance(FeedForwardConformance):
         x = self.inputs()
         n, k, e = x.shape[0] * x.shape[1], module.top_k, module.n_experts
         _, routing = _record(module, x)
-        stats = module.load_stats()
+        stats = _load_stats(module)
         missing = [key for key in LOAD_STAT_KEYS if key not in stats]
         assert not missing, f"load_stats() lacks {missing}"
         assert stats["tokens_per_expert_mean"] == pytest.approx(n * k / e)
@@ -269,7 +274,7 @@ class MoEConformance(FeedForwardConformance):
         chunked = self.build()
         chunked.chunk_tokens = min(self.chunk_sizes)
         chunked(x, ForwardContext())
-        chunked_stats = chunked.load_stats()
+        chunked_stats = _load_stats(chunked)
         for key in LOAD_STAT_KEYS:
             assert chunked_stats[key] == pytest.approx(stats[key], rel=1e-9), (
                 f"load_stats()[{key!r}] with chunk_tokens={chunked.chunk_tokens}: {chunked_stats[key]}, unchunked {stats[key]}"
@@ -278,14 +283,14 @@ class MoEConformance(FeedForwardConformance):
         (key,) = routing.indices
         routing.indices[key] = torch.arange(k).expand(n, -1).contiguous()
         module(x, ForwardContext(routing=routing.replay()))
-        skewed = module.load_stats()
+        skewed = _load_stats(module)
         assert skewed["tokens_per_expert_max"] == n
         assert skewed["routing_entropy"] == pytest.approx(math.log(k), abs=1e-6)
         # an eval forward is not training load
         module.eval()
         with torch.no_grad():
             module(self.inputs(seed=9), ForwardContext())
-        assert module.load_stats() == skewed, "an eval-mode forward changed the training load statistics"
+        assert _load_stats(module) == skewed, "an eval-mode forward changed the training load statistics"
 
     def test_local_experts_are_blocks_of_the_one_process_layer(self) -> None:
         """:func:`check_local_experts`, for the capabilities declared (none: nothing to check)."""

@@ -13,15 +13,15 @@ What the trainer asks of a ``Parallel``, and why each rule makes every layout eq
   rank all take that shard (the model splits it along the sequence, and each holds the losses of its
   chunk). The loss is normalised by the weight of the global micro-batch, so the shares of all ranks add
   up to the single-process loss.
-- ``reduce_gradients``: gradients are summed over all ranks (data, context, tensor and expert parallel
-  alike: an expert-parallel group is made of data/context ranks, so the router and shared experts see every
-  token once, and under sequence parallelism each tensor-parallel rank's norms see its chunk), except
-  expert-sharded parameters, which already received every token of their expert-parallel group through
-  the dispatch and are summed over the expert-data-parallel group only (so are expert weights split by
-  ``etp`` alone: the gather over the expert-tensor-parallel group gave each block every token of that
-  group, and with ``ep = etp = 1`` that group is every rank), and tensor-split parameters, which received
-  every token of their window and are summed over the ranks holding the same block (data and context
-  parallel).
+- the gradient sums (``megaseq.distributed.gradients`` reduces over these groups): gradients are summed over
+  all ranks (data, context, tensor and expert parallel alike: an expert-parallel group is made of
+  data/context ranks, so the router and shared experts see every token once, and under sequence parallelism
+  each tensor-parallel rank's norms see its chunk), except expert-sharded parameters, which already received
+  every token of their expert-parallel group through the dispatch and are summed over the
+  expert-data-parallel group only (so are expert weights split by ``etp`` alone: the gather over the
+  expert-tensor-parallel group gave each block every token of that group, and with ``ep = etp = 1`` that
+  group is every rank), and tensor-split parameters, which received every token of their window and are
+  summed over the ranks holding the same block (data and context parallel).
 - ``grad_norm``: the norm of the whole model's gradient: replicated parameters counted once, expert
   blocks summed over the expert-tensor-and-expert-parallel group, tensor-split blocks over the
   tensor-parallel group.
@@ -165,37 +165,19 @@ class Parallel:
         names = sorted(set().union(*gathered))
         return {name: sum(rank.get(name, 0.0) for rank in gathered) for name in names}
 
+    def ranks_on_host(self) -> int:
+        """How many ranks run on this rank's machine (itself included): the processes that share its memory and
+        cores. Every rank must call it (a gather of host names)."""
+        import socket
+
+        if not self.distributed:
+            return 1
+        host = socket.gethostname()
+        return collectives.all_gather_object(host, self.world_group).count(host)
+
     def barrier(self) -> None:
         if self.distributed:
             collectives.barrier(self.world_group)
-
-    def reduce_gradients(
-        self, params: list[nn.Parameter], experts: set[nn.Parameter], tp_split: Set[nn.Parameter] = frozenset()
-    ) -> None:
-        """Sum gradients over ranks (module docstring). A parameter that no rank has a gradient for keeps
-        ``grad = None``, as in one process (the optimizer then leaves it alone)."""
-        if not self.distributed:
-            return
-        import torch.distributed as dist
-
-        replicated = [p for p in params if p not in experts and p not in tp_split]
-        sharded = [p for p in params if p in experts]
-        split = [p for p in params if p in tp_split]
-        for group, members in (
-            (self.world_group, replicated), (self.expert_dp_group, sharded), (self.tp_data_group, split)
-        ):
-            if not members or dist.get_world_size(group) == 1:
-                continue
-            device = members[0].device
-            present = torch.tensor([p.grad is not None for p in members], dtype=torch.float32, device=device)
-            flat = torch.cat([present, *(_grad_or_zeros(p).reshape(-1).float() for p in members)])
-            collectives.all_reduce(flat, group)
-            offset = len(members)
-            for i, p in enumerate(members):
-                n = p.numel()
-                if flat[i] > 0:
-                    p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
-                offset += n
 
     def grad_norm(
         self, params: Iterable[nn.Parameter], experts: set[nn.Parameter], tp_split: Set[nn.Parameter] = frozenset()
@@ -241,10 +223,6 @@ def _gather_blocks(
     for name, dim in dims.items():
         full[name] = join(collectives.all_gather_tensor(state[name], group), dim, (lengths or {}).get(name))
     return full
-
-
-def _grad_or_zeros(p: nn.Parameter) -> Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def import_parallel_state() -> Any:

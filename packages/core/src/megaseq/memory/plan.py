@@ -8,7 +8,7 @@ and proposes the cheapest set that fits. Nothing here builds a model or touches 
 The model of one step on one device (bytes; ``N`` = tokens of one micro-batch on this device, i.e. windows
 per micro-batch per data-parallel rank times ``seq_len / cp``):
 
-    device peak = runtime + weights + gradients + optimizer state (unless in host memory)
+    device peak = runtime + weights + gradients + reduction buckets + optimizer state (unless in host memory)
                 + sum over layers of what the layer keeps between forward and backward
                 + the most any one layer re-creates while its backward runs (recomputation)
                 + the gradient stream (GRAD_STREAM x N x d_model x 4, or x 2 in bf16) + the largest temporary buffer
@@ -56,6 +56,13 @@ at full length, and each rank computes the logits of its ``1/tp`` of the vocabul
 Under ``train.bf16`` components' activations (reported in fp32 bytes) are halved; the residual stream (the
 block inputs ``x``, the norms' inputs, the gradient stream) is fp32 unless ``model.residual_dtype = "bf16"``
 (``megaseq.model``), which halves those bytes too.
+
+The gradient reduction (``megaseq.distributed.gradients``, under a layout of several ranks): DDP's buckets hold
+the gradients of the parameters it sums, for the whole run. In the backward that sums them each gradient is
+copied into its bucket as it is produced and freed, so the buckets take the gradients' place; with
+``train.grad_accum > 1`` the earlier micro-batches' gradients accumulate beside them, one more copy of the
+parameters' bytes (``Estimate.reduction``). Every parameter is counted: where a group has one rank (``ep x etp``
+or ``tp`` ranks making up every rank) its parameters have no bucket, and the count is an upper bound.
 
 The optimizer (``megaseq.train.optimizer``): AdamW's two fp32 moments per parameter beside the parameters;
 with ``train.optimizer_state = "host"`` on CUDA, 16 bytes per parameter in (pageable) host memory instead (the
@@ -138,6 +145,7 @@ class Estimate:
     policies: list[PolicyChoice]
     weights: int = 0
     gradients: int = 0
+    reduction: int = 0  # the gradient reduction's buckets beside accumulating gradients (module docstring)
     optimizer: int = 0
     runtime: int = 0
     saved_by_kind: dict[str, int] = field(default_factory=dict)
@@ -157,7 +165,7 @@ class Estimate:
     @property
     def device_peak(self) -> int:
         return (
-            self.runtime + self.weights + self.gradients + self.optimizer + self.layers_peak
+            self.runtime + self.weights + self.gradients + self.reduction + self.optimizer + self.layers_peak
             + self.saved_by_kind.get("embedding+head", 0) + self.gradient_stream + self.temporary + self.heap
         )
 
@@ -295,6 +303,7 @@ def estimate(
     for c in costs:
         params += c.at("attention", length).parameters + c.at("ffn", length).parameters
     out.weights, out.gradients = params, params
+    out.reduction = params if layout.world_size > 1 and t.grad_accum > 1 else 0
     shards = layout.dp * layout.cp if t.optimizer_shard else 1  # ZeRO-1: each rank its share
     if t.optimizer_state == "host" and machine.kind == "cuda":
         out.host_optimizer = HOST_OPTIMIZER_BYTES * (params // 4) // shards

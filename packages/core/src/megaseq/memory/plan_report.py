@@ -25,6 +25,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "time_cost": e.time_cost,
             "weights_bytes": e.weights,
             "gradients_bytes": e.gradients,
+            "reduction_bytes": e.reduction,
             "optimizer_bytes": e.optimizer,
             "runtime_bytes": e.runtime,
             "saved_bytes_by_layer_kind": e.saved_by_kind,
@@ -64,7 +65,8 @@ def render_table(plan: Plan) -> str:
     first = plan.candidates[0]
     lines = [head, "", "per device (policy-independent):",
              f"  runtime {gib(first.runtime)}   weights {gib(first.weights)}   gradients {gib(first.gradients)}"
-             f"   optimizer state {gib(first.optimizer) if first.optimizer else f'{gib(first.host_optimizer)} in host memory'}",
+             + (f" (+ {gib(first.reduction)} reduction buckets)" if first.reduction else "")
+             + f"   optimizer state {gib(first.optimizer) if first.optimizer else f'{gib(first.host_optimizer)} in host memory'}",
              ""]
     kinds = sorted({k for e in plan.candidates for k in e.saved_by_kind})
     width = max(24, *(len(e.label) for e in plan.candidates))

@@ -5,10 +5,11 @@ and results come back on the caller's device, so a caller may hand a CPU flag to
 tensor to a gloo one. ``tests/test_governance.py`` rejects a direct collective anywhere else.
 
 Plain collectives (``all_reduce``, ``all_gather_tensor``, ``exchange``, the object ones, ``barrier``) carry
-no gradient. The autograd-aware ones for components (``all_gather``, ``all_to_all``) are each a
-``torch.autograd.Function`` whose backward is itself a collective: gradients flow back to the
-rank that owns each piece. They use only public ``torch.distributed`` calls that gloo (CPU) and NCCL (CUDA)
-both implement; the deprecated ``torch.distributed.nn.functional`` is not used.
+no gradient; ``sum_bucket`` is the gradient reduction's hook (``megaseq.distributed.gradients``). The
+autograd-aware ones for components (``all_gather``, ``all_to_all``) are each a ``torch.autograd.Function``
+whose backward is itself a collective: gradients flow back to the rank that owns each piece. They use only
+public ``torch.distributed`` calls that gloo (CPU) and NCCL (CUDA) both implement; the deprecated
+``torch.distributed.nn.functional`` is not used.
 
 The rule that comes with them: **every rank of the group must run the same collectives, in the same order,
 with matching sizes, in forward and in backward.** A backward collective runs only where autograd reaches
@@ -52,6 +53,15 @@ def all_reduce(t: Tensor, group: Any, op: str = "sum") -> Tensor:
     if buffer is not t:
         t.copy_(buffer)
     return t
+
+
+# unannotated: DDP checks the hook's signature and, under postponed annotations, rejects any annotation of bucket
+def sum_bucket(group, bucket):
+    """A ``DistributedDataParallel`` communication hook: the bucket's gradients summed over ``group`` (DDP's own
+    hook averages them), asynchronously; returns the future of the summed buffer. DDP keeps its buckets on the
+    parameters' device, which is the group's (``megaseq.distributed.gradients``)."""
+    buffer = bucket.buffer()
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda done: done.value()[0])
 
 
 def all_gather_tensor(t: Tensor, group: Any) -> list[Tensor]:
@@ -196,4 +206,5 @@ __all__ = [
     "gather_object",
     "group_device",
     "reduce_scatter",
+    "sum_bucket",
 ]

@@ -9,10 +9,16 @@ Two recipe keys decide where Adam's state lives (``[train]``):
   ``dp x cp`` ranks, which all hold the same parameters, keeps the state of its share of them, updates that
   share and broadcasts it. Expert-parallel parameters differ between ranks, so it refuses ``ep > 1``.
 
-Both are exact: per parameter the update is AdamW's own (``torch.optim.adamw.adamw``, the single-tensor path
-that ``torch.optim.AdamW`` takes for CPU tensors), so the weights after any number of steps are those of
-``torch.optim.AdamW`` on one process (``packages/core/tests/test_optimizer.py``; ``tests/test_optimizer_dist.py``
-under dp=2).
+Both are exact: the host update is AdamW's own (``torch.optim.adamw.adamw``, its multi-tensor ``foreach`` path:
+one kernel per operation over all of a bucket's tensors instead of one per tensor), so the weights after any
+number of steps are those of ``torch.optim.AdamW`` on one process (``packages/core/tests/test_optimizer.py``;
+``tests/test_optimizer_dist.py`` under dp=2).
+
+The host is shared by the training processes that run on it (:class:`HostShare`, found by
+:func:`make_optimizer`): the check that the host can hold the state counts every one of them (a rank's need
+times the ranks on its machine: each passing alone does not mean they fit together), and on an accelerator the
+update uses the threads ``megaseq.threads.host_update_threads`` gives each process (its share of the
+machine's cores; its own intra-op threads are one, its work being on the device).
 
 Checkpoints (``megaseq.distributed.sharded``): a whole optimizer's state is saved in ``state.pt`` by
 parameter name (the moments of expert- or tensor-split parameters beside their blocks); a sharded one as
@@ -23,9 +29,12 @@ switching ``optimizer_state`` between runs keeps the moments.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,9 +68,30 @@ def param_groups(model: nn.Module, train: TrainConfig) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+@dataclass(frozen=True)
+class HostShare:
+    """What a :class:`HostAdamW` shares its machine with: ``ranks``, the training processes on the machine (each
+    holding host state of its own size); ``threads``, the intra-op threads its update may use (None: the
+    process's own count, e.g. a CPU run, whose threads ``megaseq.threads.CoreShare`` decides)."""
+
+    ranks: int = 1
+    threads: int | None = None
+
+
+def host_share(model: nn.Module, parallel: Parallel | None) -> HostShare:
+    """The :class:`HostShare` of this process (every rank must call it: the ranks find their machines)."""
+    from megaseq import threads
+
+    ranks = parallel.ranks_on_host() if parallel is not None else 1
+    on_accelerator = any(p.device.type != "cpu" for p in model.parameters())
+    return HostShare(ranks, threads.host_update_threads(ranks) if on_accelerator else None)
+
+
 def make_optimizer(model: nn.Module, train: TrainConfig, parallel: Parallel | None = None) -> torch.optim.Optimizer:
     """AdamW over the trained parameters (:func:`param_groups`), placed and sharded as ``train`` says."""
-    cls: type[torch.optim.Optimizer] = HostAdamW if train.optimizer_state == "host" else torch.optim.AdamW
+    cls: Any = torch.optim.AdamW
+    if train.optimizer_state == "host":
+        cls = partial(HostAdamW, share=host_share(model, parallel))
     groups = param_groups(model, train)
     if train.optimizer_shard and parallel is not None and parallel.distributed:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -85,7 +115,8 @@ class HostAdamW(torch.optim.Optimizer):
     Per parameter, in host memory: the two moments, the step count and, unless the parameter is already an
     fp32 CPU tensor (then it is its own master), an fp32 master copy and a buffer for its gradient. A step:
     gradients to the host, AdamW on the masters, masters back into the parameters (cast to their dtype).
-    A host without the memory for these buffers is refused in one line when the optimizer is built.
+    A host without the memory for these buffers, for every training process on it (``share``: :class:`HostShare`),
+    is refused in one line when the optimizer is built. The update runs with ``share.threads`` intra-op threads.
 
     On CUDA the host buffers are two flat fp32 tensors page-locked with ``cudaHostRegister`` (sized exactly,
     not rounded up by PyTorch's caching host allocator) and the step runs in buckets of
@@ -96,16 +127,17 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(
         self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-        weight_decay: float = 1e-2,
+        weight_decay: float = 1e-2, share: HostShare = HostShare(),
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.share = share
         self._masters: dict[Tensor, Tensor] = {}
         self._grads: dict[Tensor, Tensor] = {}
         self._flat: list[Tensor] = []
         copied = [p for g in self.param_groups for p in g["params"] if not _own_master(p)]
         if copied:
             total = sum(p.numel() for p in copied)
-            check_host_memory(HOST_BYTES_PER_PARAMETER * total)
+            check_host_memory(HOST_BYTES_PER_PARAMETER * total, share.ranks)
             masters, grads = torch.empty(total, dtype=torch.float32), torch.empty(total, dtype=torch.float32)
             if any(p.is_cuda for p in copied):
                 for flat in (masters, grads):
@@ -157,11 +189,12 @@ class HostAdamW(torch.optim.Optimizer):
             stream.wait_stream(torch.cuda.current_stream(cuda[0].device))
         buckets = _buckets(work)
         arrived = [self._fetch_gradients(bucket, stream) for bucket in buckets]
-        for bucket, event in zip(buckets, arrived, strict=True):
-            if event is not None:
-                event.synchronize()
-            self._update(bucket)
-            self._send_weights(bucket, stream)
+        with _intra_op_threads(self.share.threads):
+            for bucket, event in zip(buckets, arrived, strict=True):
+                if event is not None:
+                    event.synchronize()
+                self._update(bucket)
+                self._send_weights(bucket, stream)
         if stream is not None:
             torch.cuda.current_stream(cuda[0].device).wait_stream(stream)
         return loss
@@ -206,7 +239,7 @@ class HostAdamW(torch.optim.Optimizer):
                 steps.append(state["step"])
             beta1, beta2 = group["betas"]
             adamw_update(
-                masters, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False, beta1=beta1,
+                masters, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, amsgrad=False, beta1=beta1,
                 beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
             )
 
@@ -234,15 +267,33 @@ def available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def check_host_memory(need: int) -> None:
-    """A one-line UserError, before any step, when the host cannot hold ``need`` bytes of optimizer state."""
-    free = available_host_memory()
-    if need > free:
+def check_host_memory(need: int, ranks_on_host: int = 1) -> None:
+    """A one-line UserError, before any step, when the host cannot hold ``need`` bytes of optimizer state for each
+    of the ``ranks_on_host`` training processes on it."""
+    free, total = available_host_memory(), need * ranks_on_host
+    if total > free:
+        who = ("this process's optimizer state" if ranks_on_host == 1 else
+               f"the optimizer state of the {ranks_on_host} training processes on this machine "
+               f"({need / 2**30:.2f} GiB each)")
         raise UserError(
-            f"train.optimizer_state = 'host': this process's optimizer state needs {need / 2**30:.2f} GiB of host "
-            f"memory, {free / 2**30:.2f} GiB are available; set train.optimizer_shard = true, run fewer processes per "
+            f"train.optimizer_state = 'host': {who} needs {total / 2**30:.2f} GiB of host memory, "
+            f"{free / 2**30:.2f} GiB are available; set train.optimizer_shard = true, run fewer processes per "
             "machine, or use optimizer_state = 'device'"
         )
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for a block (None: left as they are), then restored."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _own_master(p: Tensor) -> bool:
@@ -269,4 +320,4 @@ def _buckets(work: list[tuple[dict[str, Any], Tensor]]) -> list[list[tuple[dict[
     return [b for b in buckets if b]
 
 
-__all__ = ["BUCKET_ELEMENTS", "HostAdamW", "local_optimizer", "make_optimizer", "param_groups"]
+__all__ = ["BUCKET_ELEMENTS", "HostAdamW", "HostShare", "host_share", "local_optimizer", "make_optimizer", "param_groups"]

@@ -4,13 +4,19 @@ A loop drives it as::
 
     info = step.start(number, tokens)            # lr from the schedule; plugins' step_start
     with step.forwards():                        # the memory policies' per-step resources
-        ...forwards and backwards...             # the loop's own loss, summed into .grad
+        for each micro-batch:
+            kept = step.backward(forward, last)  # forward() -> (objective, kept): the loop's own loss
     update = step.update(number, loss, aux)      # see below
     step.end(info, metrics)                      # plugins' step_end
 
+``backward`` runs a micro-batch's forward through the gradient reduction
+(``megaseq.distributed.gradients``) and differentiates its objective: gradients accumulate on each rank, and
+the backward of the last micro-batch (``last``) also sums them over the ranks of the parallel layout, in
+buckets overlapped with it.
+
 ``update`` is where every loop must agree, so it lives here once:
 
-1. gradients summed over the ranks of the parallel layout (``Parallel.reduce_gradients``);
+1. the gradient reduction finished (a rank that had no micro-batch joins it with an empty one);
 2. the whole model's gradient norm (``Parallel.grad_norm``);
 3. the verdict on the loss, the auxiliary losses and the gradient norm (the reduced, global values) is taken
    on every rank and agreed over ranks, so that all ranks update or none does;
@@ -30,15 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from megaseq.config import TrainConfig
 from megaseq.contracts import LOAD_STAT_KEYS, MemoryPolicy, MoE, iter_modules
+from megaseq.distributed.gradients import GradientReduction
 from megaseq.distributed.groups import Parallel
 from megaseq.errors import TrainingDiverged
 from megaseq.plugins import Plugins
@@ -46,6 +53,8 @@ from megaseq.records import ComponentConfig
 from megaseq.train.metrics import peak_memory_gib
 from megaseq.train.schedule import lr_factor
 from megaseq.train.state import StepInfo
+
+T = TypeVar("T")
 
 
 def apply_memory_policies(
@@ -72,7 +81,8 @@ def diverged(step: int, loss: float, grad_norm: float, aux: dict[str, float]) ->
 
 def moe_load_metrics(model: nn.Module, parallel: Parallel) -> dict[str, float]:
     """``moe/load/KEY`` for each of ``LOAD_STAT_KEYS``: the MoE layers' ``load_stats()`` (each describes its
-    layer's last training forward, the step's last micro-batch), averaged over the layers and over all ranks.
+    layer's last training forward, the step's last micro-batch), averaged over the layers and over all ranks,
+    read from the device once for all layers.
     They describe routing as each rank saw it, so they depend on how the layout splits the batch (unlike the
     loss and the weights, which every layout reproduces).
     Empty for a model without MoE layers or before any training forward."""
@@ -82,9 +92,11 @@ def moe_load_metrics(model: nn.Module, parallel: Parallel) -> dict[str, float]:
     missing = sorted({key for stats in rows for key in LOAD_STAT_KEYS if key not in stats})
     if missing:
         raise ValueError(f"an MoE layer's load_stats() lacks {missing} (megaseq.contracts.MoE)")
-    totals = torch.tensor([[stats[key] for key in LOAD_STAT_KEYS] for stats in rows], dtype=torch.float64).mean(0)
-    totals = parallel.sum(totals) / parallel.layout.world_size
-    return {f"moe/load/{key}": float(value) for key, value in zip(LOAD_STAT_KEYS, totals, strict=True)}
+    values = [stats[key] for stats in rows for key in LOAD_STAT_KEYS]
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    table = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    totals = parallel.sum(table.view(len(rows), -1).mean(0)) / parallel.layout.world_size
+    return {f"moe/load/{key}": value for key, value in zip(LOAD_STAT_KEYS, totals.tolist(), strict=True)}
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,8 @@ class Update:
 class OptimizerStep:
     """The optimizer step of a loop (module docstring). ``expert_params``: parameters sharded over expert
     parallelism (their gradients are summed over the expert-data-parallel group only); ``tp_params``: those
-    split over tensor parallelism (summed over the ranks holding the same block)."""
+    split over tensor parallelism (summed over the ranks holding the same block). Build it after the memory
+    policies are applied: the gradient reduction hooks the parameters as they are then."""
 
     def __init__(
         self,
@@ -119,6 +132,7 @@ class OptimizerStep:
         self.expert_params = expert_params
         self.tp_params = tp_params
         self.device = next(model.parameters()).device
+        self.reduction = GradientReduction(model, self.parallel, expert_params, tp_params)
 
     def set_hyperparameters(self) -> None:
         """The recipe's weight decay and betas (a resumed optimizer state carries the checkpoint's)."""
@@ -146,25 +160,39 @@ class OptimizerStep:
                 stack.enter_context(policy.step())
             yield
 
+    def backward(self, forward: Callable[[], tuple[torch.Tensor, T]], last: bool) -> T:
+        """Run ``forward()``, this rank's part of one micro-batch, which returns the objective to differentiate
+        (its share of the loss) and what the loop keeps; differentiate the objective and return what was kept.
+        ``last``: the last micro-batch before :meth:`update`, whose backward also sums the gradients (these and
+        the earlier micro-batches') over the ranks, overlapped with it. Each rank runs one ``last`` per update."""
+        objective, kept = self.reduction.forward(forward, sync=last)
+        objective.backward()
+        return kept
+
     def update(self, step: int, loss: float, aux: dict[str, float] | None = None) -> Update:
         """Reduce, check, clip, step and zero the gradients (module docstring). ``loss`` and ``aux``: the
         values over all ranks (the same on every rank)."""
         aux = aux or {}
         p = self.parallel
         params = [param for param in self.model.parameters() if param.requires_grad]
-        p.reduce_gradients(params, self.expert_params, self.tp_params)
-        grad_norm = float(p.grad_norm(params, self.expert_params, self.tp_params))
-        finite = all(math.isfinite(v) for v in (loss, grad_norm, *aux.values()))
-        agreed = p.max(torch.tensor([float(not finite), peak_memory_gib(self.device)], dtype=torch.float64))
-        applied = bool(agreed[0] == 0)
+        self.reduction.finish()
+        norm = p.grad_norm(params, self.expert_params, self.tp_params)
+        # one read of the device for the whole verdict: whether some rank saw a non-finite value, the busiest
+        # rank's peak memory, and the norm (the same on every rank, so its maximum is itself)
+        finite_host = all(math.isfinite(v) for v in (loss, *aux.values()))
+        nonfinite = (~torch.isfinite(norm)) | (not finite_host)
+        verdict = torch.stack([nonfinite.to(torch.float64), torch.tensor(peak_memory_gib(self.device),
+                               dtype=torch.float64, device=norm.device), norm.to(torch.float64)])
+        flag, peak, grad_norm = p.max(verdict).tolist()
+        applied = flag == 0
         if applied:
             if self.train.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, self.train.grad_clip, torch.tensor(grad_norm))
+                torch.nn.utils.clip_grads_with_norm_(params, self.train.grad_clip, norm)
             self.optimizer.step()
         elif self.train.on_nonfinite == "stop":
             raise diverged(step, loss, grad_norm, aux)
         self.optimizer.zero_grad(set_to_none=True)
-        return Update(grad_norm, applied, float(agreed[1]))
+        return Update(grad_norm, applied, peak)
 
     def end(self, info: StepInfo, tokens: int, metrics: dict[str, Any]) -> None:
         """Finish the loop step begun as ``info``; ``tokens``: the total after it. Adds the MoE layers' load

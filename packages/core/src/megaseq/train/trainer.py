@@ -280,10 +280,11 @@ class Trainer:
         self.notes.append(f"weights from {found}")
 
     # -- the loop -----------------------------------------------------------------------------------
-    def _micro_batch(self, totals: StepTotals, index: int) -> None:
-        """Forward and backward of this rank's part of global micro-batch ``index`` of the step; what it saw goes to
-        ``totals``. The data transforms see the whole micro-batch (every rank the same rows) in the data's ids,
-        after the schedule's cut."""
+    def _micro_batch(self, totals: StepTotals, index: int, last: bool) -> None:
+        """Forward and backward of this rank's part of global micro-batch ``index`` of the step (``last``: the
+        step's last, whose backward sums the gradients over the ranks); what it saw goes to ``totals``. The data
+        transforms see the whole micro-batch (every rank the same rows) in the data's ids, after the schedule's
+        cut."""
         t, p = self.recipe.train, self.parallel
         length = self.recipe.data.length_at(self.step, self.tokens)  # the window-length schedule's stage
         whole = self.train_windows.batch(self.sampler.next_indices()).cut(length)
@@ -291,12 +292,14 @@ class Trainer:
         whole = whole.to_vocab(self.recipe.data.token_ids)
         batch = batch_to(p.local_batch(whole), self.device)
         ctx = p.forward_context(length)
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16)
-        with autocast:
-            loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
-        total = loss + sum(ctx.losses.values()) / p.layout.dp
-        (total / t.grad_accum).backward()
-        totals.add(loss.detach(), batch.inputs.numel() // p.layout.tp, ctx)  # tensor-parallel ranks share them
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16):
+                loss, _ = lm_loss(self.model, batch, ctx, t.loss_chunk, whole.weights.sum().to(self.device))
+            return (loss + sum(ctx.losses.values()) / p.layout.dp) / t.grad_accum, loss.detach()
+
+        loss = self.optimizer_step.backward(forward, last)
+        totals.add(loss, batch.inputs.numel() // p.layout.tp, ctx)  # tensor-parallel ranks share them
 
     def train_step(self) -> dict[str, float]:
         t, p = self.recipe.train, self.parallel
@@ -307,7 +310,7 @@ class Trainer:
         totals = StepTotals()
         with self.optimizer_step.forwards():
             for index in range(t.grad_accum):
-                self._micro_batch(totals, index)
+                self._micro_batch(totals, index, last=index == t.grad_accum - 1)
         loss, tokens, aux, metrics = totals.reduce(p.sum, p.layout.dp, t.grad_accum)
         update = self.optimizer_step.update(info.step, loss, aux)
         self.skipped_steps += not update.applied  # a skipped step consumes its windows all the same
