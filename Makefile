@@ -47,27 +47,30 @@ train: setup
 # that silently needs another plugin fails; cross-package tests and the example plugin run in the full venv.
 # Every test process runs one intra-op thread, so two sets run at once (-j2) to use both cores of a small
 # machine; the sets are one per package, listed longest first, so that neither core waits long for the other
-# at the end. Output is synchronised by line: each test file's line of results shows as soon as it is complete.
+# at the end. Each set prints a line per finished test file as it goes, and its whole report when it ends.
 PLUGIN_TESTS := $(addprefix test-,$(notdir $(PLUGINS)))
 .PHONY: $(PLUGIN_TESTS)
 TEST_SETS := test-integration test-distributed test-core test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS)) test-testkit
 test:
-	$(MAKE) --jobs=2 --output-sync=line $(TEST_SETS)
+	$(MAKE) --jobs=2 $(TEST_SETS)
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
 # (megaseq.threads): several test processes and their gloo ranks run at once.
 test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export OMP_NUM_THREADS = 1
 # every extra is installed here, so a test module skipped whole is a missing dependency: megaseq-testkit's pytest
 # plugin fails it
 test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export MEGASEQ_TEST_EVERY_MODULE = 1
-# pytest writes to make's pipe: unbuffered, so that each line shows when it is complete
-test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export PYTHONUNBUFFERED = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-testkit's pytest plugin, megaseq_testkit/pytest_plugin.py). What to run while working on a
 # plugin; make test runs everything and is what CI runs.
 PYTEST_ARGS ?=
+# A set's pytest report goes to .test-logs/SET.log and is printed whole when the set ends (two sets run at once:
+# their reports must not interleave); meanwhile megaseq-testkit's pytest plugin writes one line per finished
+# test file to make's output (file descriptor 3), so that a long set says what it is doing.
+RUN_SET = mkdir -p .test-logs && MEGASEQ_TEST_PROGRESS=$@ MEGASEQ_TEST_PROGRESS_FD=3
+END_SET = 3>&1 > .test-logs/$@.log 2>&1; status=$$?; cat .test-logs/$@.log; exit $$status
 test-fast:
-	$(MAKE) --jobs=2 --output-sync=line $(TEST_SETS) PYTEST_ARGS='-m "not slow"'
+	$(MAKE) --jobs=2 $(TEST_SETS) PYTEST_ARGS='-m "not slow"'
 
 # The isolated environments (one per package: core alone, core and one plugin) share the full venv's
 # third-party packages (torch, triton, pytest, ...) through hard links (tools/link_venv.py), never its megaseq
@@ -84,24 +87,24 @@ $(ISO)/%/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml pa
 test-isolated: test-core test-testkit test-plugins
 
 test-core: $(ISO)/core/.installed
-	$(ISO)/core/bin/python -m pytest $(PYTEST_ARGS) packages/core/tests
+	$(RUN_SET) $(ISO)/core/bin/python -m pytest $(PYTEST_ARGS) packages/core/tests $(END_SET)
 
 test-testkit: $(ISO)/testkit/.installed
-	$(ISO)/testkit/bin/python -m pytest $(PYTEST_ARGS) packages/testkit/tests
+	$(RUN_SET) $(ISO)/testkit/bin/python -m pytest $(PYTEST_ARGS) packages/testkit/tests $(END_SET)
 
 test-plugins: $(PLUGIN_TESTS)
 
 $(PLUGIN_TESTS): test-%: $(ISO)/%/.installed
-	$(ISO)/$*/bin/python -m pytest $(PYTEST_ARGS) packages/$*/tests
+	$(RUN_SET) $(ISO)/$*/bin/python -m pytest $(PYTEST_ARGS) packages/$*/tests $(END_SET)
 
 # The cross-package tests in two sets: the multi-process layouts (gloo ranks, Ray, torchrun), and the rest.
 DISTRIBUTED_TESTS := $(addprefix tests/test_,dist.py distributed.py expert_tensor_parallel.py tensor_parallel.py optimizer_dist.py local_model.py sharded_decoding.py ray.py)
 test-integration: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) tests $(addprefix --ignore=,$(DISTRIBUTED_TESTS)) $(addsuffix /tests,$(EXAMPLES))
+	$(RUN_SET) $(VENV)/bin/python -m pytest $(PYTEST_ARGS) tests $(addprefix --ignore=,$(DISTRIBUTED_TESTS)) $(addsuffix /tests,$(EXAMPLES)) $(END_SET)
 
 test-distributed: setup
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) $(DISTRIBUTED_TESTS)
+	$(RUN_SET) $(VENV)/bin/python -m pytest $(PYTEST_ARGS) $(DISTRIBUTED_TESTS) $(END_SET)
 
 lint: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools

@@ -53,3 +53,18 @@ def test_a_module_skipped_whole_fails_where_every_extra_is_installed(tmp_path):
     assert skipped.returncode == 5 and "1 skipped" in skipped.stdout, skipped.stdout
     failed = run("1")
     assert failed.returncode != 0 and "skipped whole (Skipped: needs the imaginary extra)" in failed.stdout, failed.stdout
+
+
+def test_each_finished_file_is_one_progress_line(tmp_path):
+    (tmp_path / "test_a.py").write_text("def test_1():\n    pass\ndef test_2():\n    assert False\n")
+    (tmp_path / "test_b.py").write_text("def test_3():\n    pass\n")
+    read, write = os.pipe()
+    env = {**os.environ, "MEGASEQ_TEST_PROGRESS": "test-x", "MEGASEQ_TEST_PROGRESS_FD": str(write)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300, pass_fds=(write,))
+    os.close(write)
+    with os.fdopen(read) as lines:
+        progress = lines.read().splitlines()
+    assert proc.returncode == 1  # test_2 fails
+    assert [line.split(" (")[0] for line in progress] == [
+        "test-x: test_a.py: 1 passed or skipped, 1 failed", "test-x: test_b.py: 1 passed or skipped, 0 failed"]

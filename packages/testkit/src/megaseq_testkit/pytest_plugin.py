@@ -15,13 +15,19 @@ already fetched are linked into it, read-only in use, so that tests of fetched d
 ``MEGASEQ_TEST_EVERY_MODULE=1`` (``make test`` sets it: it installs every extra) turns a test module skipped
 whole at collection (a module-level ``importorskip`` or ``pytest.skip``) into a failure: there a skipped module
 is a dependency that went missing, not an extra the user chose not to install.
+
+``MEGASEQ_TEST_PROGRESS=NAME`` with ``MEGASEQ_TEST_PROGRESS_FD=N`` (``make test`` sets them for each test set,
+whose report it prints whole when the set ends) writes one line per finished test file to file descriptor
+``N``: ``NAME: FILE: P passed, F failed (S s)``, each line one write, so that two sets' lines never mix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,51 @@ def pytest_make_collect_report(collector: Any) -> Any:
         report.outcome = "failed"
         report.longrepr = (f"{collector.nodeid} was skipped whole ({reason}), but MEGASEQ_TEST_EVERY_MODULE=1 says every "
                            "extra is installed here: a dependency is missing")
+
+
+class _Progress:
+    """Per test file: how many tests it holds, how many finished, failed, and when its first one started."""
+
+    def __init__(self, name: str, fd: int) -> None:
+        self.name, self.fd = name, fd
+        self.total: dict[str, int] = {}
+        self.done: dict[str, int] = {}
+        self.failed: dict[str, int] = {}
+        self.started: dict[str, float] = {}
+
+    @pytest.hookimpl
+    def pytest_collection_finish(self, session: Any) -> None:
+        for item in session.items:
+            path = item.nodeid.split("::")[0]
+            self.total[path] = self.total.get(path, 0) + 1
+
+    @pytest.hookimpl
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.started.setdefault(nodeid.split("::")[0], time.monotonic())
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.failed:
+            path = report.nodeid.split("::")[0]
+            self.failed[path] = self.failed.get(path, 0) + 1
+
+    @pytest.hookimpl
+    def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
+        path = nodeid.split("::")[0]
+        self.done[path] = self.done.get(path, 0) + 1
+        if self.done[path] == self.total.get(path):
+            failed = self.failed.get(path, 0)
+            seconds = time.monotonic() - self.started.get(path, time.monotonic())
+            line = f"{self.name}: {path}: {self.done[path] - failed} passed or skipped, {failed} failed ({seconds:.0f} s)\n"
+            with contextlib.suppress(OSError):
+                os.write(self.fd, line.encode())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: Any) -> None:
+    name, fd = os.environ.get("MEGASEQ_TEST_PROGRESS"), os.environ.get("MEGASEQ_TEST_PROGRESS_FD")
+    if name and fd and fd.isdigit():
+        session.config.pluginmanager.register(_Progress(name, int(fd)), "megaseq-test-progress")
 
 
 def pytest_unconfigure(config: Any) -> None:
