@@ -301,8 +301,12 @@ class Report:
 
     # -- rows ------------------------------------------------------------------------------------------
     def add(self, part: str, check: str, dtype: str, status: str, measured: str = "", note: str = "", **data: Any):
+        """One row; in a rehearsal every measurement says so (tiny shapes on the CPU: not a result), the setup's
+        findings excepted."""
+        if self.env.rehearse and measured and part != "setup":
+            measured = f"rehearsal: {measured}"
         row = {"part": part, "check": check, "dtype": dtype, "status": status, "measured": measured,
-               "note": note, **data}
+               "note": note, "rehearsal": self.env.rehearse, **data}
         with self._lock:
             self.rows.append(row)
         print(f"  [{self.elapsed():6.1f}s] {part:<11} {check:<44} {dtype:<5} {status:<8} {measured} {note}",
@@ -550,19 +554,22 @@ def part_launch(env: Env, report: Report) -> None:
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *train,
                      "--out", str(env.work / "launch-torchrun")],
     }
-    if not env.has("ray"):
-        del commands["ray"]
+    # a worker forms its groups with megatron-core's parallel_state; Ray's workers are Ray Train's
+    needs = {"ray": ["megatron", "ray"], "torchrun": ["megatron"]}
+    missing = {name: [m for m in modules if not env.has(m)] for name, modules in needs.items()}
     started = {name: start(env, command, f"launch-{name}", MEGASEQ_DEVICE_PROBE=str(env.work / f"probe-{name}"))
-               for name, command in commands.items()}
+               for name, command in commands.items() if not missing[name]}
     for name, (check, note) in LAUNCHES.items():
-        report.check(check, "fp32", lambda n=name: launched_device(env, report, n, started.get(n)), note=note)
+        report.check(check, "fp32", lambda n=name: launched_device(env, report, n, started.get(n), missing[n]),
+                     note=note)
 
 
-def launched_device(env: Env, report: Report, name: str, started: Started | None) -> tuple[str, str, dict]:
+def launched_device(env: Env, report: Report, name: str, started: Started | None,
+                    missing: list[str]) -> tuple[str, str, dict]:
     """Pass when the run succeeded with one rank, which recorded CUDA device 0 as current and every parameter
     on ``cuda:0`` (on the CPU: no CUDA device, parameters on ``cpu``), and whose run header names that device."""
     if started is None:
-        raise Skip("ray is missing: pip install 'megaseq-core[distributed]'")
+        raise Skip(f"{' and '.join(OPTIONAL[m] for m in missing)} missing: pip install 'megaseq-core[distributed]'")
     code, output, seconds = started.finish(report.part_left())
     if code != 0:
         raise RuntimeError(error_line(output, code))

@@ -82,7 +82,10 @@ def test_rehearsal_runs_every_part(tmp_path: Path) -> None:
     assert all(r["tokens_per_s"] > 0 and r["flops_per_token"]["train"] > 0 and r["mfu"] is None for r in speed)
     assert {r["part"] for r in rows if r["status"] == "pass"} == {
         "setup", "launch", "memory", "model_speed", "correctness", "kda_speed", "dsa_speed", "train", "distributed"}
-    assert all(r["note"].startswith(("no CUDA", "vllm not installed")) for r in rows if r["status"] == "skipped")
+    allowed = ("no CUDA", "vllm not installed", *(() if ray else ("ray missing",)))
+    assert all(r["note"].startswith(allowed) for r in rows if r["status"] == "skipped")
+    assert all(r["rehearsal"] for r in rows)
+    assert all(r["measured"].startswith("rehearsal: ") for r in rows if r["status"] == "pass" and r["part"] != "setup")
     assert re.fullmatch(r"\d+ pass, 0 FAIL, 0 error, \d+ skipped, \d+ missing", done.stdout.splitlines()[-1])
 
 
