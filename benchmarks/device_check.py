@@ -66,7 +66,7 @@ megaseq's packages (core, testkit, attn-kda, attn-dsa, moe-chunked, genome, offl
 install -e packages/core ...``) or else imported from this repository's ``packages/*/src``: their plugins are
 then registered here, and the processes the check starts find them through entry points that the check
 writes for them (``write_distributions``). Optional: fla-core (import ``fla``), flash-attn (``flash_attn``),
-megatron-core (``megatron``: the distributed part's process groups, core's ``distributed`` extra), Ray
+megatron-core (``megatron``: the launch and distributed parts' process groups, core's ``distributed`` extra), Ray
 (``ray``: the Ray launch) and vLLM (``vllm``: the vllm part); without them their rows say ``missing`` or
 ``skipped`` (flash-attn publishes no wheels: building it takes longer than the whole check, so torch's flash
 SDPA kernel stands in). On a machine without network, carry the missing wheels and put them on the path
