@@ -18,7 +18,7 @@ from megaseq.contracts import ContextParallel, ForwardContext
 from megaseq.documents import Documents
 from megaseq.parallel import zigzag_shard
 from megaseq.rotary import rotary
-from megaseq.testing import assert_close
+from megaseq_testkit import assert_close
 
 
 def masked_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
