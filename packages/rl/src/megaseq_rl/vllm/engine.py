@@ -23,6 +23,7 @@ contract's are those before truncation. Rows are seeded ``seed + row``.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -196,8 +197,9 @@ class VLLMEngine:
         return torch.stack(rows)
 
     def close(self) -> None:
-        """Stop vLLM's engine and worker processes now rather than at interpreter exit."""
+        """Stop vLLM's engine and worker processes now rather than at interpreter exit; remove the model directory."""
         self.llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def build(config: VLLMEngineConfig, recipe: Recipe, plugins: Plugins) -> VLLMEngine:
