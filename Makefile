@@ -64,7 +64,7 @@ setup-vllm: $(VLLM_VENV)/.installed
 
 # Main job: fetch chr20 + chrX (Debian packages, no root needed), train the default recipe, print the
 # held-out loss by context position next to the Markov baseline.
-train: setup
+train: $(VENV)/.installed-$(TORCH)  # the vllm venv is the tests' alone
 	$(VENV)/bin/megaseq data fetch grch37-chr20
 	$(VENV)/bin/megaseq data fetch grch37-chrX
 	$(VENV)/bin/megaseq train $(RECIPE) $(TRAIN_FLAGS)
@@ -136,7 +136,7 @@ test-distributed: setup
 # setup-vllm could not build .venv-vllm, one line says the set is skipped (test-rl still runs the file's other tests).
 test-vllm: setup-vllm
 	if test -f $(VLLM_VENV)/.unavailable; then echo "test-vllm: skipped: $$(cat $(VLLM_VENV)/.unavailable)"; \
-	else $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) packages/rl/tests/test_vllm_cpu.py; fi
+	else $(RUN_SET) $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) packages/rl/tests/test_vllm_cpu.py $(END_SET); fi
 
 lint: setup
 	$(VENV)/bin/ruff check packages examples tests benchmarks tools
