@@ -28,7 +28,8 @@ def test_make_installs_the_chosen_torch_build_before_the_packages(build):
     proc = make_dry_run("setup", *([f"TORCH={build}"] if build == "cuda" else []))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    (torch_line,) = [i for i, line in enumerate(lines) if "tools/install_torch.py" in line]
+    # the main venv's torch (setup also builds .venv-vllm, which takes its torch by the same rule)
+    (torch_line,) = [i for i, line in enumerate(lines) if line.startswith(".venv/bin/python tools/install_torch.py")]
     assert lines[torch_line].endswith(f"tools/install_torch.py {build} 2.13.0")
     (packages_line,) = [i for i, line in enumerate(lines) if "-e \"packages/core[distributed," in line]
     assert torch_line < packages_line, "torch must be installed before the packages that require it"

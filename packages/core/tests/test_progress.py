@@ -91,8 +91,8 @@ def test_disabled_shows_nothing():
 
 def test_training_and_evaluation_off_a_terminal_print_plain_lines_once(tmp_path, monkeypatch, capsys):
     from megaseq.config import validate_recipe
-    from megaseq_testkit import fresh_plugins
     from megaseq.train.trainer import Trainer
+    from megaseq_testkit import fresh_plugins
 
     monkeypatch.setenv("MEGASEQ_CACHE", str(tmp_path / "cache"))
     plugins = fresh_plugins()
