@@ -137,9 +137,9 @@ PLAN_KEYS = [k for k in ContextExtensionPlan.model_fields if k not in ("recipe_o
 # uniform bases the loss had left chance by step 500-750), 100 in 256-base windows, then doubles the length
 # every 60 steps to short_len. It holds the planted share through the 256-base stage and anneals it to none by
 # the 2,048-base stage's end, so that its last 144 steps (0.6M tokens) and the continuations see only the
-# genome's own repeats. Reverse-complement is
-# not used: the pretrain draws 4M of chr20's 63M bases, no window twice, so an augmentation that makes more
-# distinct windows adds nothing, and it would be one more difference between the pretrain and its control.
+# genome's own repeats. Reverse-complement is not used: the pretrain draws 4M of chr20's 63M bases, no window
+# twice, so an augmentation that makes more distinct windows adds nothing, and it would be one more difference
+# between the pretrain and its control.
 # The continuations go on at the pretraining's final learning rate (the recipe's 1e-3 x min_lr_ratio 0.1)
 # without warm-up: re-warming to 1e-3 made both continuations worse than the pretrain they started from
 # (docs/results.md), which hides any gain from context.
