@@ -148,8 +148,8 @@ PLAN_KEYS = [k for k in ContextExtensionPlan.model_fields if k not in ("recipe_o
 # stage timed on the 2-core machine (CPU seconds, under load) and the stages' wall times on the idle machine
 # (docs/results.md), which run 1.05-1.1x those CPU seconds: a pretrain or control step of one 4,096-base window
 # takes 1.9-2.2 s at every window length of the curriculum (1,024 steps: ~37 min, the two side by side); a
-# short continuation step (16 windows, one at a time) ~35 s and a long one (one 65,536-base window) ~55 s (16
-# steps: ~9 and ~15 min); scoring a model on the 24 held-out windows ~8 min, a Markov baseline seconds. The
+# short continuation step (16 windows, one at a time) ~35 s and a long one (one 65,536-base window) ~55 s, its
+# idle wall time (16 steps: ~9 and ~15 min); scoring a model on the 24 held-out windows ~8 min, a Markov baseline seconds. The
 # control finishes first and is scored beside the pretrain's last steps; then long beside short; then the
 # other three scorings: ~37 + 15 + 16 min.
 # `cpu-quick` is the same shape with a quarter of the pretraining and 4 continuation steps, on the same held-out
