@@ -1,8 +1,9 @@
 """A miniature of `megaseq context-extension` (megaseq-genome's command): the pipeline and the report format, not the science.
 
 The hybrid (kda, kda, kda, dsa; chunked MoE) at widths of a few dozen, on the DNA excerpts shipped with
-core: 128-token pretraining and short continuation, 512-token long continuation and held-out windows,
-order-2 and order-3 Markov baselines. Then: running the command again does nothing, a changed plan resumes
+core, the ``cpu-quick`` preset cut down to seconds: a 128-token pretraining with its curriculum (64-token windows,
+then 128; planted repeats annealed to none) beside its control, a 128-token short continuation, a 512-token long
+continuation and held-out windows, the sdpa twin, order-2 and order-3 Markov baselines. Then: running the command again does nothing, a changed plan resumes
 only on top of what it leaves unchanged, and bad input is one line with exit status 2.
 """
 
@@ -55,6 +56,7 @@ MINI = [
     "plan.short_len=128", "plan.long_len=512", "plan.pretrain_tokens=1024", "plan.pretrain_batch=2",
     "plan.extension_tokens=1024", "plan.heldout=excerpt-chrX", "plan.heldout_region=[0, 200000]", "plan.eval_windows=4",
     "plan.first_bucket=16", "plan.markov_orders=[2, 3]", "plan.bootstrap_samples=200",
+    "plan.curriculum=[[64, 2]]", "plan.planted_hold_step=2", "plan.planted_until_step=3", "plan.sdpa=true",
 ]
 
 
@@ -62,7 +64,7 @@ def arguments(tmp_path: Path, sets: tuple[str, ...]) -> list[str]:
     """The command's arguments on the miniature; ``sets`` are plan keys (``--set``) or flags (``--resume``)."""
     recipe = tmp_path / "hybrid.toml"
     recipe.write_text(RECIPE)
-    args = ["context-extension", str(recipe), "--out", str(tmp_path / "out")]
+    args = ["context-extension", str(recipe), "--scale", "cpu-quick", "--out", str(tmp_path / "out")]
     for item in sets:
         args += [item] if item.startswith("--") else ["--set", item]
     return args
@@ -93,7 +95,7 @@ def test_miniature_experiment_writes_the_report(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out"
     report = json.loads((out / "report.json").read_text())
-    names = ["pretrain", "long", "short", "sdpa", "markov-2", "markov-3"]
+    names = ["pretrain", "control", "long", "short", "sdpa", "markov-2", "markov-3"]
     assert list(report["models"]) == names
     assert report["columns"] == ["0-16", "16-32", "32-64", "64-128", "128-256", "256-512", "all", "<128", ">=128"]
     assert report["heldout"]["windows"] == 4 and report["heldout"]["window_targets"] == 512
@@ -105,29 +107,37 @@ def test_miniature_experiment_writes_the_report(tmp_path, capsys):
         relative = model["relative_to_short"]["mean"]
         assert relative == [0.0] * 9 if name == "short" else len(relative) == 9
         assert model["eval"]["wall_s"] > 0 and model["eval"]["peak_rss_gib"] > 0
-    runs = {n: report["models"][n] for n in ("pretrain", "long", "short", "sdpa")}
+    runs = {n: report["models"][n] for n in ("pretrain", "control", "long", "short", "sdpa")}
     assert runs["long"]["tokens_seen"] == runs["short"]["tokens_seen"] == 1024 + 1024 == runs["sdpa"]["tokens_seen"]
+    assert runs["control"]["tokens_seen"] == runs["pretrain"]["tokens_seen"] == 1024
+    assert runs["control"]["steps"] == runs["pretrain"]["steps"] == 4
     assert runs["long"]["steps"] == runs["short"]["steps"] == 2 and runs["long"]["seq_len"] == 512
     assert abs(runs["sdpa"]["parameters"] - runs["long"]["parameters"]) / runs["long"]["parameters"] < 0.01
     for run in runs.values():
         assert run["train"]["wall_s"] > 0 and run["train"]["peak_rss_gib"] > 0 and run["train"]["steps"] == run["steps"]
     targets = report["targets"]
-    assert set(targets) == {"hybrid_vs_markov", "long_vs_short_past_pretraining_length", "detectable_effect", "verdict"}
+    assert set(targets) == {"checks", "met", "reference", "k", "verdict"} and targets["reference"] == "markov-3"
+    assert set(targets["met"]) == set("abcd") and len(targets["checks"]) == 9
+    assert targets["met"]["b"] is None  # a 512-token window has no distance past 4k: not measured
     assert targets["verdict"].split(":")[0] in ("Yes", "Partly", "No")
+    pretrain_log = [json.loads(line) for line in (out / "pretrain" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["seq_len"] for m in pretrain_log if "seq_len" in m] == [64, 64, 128, 128]  # the curriculum's windows
     assert set(report["markov_flat_within_interval"]) == {"markov-2", "markov-3"}
     table = (out / "report.md").read_text()
-    assert "| positions | pretrain | long | short | sdpa | markov-2 | markov-3 |" in table
-    assert "| run | parameters |" in table and "Target 1" in table and "Target 2" in table
+    assert "| positions | pretrain | control | long | short | sdpa | markov-2 | markov-3 |" in table
+    assert "| run | parameters |" in table and "Targets (k = 20" in table
+    assert all(f"- ({t}) **" in table for t in "abcd")
     assert (out / "bits_by_bucket.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     retrieval = report["retrieval"]  # by distance to each target's last earlier k-mer occurrence
     assert retrieval["ks"] == [12, 16, 20, 32] and retrieval["reference"] == "markov-3" and list(retrieval["models"]) == names
     assert all(sum(row) == 4 * 512 for row in retrieval["targets"])  # every target in one bucket, for every k
     assert all(row[2:4] == [0, 0] for row in retrieval["targets"])  # a 512-token window has no distance past 4k
-    assert "Retrieval (k = 20)" in table and "| perfect copier, bits |" in table and "| long, captured |" in table
+    assert all(f"Retrieval (k = {k})" in table for k in (12, 16, 20, 32))
+    assert "| perfect copier, bits |" in table and "| long, captured |" in table and "| control, captured |" in table
     assert (out / "retrieval_by_distance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Bits/base on the held-out set" in proc.stdout
 
-    for stage in ("pretrain", "long", "short", "sdpa"):  # each stage is a run directory, scored where `megaseq eval` writes
+    for stage in ("pretrain", "control", "long", "short", "sdpa"):  # each stage is a run directory, scored where `megaseq eval` writes
         steps = runs[stage]["steps"]
         assert (out / stage / "checkpoints" / f"step_{steps:07d}" / "manifest.json").exists()
         assert (out / stage / "eval" / f"step_{steps:07d}" / "heldout_set.npz").exists()
@@ -159,7 +169,7 @@ def test_miniature_experiment_writes_the_report(tmp_path, capsys):
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/stage.json") if p.parent.name not in ("long", "short")} == {
         p: t for p, t in stamps.items() if p.parent.name not in ("long", "short")}
     second = json.loads((out / "report.json").read_text())["models"]
-    for name in ("pretrain", "sdpa", "markov-2"):  # kept: the same scores (relative_to_short moved with short)
+    for name in ("pretrain", "control", "sdpa", "markov-2"):  # kept: the same scores (relative_to_short moved with short)
         assert second[name]["bits_per_base"] == first[name]["bits_per_base"], name
     assert second["long"]["bits_per_base"] != first["long"]["bits_per_base"]
 

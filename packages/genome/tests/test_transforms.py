@@ -38,6 +38,11 @@ class TestPlantedRepeatsAnnealedConformance(DataTransformConformance):
     config = {"share": 1.0, "segment": 300, "anneal_until_step": 4}  # longer than half the window: capped
 
 
+class TestPlantedRepeatsHeldThenAnnealedConformance(DataTransformConformance):
+    name = "planted-repeats"
+    config = {"share": 1.0, "segment": 64, "anneal_from_step": 2, "anneal_until_step": 5}
+
+
 def windows(rows: int, length: int, seed: int = 0, n_run: bool = True) -> Batch:
     """Random windows, N in the first row when ``n_run``, distinct weights (so a weight names its base)."""
     g = torch.Generator().manual_seed(seed)
@@ -131,6 +136,15 @@ def test_the_share_anneals_to_zero_by_its_step():
     assert PlantedRepeats(0.3, 64).share_at(10_000) == 0.3
 
 
+def test_the_share_holds_until_its_first_step_then_anneals():
+    transform = PlantedRepeats(1.0, 64, anneal_until_step=8, anneal_from_step=4)
+    assert [transform.share_at(s) for s in (1, 4, 5, 6, 8, 9)] == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.0, 0.0])
+    given = windows(40, 150)  # the same draws as the transform annealed from step 1, at the full share until step 4
+    for step in (1, 4):
+        held = call(transform, given, step=step)
+        assert torch.equal(held.targets, call(PlantedRepeats(1.0, 64), given, step=step).targets)
+
+
 def genome_plugins():
     plugins = fresh_plugins()
     plugins.register(megaseq_genome.plugin, name="megaseq-genome-test")
@@ -145,8 +159,14 @@ def genome_plugins():
     ({"data_transform": {"planted-repeats": {"share": 0, "anneal_until_step": 100}}},
      "r.toml: [data_transform.planted-repeats] anneal_until_step 100: share is 0, there is nothing to anneal; allowed: "
      "a share above 0, or no anneal_until_step"),
+    ({"data_transform": {"planted-repeats": {"anneal_from_step": 50}}},
+     "r.toml: [data_transform.planted-repeats] anneal_from_step 50: there is no anneal_until_step (the step the share "
+     "reaches 0); allowed: anneal_from_step only with anneal_until_step"),
+    ({"data_transform": {"planted-repeats": {"anneal_from_step": 100, "anneal_until_step": 100}}},
+     "r.toml: [data_transform.planted-repeats] anneal_from_step 100: must be before anneal_until_step 100"),
     ({"data_transform": {"planted-repeats": {"plant": 0.5}}},
-     "r.toml: data_transform.planted-repeats.plant: unknown key; allowed: share, segment, anneal_until_step"),
+     "r.toml: data_transform.planted-repeats.plant: unknown key; allowed: share, segment, anneal_from_step, "
+     "anneal_until_step"),
     ({"data_transform": {"reverse-complement": {"p": 1.5}}},
      "r.toml: data_transform.reverse-complement.p: Input should be less than or equal to 1 (got 1.5)"),
     ({"data": {"seq_len": 256, "schedule": [{"seq_len": 32, "until_step": 10}]}},

@@ -49,7 +49,11 @@ class PlantedRepeatsConfig(ComponentConfig):
                          "when annealed)")
     segment: int = Field(256, ge=MIN_PLANTED_SEGMENT, description="longest planted segment in bases (each is 32 to this "
                          "many, at most half the window), copied at least its length further on")
+    anneal_from_step: int = Field(
+        1, ge=1, description="the last step at the full share when annealed: a copying circuit forms while every "
+        "planted window still asks for it",
+    )
     anneal_until_step: int | None = Field(
-        None, ge=2, description="the share falls linearly from its value at step 1 to 0 at this step, so that training "
-        "ends on natural data; None: the same share throughout",
+        None, ge=2, description="the share falls linearly from its value at anneal_from_step to 0 at this step, so "
+        "that training ends on natural data; None: the same share throughout",
     )

@@ -144,6 +144,27 @@ def _summary(values: np.ndarray, resampled: np.ndarray, level: float) -> dict[st
     return {"mean": clean(values), "low": clean(low), "high": clean(high)}
 
 
+def _resampled(weights: np.ndarray, array: np.ndarray) -> np.ndarray:
+    """``[samples, K, B]`` sums over each resample's windows of a ``[windows, K, B]`` array."""
+    return np.einsum("sw,wkb->skb", weights, array)
+
+
+def _same_targets(name: str, acc: RetrievalLoss, reference: str, ref: RetrievalLoss) -> None:
+    if acc.ks != ref.ks or acc.counts.shape != ref.counts.shape or not np.array_equal(acc.counts, ref.counts):
+        raise ValueError(f"retrieval: {name} was not scored on the same targets as {reference}")
+
+
+def relative_change(
+    scores: dict[str, RetrievalLoss], name: str, reference: str, weights: np.ndarray, level: float = 0.95
+) -> dict[str, list]:
+    """``name``'s bits/base over ``reference``'s, minus 1, per (k, bucket), with the paired interval (both on the
+    same window resamples). Both scored the same targets, so it is the ratio of their loss sums."""
+    acc, ref = scores[name], scores[reference]
+    _same_targets(name, acc, reference, ref)
+    return _summary(_ratio(acc.sums.sum(0), ref.sums.sum(0)) - 1,
+                    _ratio(_resampled(weights, acc.sums), _resampled(weights, ref.sums)) - 1, level)
+
+
 def retrieval_table(
     scores: dict[str, RetrievalLoss], reference: str, weights: np.ndarray, level: float = 0.95
 ) -> dict[str, object]:
@@ -153,7 +174,7 @@ def retrieval_table(
     ref = scores[reference]
 
     def resampled(array: np.ndarray) -> np.ndarray:
-        return np.einsum("sw,wkb->skb", weights, array)
+        return _resampled(weights, array)
 
     copier_sums = ref.sums - ref.right_sums
     out: dict[str, object] = {
@@ -165,8 +186,7 @@ def retrieval_table(
     }
     gain = ref.right_sums  # reference minus copier, per window
     for name, acc in scores.items():
-        if acc.ks != ref.ks or acc.counts.shape != ref.counts.shape or not np.array_equal(acc.counts, ref.counts):
-            raise ValueError(f"retrieval: {name} was not scored on the same targets as {reference}")
+        _same_targets(name, acc, reference, ref)
         bits = _summary(_ratio(acc.sums.sum(0), acc.counts.sum(0)) / LN2,
                         _ratio(resampled(acc.sums), resampled(acc.counts)) / LN2, level)
         captured = _summary(_ratio((ref.sums - acc.sums).sum(0), gain.sum(0)),

@@ -59,22 +59,24 @@ class PlantedRepeats:
     Segment, distance and place are drawn uniformly, in the window's targets (``T`` bases, each with a known
     weight): a length ``s``, a distance ``d`` in ``[s, T - s]`` and a start ``a`` in ``[0, T - d - s]``; targets
     ``[a + d, a + d + s)`` become a copy of targets ``[a, a + s)`` and the inputs follow (each row a window).
-    With ``anneal_until_step`` the share falls linearly from its value at step 1 to 0 at that step and stays 0,
-    so that a curriculum ends on natural data.
+    With ``anneal_until_step`` the share holds its value until ``anneal_from_step`` (step 1 by default), then falls
+    linearly to 0 at ``anneal_until_step`` and stays 0, so that a curriculum ends on natural data.
     """
 
     min_length = 2 * MIN_PLANTED_SEGMENT  # the shortest segment and its copy
 
-    def __init__(self, share: float, segment: int, anneal_until_step: int | None = None) -> None:
+    def __init__(self, share: float, segment: int, anneal_until_step: int | None = None, anneal_from_step: int = 1) -> None:
         self.share = share
         self.segment = segment
         self.anneal_until_step = anneal_until_step
+        self.anneal_from_step = anneal_from_step
 
     def share_at(self, step: int) -> float:
         """The share of windows planted at optimizer step ``step`` (from 1)."""
-        if self.anneal_until_step is None:
+        if self.anneal_until_step is None or step <= self.anneal_from_step:
             return self.share
-        return self.share * max(0.0, (self.anneal_until_step - step) / (self.anneal_until_step - 1))
+        span = self.anneal_until_step - self.anneal_from_step
+        return self.share * max(0.0, (self.anneal_until_step - step) / span)
 
     def __call__(self, batch: Batch, *, step: int, generator: torch.Generator) -> Batch:
         rows, length = batch.targets.shape
@@ -95,7 +97,14 @@ def build_reverse_complement(config: ReverseComplementConfig) -> ReverseCompleme
 
 
 def build_planted_repeats(config: PlantedRepeatsConfig) -> PlantedRepeats:
-    if config.anneal_until_step is not None and config.share == 0:
+    if config.anneal_until_step is None:
+        if config.anneal_from_step != 1:
+            raise ConfigError(f"anneal_from_step {config.anneal_from_step}: there is no anneal_until_step (the step "
+                              "the share reaches 0); allowed: anneal_from_step only with anneal_until_step")
+    elif config.share == 0:
         raise ConfigError(f"anneal_until_step {config.anneal_until_step}: share is 0, there is nothing to anneal; "
                           "allowed: a share above 0, or no anneal_until_step")
-    return PlantedRepeats(config.share, config.segment, config.anneal_until_step)
+    elif config.anneal_from_step >= config.anneal_until_step:
+        raise ConfigError(f"anneal_from_step {config.anneal_from_step}: must be before anneal_until_step "
+                          f"{config.anneal_until_step}")
+    return PlantedRepeats(config.share, config.segment, config.anneal_until_step, config.anneal_from_step)

@@ -6,9 +6,11 @@ import argparse
 from pathlib import Path
 
 DESCRIPTION = (
-    "Does training at long context teach the model to use it? Pretrain RECIPE at a short context, continue it at a "
-    "long and (same budget) a short context, train a parameter-matched sdpa model, and score all with Markov baselines "
-    "on one fixed held-out set by context position (docs/context-extension.md)."
+    "Does training at long context teach the model to use it? Pretrain RECIPE at a short context with a curriculum "
+    "(windows lengthening from 128 bases, planted repeats annealed to none) beside a control without it, continue it "
+    "at a long and (same budget) a short context, and score all with Markov baselines on one fixed held-out set by "
+    "context position and by the distance to each target's earlier k-mer, checking the experiment's targets "
+    "(docs/context-extension.md)."
 )
 
 
@@ -16,7 +18,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megaseq context-extension", description=DESCRIPTION)
     p.add_argument("recipe", help="the model recipe, e.g. recipes/genome-cpu.toml")
     p.add_argument("--scale", default="cpu",
-                   help="budget preset: cpu (sized for two hours on 2 idle CPU cores), cpu-quick (a third of its training) or gpu")
+                   help="budget preset: cpu (sized for about 70 minutes on 2 idle CPU cores), cpu-quick (the same stages, "
+                   "a quarter of the training: a smoke run) or gpu")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="plan.KEY (e.g. plan.pretrain_tokens=1e6), STAGE.SECTION.KEY (one stage's recipe, e.g. "
                    "long.train.memory_policy=auto) or SECTION.KEY (every stage's recipe, e.g. train.lr=1e-3)")

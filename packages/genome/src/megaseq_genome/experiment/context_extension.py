@@ -1,10 +1,13 @@
 """``megaseq context-extension RECIPE``: does training at long context teach a model to use it?
 
-Pretrain the recipe at a short context, continue it at a long context and, from the same checkpoint, at the
-short context for the same tokens and steps; train a parameter-matched softmax-attention model on the
-same budget; score all of them and k-mer Markov baselines on one fixed held-out set by context position
-(``megaseq_genome.heldout_set``), with bootstrap intervals over windows; write a report
-(``megaseq_genome.experiment.report``). The plan and its stages are in ``megaseq_genome.experiment.plan``.
+Pretrain the recipe at a short context with a curriculum (windows that lengthen in steps, planted repeats
+annealed to none) and, beside it, a control on the same steps and tokens without the curriculum; continue the
+pretrain at a long context and, from the same checkpoint, at the short context for the same tokens and steps;
+optionally train a parameter-matched softmax-attention model on the same budget; score all of them and k-mer
+Markov baselines on one fixed held-out set by context position and by the distance back to each target's
+earlier k-mer (``megaseq_genome.heldout_set``, ``megaseq_genome.retrieval``), with bootstrap intervals over
+windows; write a report with the experiment's targets checked (``megaseq_genome.experiment.report``). The plan
+and its stages are in ``megaseq_genome.experiment.plan``.
 
 Every stage and every evaluation runs in its own process (so its wall time and peak memory are its own),
 ``plan.jobs`` at a time, the machine's cores shared out between them as intra-op threads. Each stage is a
@@ -292,6 +295,16 @@ def describe_plan(all_stages: list[Stage], plan: ContextExtensionPlan) -> str:
         t = s.recipe.train
         lines.append(f"{s.name:8} {s.recipe.data.seq_len:8} {t.steps:6} {t.batch_size * t.grad_accum:12} "
                      f"{s.tokens:11,}  {s.init_from or 'scratch'}")
+    for s in all_stages:
+        data = s.recipe.data
+        if data.schedule:
+            cuts = ", ".join(f"{st.seq_len} until " + (f"step {st.until_step}" if st.until_step is not None else
+                                                       f"{st.until_tokens:,} tokens") for st in data.schedule)
+            lines.append(f"{s.name}: windows of {cuts}, then {data.seq_len}")
+        if "planted-repeats" in data.transforms:
+            planted = s.recipe.component("data_transform", "planted-repeats")
+            lines.append(f"{s.name}: planted repeats (up to {planted.segment} bases) in {planted.share:.0%} of the windows "
+                         f"until step {planted.anneal_from_step}, none from step {planted.anneal_until_step}")
     lines.append(f"held-out: {plan.eval_windows} windows of {plan.long_len} from {plan.heldout} "
                  f"{list(plan.heldout_region)}; Markov orders {plan.markov_orders}; {plan.jobs} job(s) at once")
     return "\n".join(lines)
