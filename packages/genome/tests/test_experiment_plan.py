@@ -310,6 +310,11 @@ def test_the_targets_met_and_missed_on_synthetic_numbers(target, change):
     assert f"- ({target}) **missed**: " in "\n".join(lines)
     line = next(x for x in lines if x.startswith("- (a)"))
     assert "pretrain captures, 20-mer last seen <512 back: " in line and "(goal >= 50%: " in line
+    met_lines = "\n".join(target_lines(met))
+    assert "55% [45%, 65%] (goal >= 50%: met, the interval includes it)" in met_lines
+    assert "40% [30%, 50%] (goal >= 30%: met, the interval clears it)" in met_lines
+    if target == "c" and change.get("control_cost"):
+        assert "+6.50% [+5.00%, +8.00%] (goal <= +0.50%: missed, the whole interval misses it)" in line + "\n".join(lines)
     assert "- (d) **" in "\n".join(lines) and "goal: interval below +0.00%" in "\n".join(lines)
 
 

@@ -245,7 +245,8 @@ def target_lines(targets: dict[str, Any]) -> list[str]:
         for c in (c for c in targets["checks"] if c["target"] == target):
             goal = GOAL_TEXT[c["goal"]].format(_value(c["threshold"], c["format"]))
             clears = "" if c["resolved"] is None or c["goal"] in ("contains", "interval_below") else (
-                ", the interval clears it" if c["resolved"] else ", the interval does not clear it")
+                ", the interval clears it" if c["resolved"] else ", the interval includes it"
+                if c["low"] <= c["threshold"] <= c["high"] else ", the whole interval misses it")
             parts.append(f"{c['claim']}: {_value(c['mean'], c['format'])} [{_value(c['low'], c['format'])}, "
                          f"{_value(c['high'], c['format'])}] ({goal}: {status[c['met']]}{clears})")
         lines.append(f"- ({target}) **{status[met]}**: " + "; ".join(parts) + ".")
