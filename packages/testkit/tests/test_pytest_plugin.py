@@ -60,8 +60,8 @@ def test_each_finished_file_is_one_progress_line(tmp_path):
     (tmp_path / "test_b.py").write_text("def test_3():\n    pass\n")
     read, write = os.pipe()
     env = {**os.environ, "MEGASEQ_TEST_PROGRESS": "test-x", "MEGASEQ_TEST_PROGRESS_FD": str(write)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300, pass_fds=(write,))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "."], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, pass_fds=(write,))  # file names relative to it
     os.close(write)
     with os.fdopen(read) as lines:
         progress = lines.read().splitlines()
