@@ -64,7 +64,7 @@ def test_torchrun_worker_takes_its_local_device_before_the_group_forms(monkeypat
 
 @pytest.mark.parametrize("local_rank", [0, 3, 7])
 def test_ray_worker_takes_the_gpu_ray_assigned_it(monkeypatch, tmp_path, local_rank):
-    ray_torch = pytest.importorskip("ray.train.torch")
+    ray_torch = pytest.importorskip("ray.train.torch", reason="needs the distributed extra: pip install 'megaseq-core[distributed]'")
     cuda, seen = FakeCuda(monkeypatch), {}
     # Ray Train shows a machine's workers all of its GPUs; each worker's own is its local rank's
     monkeypatch.setattr(ray_torch, "get_device", lambda: torch.device("cuda", local_rank))

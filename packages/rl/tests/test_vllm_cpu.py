@@ -51,7 +51,7 @@ def test_entry_point_metadata():
 def registry(monkeypatch):
     """vLLM's ModelRegistry API (get_supported_archs(), register_model(arch, "module:Class")), recording the calls,
     as the module ``vllm``; transformers is the real one (register() registers the config class with it)."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="needs transformers: pip install 'megaseq-rl[vllm]'")
     calls = []
 
     class Registry:

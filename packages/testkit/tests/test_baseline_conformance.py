@@ -172,7 +172,8 @@ def test_suite_catches_wrong_baseline(wrong: type, check: str) -> None:
 
 
 def test_target_as_context_passes_the_inputs_half_of_causality_only():
-    """Before test_causal changed the targets too, nothing but the probability sum noticed this baseline."""
+    """Changing later inputs alone leaves this baseline's earlier losses as they are: only a check that also
+    changes the targets (test_causal does) catches it."""
     inputs, targets = BaselineConformance.windows(TestReferenceConformance())
     wrong = TargetAsContext()
     before = wrong.token_losses(inputs, targets)
