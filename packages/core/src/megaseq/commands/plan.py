@@ -52,9 +52,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     seq_len = None if args.seq_len is None else seq_len_argument(args.seq_len)
     result = plan(recipe, plugins, seq_len=seq_len, layout=layout, machine=machine, policies=policies)
     stages = []
-    if recipe.data.schedule and seq_len is None:  # the window-length schedule, under the set chosen or given
-        names = [p.name for p in result.chosen.policies] if result.chosen is not None else policies
-        stages = plan_stages(recipe, plugins, layout, machine, (names or "none") if names != "auto" else "none")
+    if recipe.data.schedule and seq_len is None:
+        # the window-length schedule under the set chosen, else the set given, else none (each line names its set)
+        given = policies if isinstance(policies, list) else []
+        names = [p.name for p in result.chosen.policies] if result.chosen is not None else given
+        stages = plan_stages(recipe, plugins, layout, machine, names or "none")
     if args.json:
         found = plan_json(result)
         if stages:
