@@ -131,7 +131,7 @@ def test_impossible_tensor_parallel_layouts_are_one_line_exit_2(tmp_path, recipe
 # The plugins' attentions under tp=2 with heads that tp does not divide (on the dense recipe's SwiGLU).
 PLUGIN_HEADS = [
     ("kda", {"n_heads": 3, "head_dim": 8}, "attention.kda: n_heads 3 is not a multiple of tp 2"),
-    ("dsa", {"n_heads": 2, "head_dim": 8, "index_heads": 3, "index_dim": 8}, "attention.dsa: index_heads 3 is not a multiple of tp 2"),
+    ("dsa", {"n_heads": 3, "head_dim": 8, "index_heads": 3, "index_dim": 8}, "attention.dsa: n_heads 3 is not a multiple of tp 2"),
 ]
 
 

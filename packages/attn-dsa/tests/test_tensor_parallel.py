@@ -1,9 +1,10 @@
 """Tensor parallelism of the DSA layer: the check the conformance suite runs (test_conformance.py) catches a
-layer whose ranks select keys by their own indexer heads only; the triton backend passes it too (its sparse
-attention kernel on each rank's heads, torch's selection summing the ranks' scores); heads that tp does not
-divide are refused when the layer is built, in one line; and what a rank keeps for backward is what the
-layer's estimate says at its tp_size (its gathered input and the tensors every head reads whole, its heads'
-share of the rest), and so are the parameters it builds."""
+layer whose ranks train the indexer towards their own heads' attention only; the triton backend passes it too
+(its selection of each rank's share of the queries, its sparse attention kernel on each rank's heads); what a
+rank sends grows with the length times the top-k, not with the length squared; heads that tp does not divide
+are refused when the layer is built, in one line; and what a rank keeps for backward is what the layer's
+estimate says at its tp_size (its gathered input and the tensors every head reads whole, its heads' share of
+the rest), and so are the parameters it builds."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from megaseq.records import ModelDims
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.layer import memory_estimate
-from megaseq_dsa.testing import tp_saved_bytes
+from megaseq_dsa.testing import tp_collective_bytes, tp_saved_bytes
 from megaseq_testkit import build_component
 from megaseq_testkit.distributed import run_gloo
 from megaseq_testkit.tensor_parallel import check_tensor_parallel
@@ -26,9 +27,9 @@ CONFIG = {"n_heads": 4, "head_dim": 8, "q_lora_rank": 12, "kv_lora_rank": 8, "in
           "topk": 8}
 
 
-def test_the_check_catches_ranks_that_select_by_their_own_indexer_heads():
-    with pytest.raises(AssertionError, match="under tp=2 rank 0 output"):
-        check_tensor_parallel("attention", "dsa", CONFIG, factory="megaseq_dsa.testing:build_rank_local_selection")
+def test_the_check_catches_ranks_whose_indexer_target_is_their_own_heads():
+    with pytest.raises(AssertionError, match="under tp=2"):
+        check_tensor_parallel("attention", "dsa", CONFIG, factory="megaseq_dsa.testing:build_own_heads_target")
 
 
 @pytest.mark.slow  # the Triton interpreter, two gloo ranks
@@ -43,10 +44,25 @@ def test_the_triton_backend_passes_the_tensor_parallel_check():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize(("key", "value"), [("n_heads", 3), ("index_heads", 3)])
-def test_heads_that_tp_does_not_divide_are_refused(key, value):
-    with pytest.raises(ValueError, match=rf"^attention.dsa: {key} 3 is not a multiple of tp 2$"):
-        build_component("attention", "dsa", {**CONFIG, key: value}, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=2))
+@pytest.mark.parametrize("mode", ["sparse", "dense_warmup"])
+def test_what_a_rank_sends_grows_with_length_times_topk_not_length_squared(mode: str):
+    """Forward and backward at 4x the length send at most about 4x the bytes in sparse mode: the sequence
+    gathered and scattered, the selected keys' indices gathered and the KL's target over them summed, all
+    linear in the length at a fixed top-k. Summing each query block's scores over every earlier key across
+    the ranks before the top-k (the indexer's heads split over ranks) would send 16x. The dense warm-up's KL
+    target is over every visible key: quadratic by design (a short-context phase)."""
+    config = {**CONFIG, "topk": 16, "mode": mode}
+    short, long = run_gloo(2, tp_collective_bytes, config, 16, [256, 1024])[0]
+    if mode == "sparse":
+        assert long / short < 4.5, (short, long)
+    else:
+        assert long / short > 8, (short, long)
+
+
+def test_query_heads_that_tp_does_not_divide_are_refused_and_the_whole_indexer_is_not():
+    with pytest.raises(ValueError, match=r"^attention.dsa: n_heads 3 is not a multiple of tp 2$"):
+        build_component("attention", "dsa", {**CONFIG, "n_heads": 3}, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=2))
+    build_component("attention", "dsa", {**CONFIG, "index_heads": 3}, ModelDims(d_model=16, n_layers=2, vocab_size=8, tp_size=2))
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,7 @@
 - ``triton``: ``megaseq_dsa.ops.triton`` (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests); the
   same arguments and results, pooled selection included. Its kernel scores in fp32, so ``index_scores =
   "bf16"`` with ``backend = "triton"`` is refused in the recipe; under ``auto`` the selection runs torch's bf16
-  path on the same device (logged once) and sparse attention runs the kernel. Under tensor parallelism the
-  selection is torch's too (its kernel cannot add the other ranks' partial scores; logged once).
+  path on the same device (logged once) and sparse attention runs the kernel.
 - ``auto``: triton where it is installed and runs on the tensors' device, else torch (logged).
 
 The rule is core's (``megaseq.backends``): a requested backend whose package is missing fails when the layer
@@ -25,9 +24,8 @@ from megaseq.backends import Backend, Backends
 
 @dataclass(frozen=True)
 class DSAOps:
-    """``select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores,
-    sum_scores)`` -> int32 indices (``scores``: the recipe's ``index_scores``; ``sum_scores``: adds the partial
-    scores of the ranks holding the other indexer heads, ``megaseq_dsa.ops.indexer``); ``sparse_attention(q, key, value, indices, scale, query_chunk)`` -> outputs.
+    """``select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores)`` ->
+    int32 indices (``scores``: the recipe's ``index_scores``); ``sparse_attention(q, key, value, indices, scale, query_chunk)`` -> outputs.
     ``query_chunk``: the layer's memory knob (``None``: by memory); a backend may ignore it.
     ``sparse_attention_with_indexer_kl(q, key, value, indices, scale, q_idx, k_idx, weights, query_chunk)`` ->
     (outputs, summed indexer KL) in one pass, where the backend has it (else the layer calls
@@ -41,11 +39,9 @@ class DSAOps:
 def _torch() -> DSAOps:
     from megaseq_dsa.ops import select_topk, sparse_attention, sparse_attention_with_indexer_kl
 
-    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores="fp32",
-               sum_scores=None):
+    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores="fp32"):
         block = {"query_block": query_chunk} if query_chunk else {}
-        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, **block, scores=scores,
-                           sum_scores=sum_scores)
+        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, **block, scores=scores)
 
     return DSAOps(select, sparse_attention, sparse_attention_with_indexer_kl)
 
@@ -56,21 +52,16 @@ def _triton() -> DSAOps:
 
     logged: set[str] = set()
 
-    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores="fp32",
-               sum_scores=None):
-        # the kernel scores in fp32 over the heads it is given: bf16 scores, and scores summed over
-        # tensor-parallel ranks, are torch's (on the same device)
-        why = ("index_scores = 'bf16' (the triton kernel scores in fp32)" if scores != "fp32"
-               else "tensor parallelism (the triton kernel cannot add the other ranks' partial scores)"
-               if sum_scores is not None else None)
-        if why is None:
+    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores="fp32"):
+        # the kernel scores in fp32: bf16 scores are torch's (on the same device)
+        if scores == "fp32":
             return select_topk_triton(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions)
-        if why not in logged:
-            logged.add(why)
+        if not logged:
+            logged.add(scores)
             logging.getLogger("megaseq.backends").info(
-                f"attention.dsa: {why}: selection runs torch's path; sparse attention runs the triton kernel")
-        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, scores=scores,
-                           sum_scores=sum_scores)
+                "attention.dsa: index_scores = 'bf16' (the triton kernel scores in fp32): selection runs torch's "
+                "path; sparse attention runs the triton kernel")
+        return select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, scores=scores)
 
     def attend(q, key, value, indices, scale, query_chunk):
         return sparse_attention_triton(q, key, value, indices, scale)

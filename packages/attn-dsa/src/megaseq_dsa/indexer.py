@@ -20,13 +20,12 @@ gradient per input (index queries, keys and head weights), not the inputs and th
 Selected keys are gathered as flat rows (``index_select``) with the main key and the index key of a token
 side by side, and their gradients scattered back with one ``index_add_`` per chunk.
 
-Tensor parallelism (``tp``): a rank holds a block of the indexer heads (rows of the query and head-weight
-projections; the index key is shared and whole) and a block of the main heads. Both the target (a mean over
-all main heads) and I (a sum over all indexer heads) are then sums of per-rank parts: each chunk's parts are
-added over the ranks before the softmaxes, so every rank computes the whole KL and dKL/dI. Each rank's
-gradients through its own heads are then the whole loss's for those heads (the index key's are its heads'
-part, summed over ranks by the trainer), provided the scalar that scales them is the sum of every rank's
-incoming one: backward adds those over the ranks (the backward of an all-reduce).
+Tensor parallelism (``tp``): every rank holds the whole indexer (it is small, and whole heads let a rank
+select keys without the other ranks' scores, ``megaseq_dsa.layer``) and a block of the main heads. The
+target, a mean over all main heads, is then a sum of per-rank parts: each chunk's parts are added over the
+ranks (O(queries x keys of the chunk) bytes: the selected keys in sparse training). The chunks are shared out
+round robin: a rank computes the KL and the gradients of its own chunks only, so the ranks' losses add up to
+the whole KL and their gradients to its gradients (the trainer sums the indexer's over the ranks).
 """
 
 from __future__ import annotations
@@ -48,13 +47,12 @@ GATHER_BYTES = 4 * 2**20
 
 
 class LightningIndexer(nn.Module):
-    """x [B, T, d_model] and c_q [B, T, q_lora_rank] -> index queries, index keys and head weights. With
-    ``tp_size`` ranks it holds ``heads / tp_size`` heads (the caller checks that tp divides them); the scale
-    stays the whole indexer's."""
+    """x [B, T, d_model] and c_q [B, T, q_lora_rank] -> index queries, index keys and head weights (whole on
+    every tensor-parallel rank: module docstring)."""
 
-    def __init__(self, d_model: int, q_lora_rank: int, heads: int, dim: int, tp_size: int = 1) -> None:
+    def __init__(self, d_model: int, q_lora_rank: int, heads: int, dim: int) -> None:
         super().__init__()
-        self.heads, self.dim = heads // tp_size, dim
+        self.heads, self.dim = heads, dim
         self.query = nn.Linear(q_lora_rank, self.heads * dim, bias=False)
         self.key = nn.Linear(d_model, dim, bias=False)
         self.head_weights = nn.Linear(d_model, self.heads, bias=False)
@@ -88,7 +86,7 @@ def indexer_kl(
     positions query_pos [Tq]. Keys: k_idx [B, Tk, Di], main keys key [B, Tk, D], document start of every key
     doc_start [Tk]. indices [B, Tq, S] (-1 = padding): KL over those keys (sparse training); None: over every
     visible key (dense warm-up). The main attention is softmax(scale q . key) over the same keys. ``tp``: the
-    heads of q, q_idx and weights are this rank's block; the KL is the whole one on every rank (module
+    heads of q are this rank's block; the KL is that of this rank's share of the query chunks (module
     docstring).
     """
     batch, _, heads, _ = q.shape
@@ -104,7 +102,7 @@ def indexer_kl(
 
 class _IndexerKL(torch.autograd.Function):
     """The summed KL; its gradients with respect to (q_idx, k_idx, weights) are formed in forward (module
-    docstring) and scaled by the incoming scalar in backward (summed over the tensor-parallel ranks)."""
+    docstring) and scaled by the incoming scalar in backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -122,15 +120,16 @@ class _IndexerKL(torch.autograd.Function):
         tp: TensorParallel | None,
     ) -> Tensor:
         batch, rows, heads, dim = q.shape
-        ctx.tp = tp
         add = None if tp is None else (lambda part: collectives.all_reduce(part, tp.group))
         all_heads = heads * (1 if tp is None else tp.world_size)
         dtype = torch.promote_types(q_idx.dtype, torch.float32)
         want_grads = any(ctx.needs_input_grad[:3])
         total = torch.zeros((), dtype=dtype, device=q.device)
         if want_grads:
-            grad_q_idx = torch.empty(q_idx.shape, dtype=dtype, device=q.device)
-            grad_weights = torch.empty(weights.shape, dtype=dtype, device=q.device)
+            # another rank's chunks leave their rows at 0 here (with one rank every row is written)
+            new = torch.empty if tp is None else torch.zeros
+            grad_q_idx = new(q_idx.shape, dtype=dtype, device=q.device)
+            grad_weights = new(weights.shape, dtype=dtype, device=q.device)
             grad_k_idx = torch.zeros(k_idx.shape, dtype=dtype, device=q.device)
         if indices is not None:
             # [key | k_idx] of every token as flat rows: one gather serves both scores.
@@ -138,9 +137,10 @@ class _IndexerKL(torch.autograd.Function):
             offsets = torch.arange(batch, device=q.device)[:, None, None] * key.shape[1]
             # reused by every chunk: a fresh multi-MB tensor per chunk would pay for its page faults each time
             buffer = table.new_empty(batch * min(chunk, rows) * indices.shape[-1], table.shape[1])
-        for c0 in range(0, rows, chunk):
+        for number, c0 in enumerate(range(0, rows, chunk)):
             c1 = min(c0 + chunk, rows)
             n = c1 - c0
+            mine = tp is None or number % tp.world_size == tp.rank
             if indices is None:
                 # Dense warm-up: the chunk's queries share the key range [k0, k1); one group per batch row.
                 pos = query_pos[c0:c1]
@@ -149,9 +149,9 @@ class _IndexerKL(torch.autograd.Function):
                 visible = (key_ids >= doc_start[pos][:, None]) & (key_ids <= pos[:, None])
                 visible = visible.expand(batch, -1, -1)
                 target = attention_target(q[:, c0:c1], key[:, k0:k1], visible, scale, dtype, add, all_heads)
-                kl, grads = kl_and_grads(
-                    target, q_idx[:, c0:c1], weights[:, c0:c1], k_idx[:, k0:k1], visible, want_grads, add
-                )
+                if not mine:
+                    continue
+                kl, grads = kl_and_grads(target, q_idx[:, c0:c1], weights[:, c0:c1], k_idx[:, k0:k1], visible, want_grads)
             else:
                 # Sparse: each query has its own keys; one group per (batch row, query).
                 ids = indices[:, c0:c1]
@@ -162,6 +162,8 @@ class _IndexerKL(torch.autograd.Function):
                     q[:, c0:c1].reshape(batch * n, 1, heads, dim), gathered[..., :dim], visible, scale, dtype, add,
                     all_heads,
                 )
+                if not mine:
+                    continue
                 kl, grads = kl_and_grads(
                     target,
                     q_idx[:, c0:c1].reshape(batch * n, 1, *q_idx.shape[2:]),
@@ -169,7 +171,6 @@ class _IndexerKL(torch.autograd.Function):
                     gathered[..., dim:],
                     visible,
                     want_grads,
-                    add,
                 )
             total += kl
             if grads is None:
@@ -188,8 +189,6 @@ class _IndexerKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if ctx.tp is not None:  # every rank's loss holds the whole KL: its inputs' gradients scale with the sum
-            grad = collectives.all_reduce(grad.clone(), ctx.tp.group)
         grads = [(grad * g).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
         return (*grads, None, None, None, None, None, None, None, None)
 
@@ -215,16 +214,14 @@ def attention_target(
 
 
 def kl_and_grads(
-    target: Tensor, q_idx: Tensor, weights: Tensor, k_idx: Tensor, visible: Tensor, want_grads: bool,
-    add: Callable[[Tensor], Tensor] | None = None,
+    target: Tensor, q_idx: Tensor, weights: Tensor, k_idx: Tensor, visible: Tensor, want_grads: bool
 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
     """Summed KL(target || softmax(I)) of G groups of n queries, each group over its own S keys, and (if wanted)
     its gradients, all in target's dtype.
 
     target [G, n, S] (rows sum to 1 over the visible keys), q_idx [G, n, Hi, Di], weights [G, n, Hi],
     k_idx [G, S, Di], visible [G, n, S] -> KL, (dKL/dq_idx [G, n, Hi, Di], dKL/dweights [G, n, Hi],
-    dKL/dk_idx [G, S, Di]). ``add``: sums the other tensor-parallel ranks' partial I (their indexer heads')
-    into this rank's, in place; the gradients are then this rank's heads' (dKL/dk_idx: their part).
+    dKL/dk_idx [G, S, Di]).
     """
     groups, n, heads_idx, dim_idx = q_idx.shape
     slots = k_idx.shape[1]
@@ -233,8 +230,6 @@ def kl_and_grads(
     per_head = torch.bmm(q_idx.reshape(groups, n * heads_idx, dim_idx), k_idx.transpose(1, 2)).relu_()
     per_head = per_head.view(groups * n, heads_idx, slots)
     index = torch.bmm(weights.reshape(groups * n, 1, heads_idx), per_head).view(groups, n, slots)
-    if add is not None:
-        add(index)
     log_q = index.masked_fill_(hidden, float("-inf")).log_softmax(-1).masked_fill_(hidden, 0.0)
     kl = (torch.xlogy(target, target) - target * log_q).sum()
     if not want_grads:

@@ -31,15 +31,17 @@ positions, so a rank's work is O(T_local x T). Decoding: keys are the cache plus
 new tokens, so a step costs O(cache length). The dense warm-up attends each run of consecutive query
 positions inside a document to that document's keys up to the run's end (causal aligned to the last key).
 
-Tensor parallelism (``megaseq.contracts.TensorParallel``), as megatron-core's MLA splits it: a rank holds a
-contiguous block of the query heads (their rows of ``q_up`` and ``q_rope``, their ``k_up`` and ``v_up``, their
-columns of ``out``) and of the indexer heads (their rows of the indexer's query and head-weight
-projections). What every head reads stays whole on every rank: the query and latent down-projections and
-norms, the rotary key and the indexer's key (their gradients are summed over the ranks). A rank gathers the
-sequence chunks (with context parallelism: its context-parallel share), runs its heads over all of it and
-reduce-scatters its partial output. Its indexer scores are partial sums over the indexer heads: they are
-added over the ranks before the top-k (``megaseq_dsa.ops.indexer``), so every rank selects the same keys,
-and the indexer loss is computed whole on every rank (``megaseq_dsa.indexer``), each adding ``1/tp`` of it.
+Tensor parallelism (``megaseq.contracts.TensorParallel``), as megatron-core's MLA splits the main attention:
+a rank holds a contiguous block of the query heads (their rows of ``q_up`` and ``q_rope``, their ``k_up`` and
+``v_up``, their columns of ``out``). What every head reads stays whole on every rank: the query and latent
+down-projections and norms, the rotary key, and the whole indexer (their gradients are summed over the
+ranks). A rank gathers the sequence chunks (with context parallelism: its context-parallel share), runs its
+heads over all of it and reduce-scatters its partial output. The selection is shared out by queries, not by
+indexer heads: each rank selects the keys of its contiguous share of the queries with the whole indexer and
+the ranks all-gather the indices (O(queries x top-k) bytes); split heads would instead have to add each query
+block's partial scores over every earlier key across the ranks before the top-k (O(queries x keys)). The
+indexer loss's target sums the ranks' heads over the selected keys, and each rank computes the loss of its
+share of the queries (``megaseq_dsa.indexer``).
 Decoding under tensor parallelism (without sequence parallelism): the cache holds what every head reads, the
 latent (with the rotary key) and the indexer's key of each token, so it is the same on every rank, as
 megatron-core's MLA keeps its compressed key-value cache.
@@ -116,9 +118,8 @@ class DeepSeekSparseAttention(nn.Module):
     def __init__(self, d_model: int, config: DSAConfig, n_layers: int, tp_size: int = 1) -> None:
         super().__init__()
         BACKENDS.check(config.backend)
-        for key in ("n_heads", "index_heads"):
-            if getattr(config, key) % tp_size:
-                raise ValueError(f"attention.dsa: {key} {getattr(config, key)} is not a multiple of tp {tp_size}")
+        if config.n_heads % tp_size:
+            raise ValueError(f"attention.dsa: n_heads {config.n_heads} is not a multiple of tp {tp_size}")
         self.config = config
         self.n_heads = config.n_heads // tp_size  # this rank's query heads
         heads, head_dim, latent = self.n_heads, config.head_dim, config.kv_lora_rank
@@ -135,7 +136,7 @@ class DeepSeekSparseAttention(nn.Module):
         if config.rope:
             self.q_rope = nn.Linear(config.q_lora_rank, heads * self.rope_dim, bias=False)
             self.k_rope = nn.Linear(d_model, self.rope_dim, bias=False)
-        self.indexer = LightningIndexer(d_model, config.q_lora_rank, config.index_heads, config.index_dim, tp_size)
+        self.indexer = LightningIndexer(d_model, config.q_lora_rank, config.index_heads, config.index_dim)
         for name, p in self.named_parameters():
             if name.endswith("weight") and p.dim() == 2 and not name.startswith("indexer."):
                 nn.init.normal_(p, std=p.shape[1] ** -0.5)  # unit-scale outputs from unit-scale inputs
@@ -248,15 +249,10 @@ class DeepSeekSparseAttention(nn.Module):
             o = self._dense(q, key, query_spans, documents)
         if with_kl:
             if kl is None:
-                doc_start = document_starts(documents, key.shape[1], x.device)
-                kl = indexer_kl(
-                    q_idx, k_idx, idx_weights, q, key, self.scale, query_pos, doc_start, indices,
-                    self.config.query_chunk, ctx.tp,
-                )
-            # Divided by the global token count: the shares of context-parallel ranks and of sequence tiles add
-            # up to the one-rank mean. Tensor-parallel ranks each hold the whole KL and add 1/tp of it.
+                kl = self._indexer_kl(q_idx, k_idx, idx_weights, q, key, query_pos, documents, indices, ctx.tp)
+            # Divided by the global token count: the shares of context-parallel and tensor-parallel ranks and of
+            # sequence tiles add up to the one-rank mean.
             tokens = b * (ctx.cp.seq_len if ctx.cp is not None else tile.seq_len if tile is not None else t)
-            tokens *= 1 if ctx.tp is None else ctx.tp.world_size
             # The trainer logs it as aux/dsa_indexer; a separate KL metric would repeat that number.
             ctx.add_loss("dsa_indexer", self.config.indexer_loss_coef * kl / tokens)
         # W_o concat_h(W_uv,h o_h) as one product with the folded blockdiag_h(W_uv,h) W_o^T: backward keeps only o
@@ -277,6 +273,15 @@ class DeepSeekSparseAttention(nn.Module):
             pos = ctx.cp.positions(device) if ctx.cp is not None else torch.arange(t, device=device)
         return pos if documents is None else documents.positions_in_doc(device)[pos]
 
+    def _indexer_kl(
+        self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, q: Tensor, key: Tensor, query_pos: Tensor,
+        documents: Documents | None, indices: Tensor | None, tp: TensorParallel | None,
+    ) -> Tensor:
+        doc_start = document_starts(documents, key.shape[1], key.device)
+        return indexer_kl(
+            q_idx, k_idx, weights, q, key, self.scale, query_pos, doc_start, indices, self.config.query_chunk, tp
+        )
+
     @torch.no_grad()
     def _select(
         self,
@@ -289,13 +294,26 @@ class DeepSeekSparseAttention(nn.Module):
         tp: TensorParallel | None,
     ) -> Tensor:
         """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice); under
-        tensor parallelism by the scores summed over every rank's indexer heads."""
+        tensor parallelism each rank selects for its contiguous share of the queries and the ranks all-gather
+        the indices (module docstring)."""
         config = self.config
-        sum_scores = None if tp is None else (lambda part: collectives.all_reduce(part, tp.group))
-        return ops.select_topk(
-            q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos, config.query_chunk,
-            config.index_scores, sum_scores,
-        )
+
+        def select(q0: int, q1: int) -> Tensor:
+            return ops.select_topk(
+                q_idx[:, q0:q1], k_idx, weights[:, q0:q1], config.topk, documents, config.index_pool,
+                query_pos[q0:q1], config.query_chunk, config.index_scores,
+            )
+
+        rows = q_idx.shape[1]
+        if tp is None:
+            return select(0, rows)
+        share = -(-rows // tp.world_size)
+        q0, q1 = min(tp.rank * share, rows), min((tp.rank + 1) * share, rows)
+        slots = selected_slots(config.topk, config.index_pool)
+        mine = q_idx.new_full((q_idx.shape[0], share, slots), -1, dtype=torch.int32)
+        if q1 > q0:
+            mine[:, : q1 - q0] = select(q0, q1)
+        return torch.cat(collectives.all_gather_tensor(mine, tp.group), dim=1)[:, :rows]
 
     def _dense(
         self, q: Tensor, key: Tensor, query_spans: list[tuple[int, int]], documents: Documents | None
@@ -382,13 +400,12 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     SCORE_BLOCK_BYTES). Kept for a recomputation's re-run (``ForwardContext.keep``): the selected indices.
     Measured with ``benchmarks/component_memory.py`` on the default recipe's sparse layer:
     14, 43 and 160 MiB at 4k, 16k and 64k. Under tensor parallelism (``dims.tp_size``) all of it is one rank's,
-    whose query and indexer heads run over the gathered sequence: what every head reads (module docstring) and
-    the selection's scores and indices, summed over the ranks, are whole on every rank."""
-    for key in ("n_heads", "index_heads"):
-        if getattr(config, key) % dims.tp_size:
-            raise ValueError(f"attention.dsa: {key} {getattr(config, key)} is not a multiple of tp {dims.tp_size}")
+    whose query heads run over the gathered sequence: what every head reads and the indexer (module docstring)
+    and the gathered indices are whole on every rank."""
+    if config.n_heads % dims.tp_size:
+        raise ValueError(f"attention.dsa: n_heads {config.n_heads} is not a multiple of tp {dims.tp_size}")
     d, heads, latent = dims.d_model, config.n_heads // dims.tp_size, config.kv_lora_rank
-    index_heads = config.index_heads // dims.tp_size  # this rank's
+    index_heads = config.index_heads
     rope = config.rope_dim if config.rope else 0
     key_width = latent + rope
     parameters = (

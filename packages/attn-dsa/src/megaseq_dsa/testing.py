@@ -13,7 +13,6 @@ import megaseq_dsa.ops
 from megaseq.contracts import TensorParallel
 from megaseq.documents import Documents
 from megaseq.records import ModelDims
-from megaseq_dsa.backends import DSAOps
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.layer import DeepSeekSparseAttention
 from megaseq_testkit import build_component
@@ -56,17 +55,18 @@ def context_parallel_cases(
     return results
 
 
-class _RankLocalSelection(DeepSeekSparseAttention):
-    """A wrong tensor-parallel DSA: each rank selects keys by its own indexer heads' scores, never summed over
-    the ranks (tests/test_tensor_parallel.py shows that the conformance check catches it)."""
+class _OwnHeadsTarget(DeepSeekSparseAttention):
+    """A wrong tensor-parallel DSA: each rank's indexer loss takes the attention of its own main heads as the
+    target, never summed over the ranks, over all of the queries (tests/test_tensor_parallel.py shows that
+    the conformance check catches it)."""
 
-    def _select(self, ops: DSAOps, q_idx: Tensor, k_idx: Tensor, weights: Tensor, query_pos: Tensor,
-                documents: Documents | None, tp: TensorParallel | None) -> Tensor:
-        return super()._select(ops, q_idx, k_idx, weights, query_pos, documents, None)
+    def _indexer_kl(self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, q: Tensor, key: Tensor, query_pos: Tensor,
+                    documents: Documents | None, indices: Tensor | None, tp: TensorParallel | None) -> Tensor:
+        return super()._indexer_kl(q_idx, k_idx, weights, q, key, query_pos, documents, indices, None)
 
 
-def build_rank_local_selection(config: dict[str, Any], dims: ModelDims, layer_idx: int) -> nn.Module:
-    return _RankLocalSelection(dims.d_model, DSAConfig(**config), dims.n_layers, dims.tp_size)
+def build_own_heads_target(config: dict[str, Any], dims: ModelDims, layer_idx: int) -> nn.Module:
+    return _OwnHeadsTarget(dims.d_model, DSAConfig(**config), dims.n_layers, dims.tp_size)
 
 
 def tp_saved_bytes(rank: int, world: int, config: dict[str, Any], d_model: int, lengths: list[int]) -> list[int]:
@@ -96,4 +96,27 @@ def tp_saved_bytes(rank: int, world: int, config: dict[str, Any], d_model: int, 
             y = layer(x, ctx)
         out.append(sum(storages.values()))
         del y, ctx
+    return out
+
+
+def tp_collective_bytes(rank: int, world: int, config: dict[str, Any], d_model: int, lengths: list[int]) -> list[int]:
+    """Bytes tensor-parallel rank ``rank`` of ``world`` hands to collectives in one forward and backward of the
+    layer over each of ``lengths`` gathered tokens (the rank's chunk of each)."""
+    import torch.distributed as dist
+
+    from megaseq.contracts import ForwardContext
+    from megaseq_testkit import count_collective_bytes
+
+    torch.manual_seed(0)
+    dims = ModelDims(d_model=d_model, n_layers=2, vocab_size=8, tp_rank=rank, tp_size=world)
+    layer = build_component("attention", "dsa", config, dims)
+    tp = TensorParallel(group=dist.group.WORLD, rank=rank, world_size=world)
+    out = []
+    for length in lengths:
+        x = torch.randn(1, length // world, d_model, requires_grad=True)
+        with count_collective_bytes() as sent:
+            ctx = ForwardContext(tp=tp)
+            y = layer(x, ctx)
+            torch.autograd.backward([y, *ctx.losses.values()], [torch.ones_like(y), *(torch.ones(()) for _ in ctx.losses)])
+        out.append(sum(sent.values()))
     return out

@@ -88,6 +88,7 @@ from megaseq_testkit.checks import (
     assert_close,
     check_deterministic,
     check_gradients,
+    count_collective_bytes,
     count_host_syncs,
     watch_host_syncs,
 )
@@ -239,6 +240,7 @@ __all__ = [
     "build_component",
     "check_deterministic",
     "check_gradients",
+    "count_collective_bytes",
     "count_host_syncs",
     "env",
     "fresh_plugins",

@@ -230,6 +230,48 @@ def count_host_syncs() -> Iterator[list[str]]:
         torch.cuda.synchronize = patched_sync
 
 
+# torch.distributed's communication functions and the position of what a rank sends among their arguments
+_SENDS = {
+    "all_reduce": 0, "all_gather": 1, "all_gather_into_tensor": 1, "all_gather_single": 1, "reduce_scatter_tensor": 1,
+    "reduce_scatter_single": 1, "all_to_all_single": 1, "broadcast": 0, "reduce": 0,
+}
+
+
+@contextlib.contextmanager
+def count_collective_bytes() -> Iterator[dict[str, int]]:
+    """Within the block, the bytes this rank hands to each of ``torch.distributed``'s collectives (its input
+    tensor: what it sends, not what travels on a given topology), summed per function name into the dict it
+    yields. Every megaseq collective goes through ``megaseq.parallel.collectives``, whose single-tensor
+    aliases are patched too."""
+    import torch.distributed as dist
+
+    from megaseq.parallel import collectives
+
+    sent: dict[str, int] = {}
+
+    def counting(name: str, position: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        parameter = list(inspect.signature(original).parameters)[position]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[position] if len(args) > position else kwargs[parameter]
+            sent[name] = sent.get(name, 0) + tensor.numel() * tensor.element_size()
+            return original(*args, **kwargs)
+
+        return run
+
+    patched = [(dist, name, getattr(dist, name)) for name in _SENDS if hasattr(dist, name)]
+    aliases = {"_all_gather_single": "all_gather_into_tensor", "_reduce_scatter_single": "reduce_scatter_tensor"}
+    patched += [(collectives, alias, getattr(collectives, alias)) for alias in aliases]
+    for module, name, original in patched:
+        label = aliases.get(name, name)
+        setattr(module, name, counting(label, _SENDS[label], original))
+    try:
+        yield sent
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
 def saved_bytes(run: Callable[[], Any], inputs: tuple[Tensor, ...] = (), exclude: tuple[Tensor, ...] = ()) -> tuple[int, Any]:
     """Bytes of the distinct storages autograd saves for backward while ``run()`` builds its graph, plus those
     of ``inputs``, minus those of ``exclude`` (parameters: they are counted as parameters); and ``run()``'s
@@ -275,6 +317,7 @@ __all__ = [
     "check_gradients",
     "check_saved_estimate",
     "check_two_forwards",
+    "count_collective_bytes",
     "count_host_syncs",
     "forward_backward",
     "saved_bytes",

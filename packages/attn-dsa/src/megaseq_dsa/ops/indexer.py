@@ -43,10 +43,8 @@ a key of the fp32 top-k ranks below the margin by the bf16 scores. It pays only 
 faster than fp32 ones (bf16 matrix units: AVX512-BF16/AMX CPUs, GPUs); on a CPU without them torch emulates
 them, many times slower than fp32.
 
-Heads split over ranks (tensor parallelism, `sum_scores`): the score is a sum over the indexer heads, so a
-rank holding some of the heads has a partial score. `sum_scores` adds a block's partial scores over the ranks
-(in place) before anything is selected, and the exact scores of the bf16 path's candidates likewise, so that
-every rank selects the same keys, those of the whole indexer.
+Under tensor parallelism every rank holds the whole indexer and selects for its share of the queries
+(``megaseq_dsa.layer``): a selection is always over the whole score.
 
 Output convention (shared with `select_topk_reference`): int32 [B, Tq, slots] with
 slots = round_up(topk + pool - 1, 64); each row lists its selected key positions in ascending order,
@@ -56,7 +54,6 @@ dense causal attention. The work is O(Tq x visible keys): a decoding step costs 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,8 +69,6 @@ DEFAULT_KEY_BLOCK = 2048
 # Low-precision scores: candidates beyond the topk // pool best that are scored again exactly.
 RESCORE_MARGIN = 128
 SCORE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-# Sums partial scores over the ranks that hold the other indexer heads, in place (module docstring).
-ScoreSum = Callable[[torch.Tensor], object]
 
 
 def selected_slots(topk: int, pool: int = 1) -> int:
@@ -184,7 +179,6 @@ def select_topk(
     key_block: int = DEFAULT_KEY_BLOCK,
     scores: str = "fp32",
     rescore_margin: int = RESCORE_MARGIN,
-    sum_scores: ScoreSum | None = None,
 ) -> torch.Tensor:
     """Indices of each query's top-k keys by the lightning-indexer score.
 
@@ -196,8 +190,7 @@ def select_topk(
     query_block: at most this many queries per block (fewer when a block's scores would pass
     SCORE_BLOCK_BYTES); key_block: keys per scoring tile. scores: "fp32", or "bf16" for bf16 scores with an
     exact second pass over the best ``topk // pool + rescore_margin`` candidates (module docstring; a margin of
-    0 keeps the bf16 scores' own choice). sum_scores: with this rank's share of the indexer heads, adds the
-    partial scores of the ranks holding the others, in place (module docstring).
+    0 keeps the bf16 scores' own choice).
     """
     if scores not in SCORE_DTYPES:
         raise ValueError(f"scores must be one of {', '.join(SCORE_DTYPES)}, got {scores!r}")
@@ -206,7 +199,7 @@ def select_topk(
     with torch.autocast(q_idx.device.type, enabled=False):  # scores in fp32 (or float64) under any autocast
         return _select_topk(
             q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_block, key_block,
-            SCORE_DTYPES[scores], rescore_margin, sum_scores,
+            SCORE_DTYPES[scores], rescore_margin,
         )
 
 
@@ -222,7 +215,6 @@ def _select_topk(
     key_block: int,
     low: torch.dtype | None = None,
     margin: int = RESCORE_MARGIN,
-    sum_scores: ScoreSum | None = None,
 ) -> torch.Tensor:
     documents = None if cu_seqlens is None else as_documents(cu_seqlens)  # read to the host once, checked below
     positions = check_index_inputs(q_idx, k_idx, weights, documents, query_positions)
@@ -262,7 +254,6 @@ def _select_topk(
             work,
             low,
             margin,
-            sum_scores,
         )
         tails = tail_start[:, q0:q1], tail_len[:, q0:q1]
         out[:, q0:q1] = expand_rows(selected, block_first, pool, *tails, slots)
@@ -339,12 +330,10 @@ def _select_block(
     work: torch.Tensor,
     low: torch.dtype | None = None,
     margin: int = RESCORE_MARGIN,
-    sum_scores: ScoreSum | None = None,
 ) -> torch.Tensor:
     """Top-k key ids [B, Q, k] (ascending, -1 padded) of a query block: q [B, Q, Hi, D], weights [B, Q, Hi],
     keys [B, n_keys, D], visible key range [lo, hi] per query [B, Q]; scores and work: flat scratch (work in
-    ``low`` when given: the scores' operands in that dtype, then the exact second pass over ``margin`` more);
-    sum_scores: adds the other ranks' partial scores (heads split over ranks)."""
+    ``low`` when given: the scores' operands in that dtype, then the exact second pass over ``margin`` more)."""
     batch, queries = lo.shape
     # The block's keys lie in [min lo, max hi] and every row sees [max lo, min hi]. An empty row has
     # hi = lo - 1 >= min lo - 1, so the range never runs backwards.
@@ -355,8 +344,6 @@ def _select_block(
     for k0 in range(start, end, key_block):
         k1 = min(k0 + key_block, end)
         _index_scores(operands, keys[:, k0:k1].to(operands.dtype), weights, scores[..., k0 - start : k1 - start], work)
-    if sum_scores is not None:
-        sum_scores(scores)
     # Hidden keys (-inf) can only lie outside the range every row sees.
     for k0, k1 in ((start, min(all_see_from, end)), (max(all_see_to + 1, start), end)):
         if k1 > k0:
@@ -366,7 +353,7 @@ def _select_block(
     scores = scores.view(batch * queries, -1)
     visible = (hi - lo + 1).clamp_min(0).view(-1)
     if low is not None:
-        return _rescored(scores, q, weights, keys, lo, hi, visible, k, start, margin, sum_scores).view(batch, queries, k)
+        return _rescored(scores, q, weights, keys, lo, hi, visible, k, start, margin).view(batch, queries, k)
     need = visible.clamp_max(k)
 
     # Each row keeps its scores >= its need-th best: for a row with more than k visible keys that is the k-th
@@ -403,19 +390,17 @@ def _rescored(
     k: int,
     start: int,
     margin: int,
-    sum_scores: ScoreSum | None = None,
 ) -> torch.Tensor:
     """Top-k key ids [R, k] (ascending, -1 padded) from low-precision scores [R, width] (keys start..): a row
     that sees at most k keys keeps them all; each other row scores again, from the fp32 operands, every key
     whose low-precision score reaches its (k + margin)-th best (more than k + margin where scores tie there),
-    and keeps the k best of those, equal exact scores to the earlier key (``sum_scores``: as for the block's
-    scores)."""
+    and keeps the k best of those, equal exact scores to the earlier key."""
     rows, width = scores.shape
     queries, heads, dim = q.shape[1:]
     offsets = torch.arange(k, device=q.device)
     out = (lo.reshape(-1, 1) + offsets).masked_fill(offsets >= visible[:, None], -1)  # all visible, in order
     full = (visible > k).nonzero()[:, 0]
-    if len(full) == 0:  # the same on every rank: the rows' visible keys do not depend on the scores
+    if len(full) == 0:
         return out
     chosen = scores[full].contiguous()
     kept = _flat_positions_at_least(chosen, _kth_largest(chosen, min(k + margin, width)))  # row-major, ascending
@@ -428,8 +413,6 @@ def _rescored(
     exact_keys = keys[(full // queries)[:, None], ids]  # [F, C, D]
     per_head = torch.bmm(q.reshape(rows, heads, dim)[full], exact_keys.transpose(1, 2)).relu_()
     exact = torch.bmm(weights.reshape(rows, 1, heads)[full], per_head)[:, 0]
-    if sum_scores is not None:
-        sum_scores(exact)
     hidden = (candidates < 0) | (ids < lo.reshape(-1)[full, None]) | (ids > hi.reshape(-1)[full, None])
     # a stable sort of ascending candidates: equal exact scores keep the earlier key first
     best = exact.masked_fill_(hidden, float("-inf")).sort(dim=-1, descending=True, stable=True).indices[:, :k]
