@@ -1,5 +1,6 @@
 """Every Triton launch of chunk_kda_triton, forward and backward, compiled for a Hopper GPU (sm_90) on the CPU,
-fits its 227 KiB of shared memory per block (megaseq_testkit.hopper). The interpreter tests cannot see this:
+fits its 227 KiB of shared memory per block (megaseq_testkit.hopper) and spills no more registers than
+recorded. The interpreter tests cannot see this:
 at K = V = 128 in fp32 the backward state kernel asked for 241 KiB with Triton's default pipelining and
 failed to launch on an H200.
 
@@ -24,6 +25,13 @@ if importlib.util.find_spec("triton") is None:
 # compiling every kernel for sm_90 takes minutes on CPU
 pytestmark = pytest.mark.slow
 
+# Spill stores (bytes per thread) ptxas 13 reports at these shapes, the largest over the launches of a kernel
+# (BV = 32 with 8 warps: ``Layout.wide_warps``). ptxas gives the forward state kernel 32 registers and a stack frame
+# whatever the warps: a finding for the next GPU run to time. A launch may not spill more than 10% over its
+# kernel's; a kernel not listed may not spill.
+KNOWN_SPILL_STORES = {"wy_fwd_kernel": 408, "state_fwd_kernel": 7248, "state_bwd_kernel": 2220, "chunk_grads_kernel": 312,
+                      "wy_bwd_kernel": 88}
+
 KERNELS = {"chunk_cumsum_kernel", "kk_scores_kernel", "wy_fwd_kernel", "state_fwd_kernel", "output_fwd_kernel",
            "state_bwd_kernel", "chunk_grads_kernel", "wy_bwd_kernel", "pair_grads_kernel"}
 
@@ -45,7 +53,7 @@ def compile_launches() -> list[dict]:
     return [{**vars(x), "fits": x.fits} for x in launches]
 
 
-def test_every_launch_fits_hopper_shared_memory():
+def test_every_launch_fits_hopper_shared_memory_and_spills_no_more_than_recorded():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -53,6 +61,9 @@ def test_every_launch_fits_hopper_shared_memory():
     assert {x["kernel"] for x in launches} == KERNELS
     over = [f"{x['kernel']} ({x['constexprs']}): {x['shared'] / 1024:.1f} KiB" for x in launches if not x["fits"]]
     assert not over, f"over 90% of sm_90's 227 KiB of shared memory: {over}"
+    spilled = [f"{x['kernel']} ({x['constexprs']}, {x['num_warps']} warps): {x['spill_stores']} bytes" for x in launches
+               if x["spill_stores"] > 1.1 * KNOWN_SPILL_STORES.get(x["kernel"], 0)]
+    assert not spilled, f"register spill stores per thread over the recorded ones: {spilled}"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,14 @@ from megaseq.parallel import collectives
 from megaseq_testkit import count_collective_bytes
 
 
+class _Bucket:
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
 def test_bytes_per_collective_and_nothing_after_the_block():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -20,7 +28,7 @@ def test_bytes_per_collective_and_nothing_after_the_block():
             collectives.all_gather_tensor(torch.zeros(3, dtype=torch.int32), group)  # 12
             collectives.exchange(torch.zeros(1, 4, dtype=torch.float64), group)  # 32
             collectives.all_gather(torch.zeros(2, 5), group)  # the single-tensor alias: 40
-            dist.all_reduce(tensor=torch.zeros(2))  # by keyword: 8
+            collectives.sum_bucket(group, _Bucket(torch.zeros(2))).wait()  # DDP's hook: 8
         assert sent == {"all_reduce": 48, "all_gather": 12, "all_to_all_single": 32, "all_gather_into_tensor": 40}
         assert (dist.all_reduce, collectives._all_gather_single) == originals
     finally:

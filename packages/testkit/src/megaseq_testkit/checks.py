@@ -250,10 +250,8 @@ def count_collective_bytes() -> Iterator[dict[str, int]]:
     sent: dict[str, int] = {}
 
     def counting(name: str, position: int, original: Callable[..., Any]) -> Callable[..., Any]:
-        parameter = list(inspect.signature(original).parameters)[position]
-
         def run(*args: Any, **kwargs: Any) -> Any:
-            tensor = args[position] if len(args) > position else kwargs[parameter]
+            tensor = args[position]  # megaseq.parallel.collectives passes it positionally
             sent[name] = sent.get(name, 0) + tensor.numel() * tensor.element_size()
             return original(*args, **kwargs)
 

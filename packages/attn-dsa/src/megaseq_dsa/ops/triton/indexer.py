@@ -42,7 +42,8 @@ from megaseq_dsa.ops.triton._launch import check_runnable
 # globals.
 _EMPTY_KEY = tl.constexpr(-(2**63))
 BLOCK_K = 64
-# ptxas for sm_90 at Hi=32, D=128, topk=2048 (bf16) still spills ~4 KB per thread with 8 warps (12 KB with 4).
+# ptxas for sm_90 at Hi=32, D=128, topk=2048 (bf16) still spills ~4 KB per thread with 8 warps (12 KB with 4,
+# 2.2 KB with 16, which spill 2.7x more than 8 at topk=512): tests/test_hopper_fit.py holds it to that.
 NUM_WARPS = 8
 
 

@@ -23,8 +23,9 @@ from megaseq_dsa.ops.triton._launch import check_runnable
 
 BLOCK_S = 64  # index slots per step; selected lists are padded to a multiple of 64
 BLOCK_D = 64  # head-dim chunk of q/k
-# ptxas for sm_90 at H=16, D=576, Dv=512 (bf16): 4 warps spill ~1.4 KB per thread in the forward, 8 warps
-# 0.1 KB.
+# ptxas 13 for sm_90 at H=16, D=576, Dv=512: 8 warps spill nothing in bf16 (fp32, the device check's
+# correctness rows: 2.4 KB in the forward); 4 warps spill 38 KB in the fp32 forward, 16 warps 6.7 KB in the
+# fp32 backward. tests/test_hopper_fit.py holds each launch to its count.
 NUM_WARPS = 8
 # Software-pipelining stages by (pass, element size), sized for sm_90's 227 KiB of shared memory per block at
 # H=16, D=576, Dv=512 (packages/attn-dsa/tests/test_hopper_fit.py): the forward in bf16 fits the default 3

@@ -52,6 +52,12 @@ class Layout:
         return self.bounds.shape[0]
 
     @property
+    def wide_warps(self) -> int:
+        """Warps of the kernels that hold a [K, BV] state tile or [BT, K] chunk tiles: at K = 128, BV = 32 ptxas
+        spilled 4-29 KB per thread with 4 warps, 0.1-6.6 KB with 8 (tests/test_hopper_fit.py reads its counts)."""
+        return 8 if self.block_k_full * self.block_v >= 4096 else 4
+
+    @property
     def num_docs(self) -> int:
         return self.doc_chunks.shape[0] - 1
 
@@ -83,8 +89,10 @@ def _make_layout(edges: tuple[int, ...], heads: int, k_dim: int, v_dim: int, dev
         doc_chunks=torch.tensor(doc_chunks, dtype=torch.int32, device=device),
         block_k=min(32, full_k),
         block_k_full=full_k,
-        # The state tile is [full K, BV]: keep it near 8k fp32 values so it stays in registers.
-        block_v=max(16, min(triton.next_power_of_2(v_dim), 8192 // full_k, 64)),
+        # The state tile is [full K, BV]: at most 4k fp32 values. At K = 128, BV = 64 with 4 warps, ptxas for sm_90
+        # spilled 38 KB (forward state) to 68 KB (backward state) per thread; BV = 32 with 8 warps, 0.1-6.6 KB
+        # (tests/test_hopper_fit.py reads its counts), and twice the programs along V.
+        block_v=max(16, min(triton.next_power_of_2(v_dim), 4096 // full_k, 64)),
     )
 
 
@@ -134,7 +142,8 @@ def forward_intermediates(
     w = torch.empty(total, heads, k_dim, **f32)
     u = torch.empty(total, heads, v_dim, **f32)
     wy_fwd_kernel[(lay.num_chunks, heads)](
-        k, v, gcum, beta, b, tm, w, u, lay.bounds, heads, k_dim, v_dim, CHUNK, lay.block_k, lay.block_v
+        k, v, gcum, beta, b, tm, w, u, lay.bounds, heads, k_dim, v_dim, CHUNK, lay.block_k, lay.block_v,
+        num_warps=lay.wide_warps,
     )
     states = torch.empty(lay.num_chunks, heads, k_dim, v_dim, **f32)
     u_new = torch.empty_like(u)
@@ -142,6 +151,7 @@ def forward_intermediates(
     state_fwd_kernel[grid](
         k, gcum, w, u, h0, states, u_new, final_state, lay.bounds, lay.doc_chunks,
         heads, k_dim, v_dim, CHUNK, lay.block_k_full, lay.block_v, h0 is not None, final_state is not None,
+        num_warps=lay.wide_warps,
     )
     return Intermediates(gcum, b, aqk, tm, w, u_new, states)
 
@@ -173,6 +183,7 @@ def backward_grads(
     state_bwd_kernel[grid](
         q, k, mid.gcum, mid.w, mid.aqk, do, dht, d_states, du_new, dh0, lay.bounds, lay.doc_chunks, scale,
         heads, k_dim, v_dim, CHUNK, lay.block_k_full, lay.block_v, dht is not None, h0 is not None, **stages,
+        num_warps=lay.wide_warps,
     )
 
     dq_state, dk_state, dg_state = (torch.empty_like(mid.w) for _ in range(3))
@@ -182,7 +193,7 @@ def backward_grads(
     chunk_grads_kernel[grid](
         q, k, mid.gcum, mid.states, d_states, mid.u_new, du_new, do,
         dq_state, dk_state, dg_state, dw, daqk, lay.bounds, scale,
-        heads, k_dim, v_dim, CHUNK, lay.block_k, lay.block_v,
+        heads, k_dim, v_dim, CHUNK, lay.block_k, lay.block_v, num_warps=lay.wide_warps,
     )
 
     dk_wy, dg_wy = torch.empty_like(mid.w), torch.empty_like(mid.w)
@@ -191,7 +202,7 @@ def backward_grads(
     db = torch.empty_like(mid.b)
     wy_bwd_kernel[(lay.num_chunks, heads)](
         k, v, mid.gcum, beta, mid.b, mid.tm, dw, du_new, dk_wy, dv, dg_wy, dbeta, db, lay.bounds,
-        heads, k_dim, v_dim, CHUNK, lay.block_k, lay.block_v,
+        heads, k_dim, v_dim, CHUNK, lay.block_k, lay.block_v, num_warps=lay.wide_warps,
     )
 
     dq_pair, dk_pair, dg_pair = (torch.empty_like(mid.w) for _ in range(3))
