@@ -27,8 +27,8 @@ README = ROOT / "packages" / "offload" / "README.md"
 COLUMNS = [(2**20, "recompute(reuse_kept=False)", "host"), (2**20, "offload + recompute(reuse_kept=False)", "host"),
            (2**18, "recompute(reuse_kept=False)", "device"), (2**18, "offload + recompute(reuse_kept=False)", "host")]
 # the predicted peaks (GiB) and the reported ones
-PEAKS = {COLUMNS[0]: (130.40, 144.5), COLUMNS[1]: (109.40, 144.5), COLUMNS[2]: (132.59, 142.0),
-         COLUMNS[3]: (88.99, 98.0)}
+PEAKS = {COLUMNS[0]: (130.86, 144.5), COLUMNS[1]: (109.86, 144.5), COLUMNS[2]: (133.51, 142.0),
+         COLUMNS[3]: (89.45, 98.0)}
 # the targets: the set proposed at 1M, and the 256k run without and with offloading, within 10% of the report
 MATCHED = [COLUMNS[0], COLUMNS[2], COLUMNS[3]]
 
@@ -94,4 +94,4 @@ def test_the_pinned_peaks_and_the_targets(estimates):
             (inputs, 0) if "offload" in label else (0, inputs))
     # the 256k saving of offloading (optimizer state and block inputs), against the reported 44 GiB
     saved = estimates[COLUMNS[2]].device_peak - estimates[COLUMNS[3]].device_peak
-    assert saved / GiB == pytest.approx(43.6, abs=0.05)
+    assert saved / GiB == pytest.approx(44.06, abs=0.05)

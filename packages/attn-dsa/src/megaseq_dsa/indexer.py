@@ -22,10 +22,12 @@ side by side, and their gradients scattered back with one ``index_add_`` per chu
 
 Tensor parallelism (``tp``): every rank holds the whole indexer (it is small, and whole heads let a rank
 select keys without the other ranks' scores, ``megaseq_dsa.layer``) and a block of the main heads. The
-target, a mean over all main heads, is then a sum of per-rank parts: each chunk's parts are added over the
-ranks (O(queries x keys of the chunk) bytes: the selected keys in sparse training). The chunks are shared out
-round robin: a rank computes the KL and the gradients of its own chunks only, so the ranks' losses add up to
-the whole KL and their gradients to its gradients (the trainer sums the indexer's over the ranks).
+queries are shared out in contiguous blocks (``query_share``): a rank computes the index queries and head
+weights of its own block only, selects its keys, and computes the KL and its gradients for it. The target, a
+mean over all main heads, is a sum of per-rank parts: for every chunk of every rank's block, each rank adds
+its heads' part over the ranks (O(queries x keys of the chunk) bytes: the selected keys in sparse training),
+and the chunk's owner uses it. The ranks' losses add up to the whole KL and their gradients to its gradients
+(the trainer sums the indexer's over the ranks).
 """
 
 from __future__ import annotations
@@ -46,9 +48,17 @@ CHUNK_BYTES = 64 * 2**20
 GATHER_BYTES = 4 * 2**20
 
 
+def query_share(rows: int, rank: int = 0, ranks: int = 1) -> tuple[int, int]:
+    """Tensor-parallel rank ``rank`` of ``ranks``'s contiguous block ``[first, end)`` of ``rows`` queries (a
+    rank past the end gets an empty block)."""
+    share = -(-rows // ranks)
+    return min(rank * share, rows), min((rank + 1) * share, rows)
+
+
 class LightningIndexer(nn.Module):
-    """x [B, T, d_model] and c_q [B, T, q_lora_rank] -> index queries, index keys and head weights (whole on
-    every tensor-parallel rank: module docstring)."""
+    """x [B, T, d_model] and c_q [B, T, q_lora_rank] -> index queries and head weights of the query rows
+    ``rows`` (all by default), and index keys of every token (whole on every tensor-parallel rank: module
+    docstring)."""
 
     def __init__(self, d_model: int, q_lora_rank: int, heads: int, dim: int) -> None:
         super().__init__()
@@ -60,11 +70,11 @@ class LightningIndexer(nn.Module):
         for linear in (self.query, self.key, self.head_weights):
             nn.init.normal_(linear.weight, std=linear.in_features**-0.5)
 
-    def forward(self, x: Tensor, c_q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q_idx [B, T, Hi, Di], k_idx [B, T, Di], weights [B, T, Hi]."""
-        b, t, _ = x.shape
-        q_idx = self.query(c_q).view(b, t, self.heads, self.dim)
-        return q_idx, self.key(x), self.head_weights(x) * self.weight_scale
+    def forward(self, x: Tensor, c_q: Tensor, rows: slice = slice(None)) -> tuple[Tensor, Tensor, Tensor]:
+        """q_idx [B, R, Hi, Di], k_idx [B, T, Di], weights [B, R, Hi] (R: the rows)."""
+        x_rows, c_q = x[:, rows], c_q[:, rows]
+        q_idx = self.query(c_q).view(*c_q.shape[:2], self.heads, self.dim)
+        return q_idx, self.key(x), self.head_weights(x_rows) * self.weight_scale
 
 
 def indexer_kl(
@@ -83,11 +93,11 @@ def indexer_kl(
     """Sum over query rows of KL(p_attn || softmax(I)), differentiable in the indexer inputs only.
 
     Queries (rows): q_idx [B, Tq, Hi, Di], weights [B, Tq, Hi], main queries q [B, Tq, H, D] at global
-    positions query_pos [Tq]. Keys: k_idx [B, Tk, Di], main keys key [B, Tk, D], document start of every key
+    positions query_pos [Tq]; under ``tp`` q_idx and weights are this rank's block of the rows
+    (:func:`query_share`). Keys: k_idx [B, Tk, Di], main keys key [B, Tk, D], document start of every key
     doc_start [Tk]. indices [B, Tq, S] (-1 = padding): KL over those keys (sparse training); None: over every
     visible key (dense warm-up). The main attention is softmax(scale q . key) over the same keys. ``tp``: the
-    heads of q are this rank's block; the KL is that of this rank's share of the query chunks (module
-    docstring).
+    heads of q are this rank's block; the KL is that of this rank's block of the queries (module docstring).
     """
     batch, _, heads, _ = q.shape
     if chunk is None and indices is None:
@@ -122,14 +132,14 @@ class _IndexerKL(torch.autograd.Function):
         batch, rows, heads, dim = q.shape
         add = None if tp is None else (lambda part: collectives.all_reduce(part, tp.group))
         all_heads = heads * (1 if tp is None else tp.world_size)
+        me, ranks = (0, 1) if tp is None else (tp.rank, tp.world_size)
+        blocks = [query_share(rows, rank, ranks) for rank in range(ranks)]
         dtype = torch.promote_types(q_idx.dtype, torch.float32)
         want_grads = any(ctx.needs_input_grad[:3])
         total = torch.zeros((), dtype=dtype, device=q.device)
         if want_grads:
-            # another rank's chunks leave their rows at 0 here (with one rank every row is written)
-            new = torch.empty if tp is None else torch.zeros
-            grad_q_idx = new(q_idx.shape, dtype=dtype, device=q.device)
-            grad_weights = new(weights.shape, dtype=dtype, device=q.device)
+            grad_q_idx = torch.empty(q_idx.shape, dtype=dtype, device=q.device)
+            grad_weights = torch.empty(weights.shape, dtype=dtype, device=q.device)
             grad_k_idx = torch.zeros(k_idx.shape, dtype=dtype, device=q.device)
         if indices is not None:
             # [key | k_idx] of every token as flat rows: one gather serves both scores.
@@ -137,10 +147,12 @@ class _IndexerKL(torch.autograd.Function):
             offsets = torch.arange(batch, device=q.device)[:, None, None] * key.shape[1]
             # reused by every chunk: a fresh multi-MB tensor per chunk would pay for its page faults each time
             buffer = table.new_empty(batch * min(chunk, rows) * indices.shape[-1], table.shape[1])
-        for number, c0 in enumerate(range(0, rows, chunk)):
-            c1 = min(c0 + chunk, rows)
+        # Every rank walks every rank's block in the same chunks (the target's sums); the owner computes the KL.
+        chunks = [(c0, min(c0 + chunk, end), rank == me) for rank, (first, end) in enumerate(blocks)
+                  for c0 in range(first, end, chunk)]
+        for c0, c1, own in chunks:
             n = c1 - c0
-            mine = tp is None or number % tp.world_size == tp.rank
+            r0, r1 = c0 - blocks[me][0], c1 - blocks[me][0]  # the chunk's rows in this rank's q_idx and weights
             if indices is None:
                 # Dense warm-up: the chunk's queries share the key range [k0, k1); one group per batch row.
                 pos = query_pos[c0:c1]
@@ -149,9 +161,9 @@ class _IndexerKL(torch.autograd.Function):
                 visible = (key_ids >= doc_start[pos][:, None]) & (key_ids <= pos[:, None])
                 visible = visible.expand(batch, -1, -1)
                 target = attention_target(q[:, c0:c1], key[:, k0:k1], visible, scale, dtype, add, all_heads)
-                if not mine:
+                if not own:
                     continue
-                kl, grads = kl_and_grads(target, q_idx[:, c0:c1], weights[:, c0:c1], k_idx[:, k0:k1], visible, want_grads)
+                kl, grads = kl_and_grads(target, q_idx[:, r0:r1], weights[:, r0:r1], k_idx[:, k0:k1], visible, want_grads)
             else:
                 # Sparse: each query has its own keys; one group per (batch row, query).
                 ids = indices[:, c0:c1]
@@ -162,12 +174,12 @@ class _IndexerKL(torch.autograd.Function):
                     q[:, c0:c1].reshape(batch * n, 1, heads, dim), gathered[..., :dim], visible, scale, dtype, add,
                     all_heads,
                 )
-                if not mine:
+                if not own:
                     continue
                 kl, grads = kl_and_grads(
                     target,
-                    q_idx[:, c0:c1].reshape(batch * n, 1, *q_idx.shape[2:]),
-                    weights[:, c0:c1].reshape(batch * n, 1, -1),
+                    q_idx[:, r0:r1].reshape(batch * n, 1, *q_idx.shape[2:]),
+                    weights[:, r0:r1].reshape(batch * n, 1, -1),
                     gathered[..., dim:],
                     visible,
                     want_grads,
@@ -176,8 +188,8 @@ class _IndexerKL(torch.autograd.Function):
             if grads is None:
                 continue
             d_q_idx, d_weights, d_keys = grads
-            grad_q_idx[:, c0:c1] = d_q_idx.view(batch, n, *q_idx.shape[2:])
-            grad_weights[:, c0:c1] = d_weights.view(batch, n, -1)
+            grad_q_idx[:, r0:r1] = d_q_idx.view(batch, n, *q_idx.shape[2:])
+            grad_weights[:, r0:r1] = d_weights.view(batch, n, -1)
             if indices is None:
                 grad_k_idx[:, k0:k1] += d_keys
             else:

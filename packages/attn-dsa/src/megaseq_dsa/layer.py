@@ -37,11 +37,11 @@ a rank holds a contiguous block of the query heads (their rows of ``q_up`` and `
 down-projections and norms, the rotary key, and the whole indexer (their gradients are summed over the
 ranks). A rank gathers the sequence chunks (with context parallelism: its context-parallel share), runs its
 heads over all of it and reduce-scatters its partial output. The selection is shared out by queries, not by
-indexer heads: each rank selects the keys of its contiguous share of the queries with the whole indexer and
-the ranks all-gather the indices (O(queries x top-k) bytes); split heads would instead have to add each query
-block's partial scores over every earlier key across the ranks before the top-k (O(queries x keys)). The
-indexer loss's target sums the ranks' heads over the selected keys, and each rank computes the loss of its
-share of the queries (``megaseq_dsa.indexer``).
+indexer heads: each rank computes the index queries of its contiguous block of the queries, selects their
+keys with the whole indexer, and the ranks all-gather the indices (O(queries x top-k) bytes); split heads
+would instead have to add each query block's partial scores over every earlier key across the ranks before
+the top-k (O(queries x keys)). The indexer loss's target sums the ranks' heads over the selected keys, and
+each rank computes the loss of its block of the queries (``megaseq_dsa.indexer``).
 Decoding under tensor parallelism (without sequence parallelism): the cache holds what every head reads, the
 latent (with the rotary key) and the indexer's key of each token, so it is the same on every rank, as
 megatron-core's MLA keeps its compressed key-value cache.
@@ -64,7 +64,7 @@ from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq.rotary import rotary
 from megaseq_dsa.backends import BACKENDS, DSAOps
 from megaseq_dsa.config import DSAConfig
-from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl
+from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl, query_share
 from megaseq_dsa.ops import selected_slots
 from megaseq_dsa.ops.indexer import DEFAULT_QUERY_BLOCK, SCORE_BLOCK_BYTES, document_starts
 from megaseq_dsa.ops.sparse import CHUNK_BYTES as SPARSE_CHUNK_BYTES
@@ -201,7 +201,9 @@ class DeepSeekSparseAttention(nn.Module):
             q_rot = rotary(self.q_rope(c_q).view(b, t, self.n_heads, -1), pos, self.config.rope_theta)
             k_rot = rotary(self.k_rope(x)[:, :, None], pos, self.config.rope_theta)[:, :, 0]
             q, key = torch.cat([q, q_rot], dim=-1), torch.cat([latent, k_rot], dim=-1)
-        q_idx, k_idx, idx_weights = self.indexer(x.detach(), c_q.detach())
+        # under tensor parallelism this rank's block of the queries (megaseq_dsa.indexer.query_share)
+        q0, q1 = query_share(t, *((ctx.tp.rank, ctx.tp.world_size) if ctx.tp is not None else ()))
+        q_idx, k_idx, idx_weights = self.indexer(x.detach(), c_q.detach(), slice(q0, q1))
         carry = (key, k_idx)
 
         # Keys of the whole sequence (of a tile: up to its end); queries at query_pos in it (query_spans: the
@@ -294,26 +296,23 @@ class DeepSeekSparseAttention(nn.Module):
         tp: TensorParallel | None,
     ) -> Tensor:
         """Top-k key indices [B, Tq, slots] of the queries at query_pos (no gradient: a discrete choice); under
-        tensor parallelism each rank selects for its contiguous share of the queries and the ranks all-gather
-        the indices (module docstring)."""
+        tensor parallelism q_idx and weights are this rank's block of the queries: it selects for them and the
+        ranks all-gather the indices (module docstring)."""
         config = self.config
-
-        def select(q0: int, q1: int) -> Tensor:
-            return ops.select_topk(
-                q_idx[:, q0:q1], k_idx, weights[:, q0:q1], config.topk, documents, config.index_pool,
-                query_pos[q0:q1], config.query_chunk, config.index_scores,
-            )
-
-        rows = q_idx.shape[1]
+        rows = len(query_pos)
+        q0, q1 = (0, rows) if tp is None else query_share(rows, tp.rank, tp.world_size)
+        mine = ops.select_topk(
+            q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos[q0:q1], config.query_chunk,
+            config.index_scores,
+        ) if q1 > q0 else None
         if tp is None:
-            return select(0, rows)
-        share = -(-rows // tp.world_size)
-        q0, q1 = min(tp.rank * share, rows), min((tp.rank + 1) * share, rows)
-        slots = selected_slots(config.topk, config.index_pool)
-        mine = q_idx.new_full((q_idx.shape[0], share, slots), -1, dtype=torch.int32)
-        if q1 > q0:
-            mine[:, : q1 - q0] = select(q0, q1)
-        return torch.cat(collectives.all_gather_tensor(mine, tp.group), dim=1)[:, :rows]
+            return mine
+        share = query_share(rows, 0, tp.world_size)[1]  # the ranks' blocks padded to the first one's
+        padded = q_idx.new_full((q_idx.shape[0], share, selected_slots(config.topk, config.index_pool)), -1,
+                                dtype=torch.int32)
+        if mine is not None:
+            padded[:, : q1 - q0] = mine
+        return torch.cat(collectives.all_gather_tensor(padded, tp.group), dim=1)[:, :rows]
 
     def _dense(
         self, q: Tensor, key: Tensor, query_spans: list[tuple[int, int]], documents: Documents | None
@@ -400,8 +399,8 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     SCORE_BLOCK_BYTES). Kept for a recomputation's re-run (``ForwardContext.keep``): the selected indices.
     Measured with ``benchmarks/component_memory.py`` on the default recipe's sparse layer:
     14, 43 and 160 MiB at 4k, 16k and 64k. Under tensor parallelism (``dims.tp_size``) all of it is one rank's,
-    whose query heads run over the gathered sequence: what every head reads and the indexer (module docstring)
-    and the gathered indices are whole on every rank."""
+    whose query heads run over the gathered sequence: what every head reads, the indexer's parameters and keys
+    and the gathered indices are whole on every rank, the indexer loss's gradients its block of the queries'."""
     if config.n_heads % dims.tp_size:
         raise ValueError(f"attention.dsa: n_heads {config.n_heads} is not a multiple of tp {dims.tp_size}")
     d, heads, latent = dims.d_model, config.n_heads // dims.tp_size, config.kv_lora_rank
@@ -421,7 +420,8 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         + d * config.index_dim
         + d * index_heads
     )
-    indexer_grads = index_heads * config.index_dim + config.index_dim + index_heads
+    # the indexer loss's gradients: of this rank's block of the queries (1/tp of them), and of every index key
+    indexer_grads = -(-(index_heads * config.index_dim + index_heads) // dims.tp_size) + config.index_dim
     per_token = d + 2 * config.q_lora_rank + latent + key_width + heads * key_width + heads + 2 + indexer_grads
     per_token += 2 * rope  # the rotary cos and sin of the query and of the key
     if config.mode == "sparse":

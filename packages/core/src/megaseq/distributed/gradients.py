@@ -16,9 +16,9 @@ The settings, and why:
   reduces their sum once;
 - ``find_unused_parameters``: a parameter may get no gradient on some ranks. DDP sums zeros for it there,
   and leaves ``grad`` None where no rank had one in the whole step, as one process does (the optimizer then
-  leaves it alone). Its price is a walk over the autograd graph per synchronised forward, on the host; when a
-  step finds no such parameter DDP prints once per rank that the flag could be turned off, which here it
-  cannot;
+  leaves it alone). Its price is a walk over the autograd graph per synchronised forward, on the host. A step
+  that finds no such parameter would make DDP print once per rank that the flag could be turned off, which
+  here it cannot: each DDP holds a scalar that no objective uses, so there always is one;
 - an anchor per DDP, a scalar parameter of its own that every objective carries times zero: DDP launches
   its first all-reduce (and learns which parameters went unused) from the first gradient hook it sees, so a
   rank on which none of its parameters got a gradient would never join the all-reduces the others wait in;
@@ -50,13 +50,14 @@ T = TypeVar("T")
 
 
 class _Objective(nn.Module):
-    """What one DDP wraps: the model (for its parameters) and an anchor; its forward runs a function that
-    returns the objective to differentiate."""
+    """What one DDP wraps: the model (for its parameters), an anchor and a scalar never used (module
+    docstring); its forward runs a function that returns the objective to differentiate."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         super().__init__()
         self.model = model
         self.anchor = nn.Parameter(torch.zeros((), device=device))
+        self.unused = nn.Parameter(torch.zeros((), device=device))
 
     def forward(self, run: Callable[[], Tensor]) -> Tensor:
         return run() + self.anchor * 0

@@ -29,6 +29,7 @@ What the trainer asks of a ``Parallel``, and why each rule makes every layout eq
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
@@ -226,6 +227,11 @@ def _gather_blocks(
 
 
 def import_parallel_state() -> Any:
+    # Its FSDP modules log at import which implementation they chose, at info level; a Ray worker's root logger
+    # shows info lines, so every worker printed them at every start. A level the user set stays.
+    megatron_log = logging.getLogger("megatron")
+    if megatron_log.level == logging.NOTSET:
+        megatron_log.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core warns at import that Transformer Engine / Apex are absent

@@ -24,6 +24,7 @@ cluster's address and size) runs in the launching process before any worker star
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +37,8 @@ import uuid
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from megaseq import threads
 from megaseq.capabilities import check_components
@@ -53,10 +56,14 @@ from megaseq.train.trainer import Trainer, TrainResult
 
 STOP_FILE = ".megaseq-stop"
 WORKER_RECORDS = ".megaseq-workers"
-# Ray's documented switches, set unless the user set them: Ray Train's print redirection off (each line once).
-# The Python log levels are set in ray.init (ray.LoggingConfig: Ray's actors, e.g. the placement-group
-# cleaner's warnings) and the RunConfig (ray.train.LoggingConfig: the controller's and workers' info lines).
-QUIET_RAY = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+# Ray's documented switches, set unless the user set them: Ray Train's print redirection off (each line once);
+# each worker's lines printed as they are, without Ray's deduplication (which colours its "[repeated Nx]" notes
+# whether or not the output is a terminal); Ray Train's preemption watcher off (an observability actor whose
+# creation logs an error-level core_worker line on every run; a lost worker still fails the group, and
+# FailureConfig restarts it). Read when ray is imported and by the processes ray.init starts. The Python log
+# levels are set in ray.init (ray.LoggingConfig: Ray's actors, e.g. the placement-group cleaner's warnings) and
+# the RunConfig (ray.train.LoggingConfig: the controller's and workers' info lines).
+QUIET_RAY = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 
 def preflight(recipe: Recipe, plugins: Plugins, layout: Layout, resume: bool, address: str | None = None) -> None:
@@ -301,6 +308,8 @@ def check_address(address: str) -> None:
 
 def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | None, max_failures: int) -> Path:
     """Train with ``layout.world_size`` Ray workers; returns the run directory."""
+    for name, value in QUIET_RAY.items():
+        os.environ.setdefault(name, value)
     try:
         import ray
         import ray.train
@@ -313,8 +322,6 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
     recipe = with_absolute_paths(recipe)
     out = recipe.out_dir
     stop_file, records = out / STOP_FILE, out / WORKER_RECORDS
-    for name, value in QUIET_RAY.items():
-        os.environ.setdefault(name, value)  # read by the local cluster's processes, which ray.init starts
     env = worker_environment() | {name: os.environ[name] for name in QUIET_RAY}
 
     def before_fit(signum: int, frame: Any) -> None:  # SIGTERM's default would skip the shutdown below
@@ -356,12 +363,27 @@ def run_with_ray(recipe: Recipe, layout: Layout, resume: bool, address: str | No
     except ray.train.TrainingFailedError as exc:
         raise WorkerFailed(exc, first_failure(records, workers, getattr(exc, "worker_failures", None))) from None
     finally:
+        started = [] if address else psutil.Process().children(recursive=True)  # the local cluster's processes
         ray.shutdown()  # stops the workers and, when ray.init started it, the local cluster
+        _end_processes(started)
         signal.signal(signal.SIGTERM, previous)
         stop_file.unlink(missing_ok=True)
         for path in records.glob("rank*.json"):
             path.unlink()
     return out
+
+
+def _end_processes(processes: list[psutil.Process], grace_s: float = 5.0) -> None:
+    """Terminate what of the local cluster outlives ``ray.shutdown``: a detached actor (Ray Train's placement-group
+    cleaner) notices the cluster's end only at its next health check, up to 30 s later."""
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 def _fit_until_done_or_stopped(trainer: Any, stop_file: Path) -> int | None:

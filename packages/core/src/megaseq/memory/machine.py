@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 from megaseq.errors import UserError
@@ -15,6 +16,11 @@ GiB = 2**30
 # Trainer.__init__ with the 300 kb shipped excerpt as training data was 0.378 GiB). The training data adds
 # one byte per base: the windows scan the whole token file once (with chr20: 0.437 GiB in all).
 CPU_RUNTIME_BYTES = int(0.378 * GiB)
+# A CPU worker of a multi-process layout also holds torch.distributed's process groups and megatron-core, and a
+# Ray worker Ray's core worker and Ray Train besides (recipes/tiny.toml, 2 steps, dp=2: peak RSS 0.44 GiB in one
+# process, 0.50 per worker under torchrun, 0.65 under `megaseq train --workers 2`).
+DISTRIBUTED_WORKER_BYTES = int(0.06 * GiB)
+RAY_WORKER_BYTES = int(0.15 * GiB)
 # The CUDA context, cuBLAS workspaces and allocator slack of one GPU process (an assumption, not measured here).
 CUDA_RUNTIME_BYTES = int(2.0 * GiB)
 
@@ -55,6 +61,12 @@ class Machine:
         return CPU_RUNTIME_BYTES if self.kind == "cpu" else CUDA_RUNTIME_BYTES
 
 
+def in_ray_worker() -> bool:
+    """Whether this process is connected to a Ray cluster (a Ray Train worker: the driver does not train)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def scratch_free() -> int | None:
     """Free bytes in the directory where CPU offloading writes by default ($MEGASEQ_SCRATCH, else the system
     temporary directory)."""
@@ -79,4 +91,7 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f}G"
 
 
-__all__ = ["CPU_RUNTIME_BYTES", "CUDA_RUNTIME_BYTES", "GiB", "Machine", "gib", "scratch_free", "total_ram"]
+__all__ = [
+    "CPU_RUNTIME_BYTES", "CUDA_RUNTIME_BYTES", "DISTRIBUTED_WORKER_BYTES", "RAY_WORKER_BYTES", "GiB", "Machine", "gib",
+    "in_ray_worker", "scratch_free", "total_ram",
+]

@@ -92,7 +92,7 @@ from megaseq.capabilities import check_components, policy_runs_under
 from megaseq.config import Recipe
 from megaseq.distributed.layout import Layout, check_zigzag_length
 from megaseq.errors import UserError
-from megaseq.memory.machine import GiB, Machine, gib
+from megaseq.memory.machine import DISTRIBUTED_WORKER_BYTES, RAY_WORKER_BYTES, GiB, Machine, gib, in_ray_worker
 from megaseq.plugins import Plugins
 from megaseq.records import MemoryEffect, MemoryEstimate, ModelDims
 
@@ -295,7 +295,11 @@ def estimate(
     # a split region's exchange buffers (module docstring): fp32, full length
     region = 4 * m.d_model * tokens * (2 if machine.kind == "cpu" else 1 + 1 / tp) if tp > 1 else 0.0
 
-    runtime = machine.runtime_bytes + (training_data_bytes(recipe, plugins) if machine.kind == "cpu" else 0)
+    runtime = machine.runtime_bytes
+    if machine.kind == "cpu":  # host memory is the device's: the data, and a worker's libraries
+        runtime += training_data_bytes(recipe, plugins)
+        if layout.world_size > 1:
+            runtime += DISTRIBUTED_WORKER_BYTES + (RAY_WORKER_BYTES if in_ray_worker() else 0)
     cost = sum(policy_time_cost(p, machine.kind, time_costs) for p in policies)
     out = Estimate(policies, runtime=runtime, time_cost=cost)
     vocab = -(-m.vocab_size // tp)  # this rank's block of the vocabulary (megaseq.model.LanguageModel)
