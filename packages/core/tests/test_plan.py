@@ -369,3 +369,27 @@ def test_time_costs_per_device_kind_and_a_calibration_decide_the_ranking():
     calibrated = plan(recipe, plugins, seq_len=65536, machine=tight("cpu"), time_costs={"cost": 0.9, "cost(part=ffn)": 0.05})
     assert calibrated.chosen is not None and calibrated.chosen.label == "cost(part=ffn)"
     assert {e.label: e.time_cost for e in calibrated.candidates}["cost"] == 0.9
+
+
+def test_a_cpu_worker_of_several_counts_its_libraries_and_a_ray_worker_rays(monkeypatch):
+    """A CPU worker of a multi-process layout holds torch.distributed's groups and megatron-core; one that Ray
+    started holds Ray's core worker and Ray Train besides (``megaseq.memory.machine``: measured per worker).
+    On a GPU they live in host memory, not the device's."""
+    import sys
+    import types
+
+    from megaseq.memory.machine import DISTRIBUTED_WORKER_BYTES, RAY_WORKER_BYTES
+
+    plugins = fresh_plugins()
+    recipe = load_recipe(TINY, plugins, ["train.batch_size=4"])
+
+    def runtime(layout, kind="cpu"):
+        return plan(recipe, plugins, seq_len=256, layout=layout, machine=Machine(kind, 64 * GiB, None),
+                    policies="none").candidates[0].runtime
+
+    dp2 = Layout.parse("dp=2")
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert runtime(dp2) - runtime(None) == DISTRIBUTED_WORKER_BYTES
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
+    assert runtime(dp2) - runtime(None) == DISTRIBUTED_WORKER_BYTES + RAY_WORKER_BYTES
+    assert runtime(dp2, "cuda") == runtime(None, "cuda")
