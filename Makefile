@@ -98,14 +98,15 @@ END_SET = 3>&1 > .test-logs/$@.log 2>&1; status=$$?; cat .test-logs/$@.log; exit
 test-fast:
 	$(MAKE) --jobs=2 $(TEST_SETS) PYTEST_ARGS='-m "not slow"'
 
-# The isolated environments (one per package: core alone, core and one plugin) share the full venv's
-# third-party packages (torch, triton, pytest, ...) through hard links (tools/link_venv.py), never its megaseq
-# packages: each costs megabytes, not a second 2.2 GB venv.
+# The isolated environments (one per package: core alone, core and one plugin) hold only the third-party
+# packages their package declares (with every extra of its own, and what it asks of core's and the test kit's),
+# hard-linked from the full venv (tools/link_venv.py), never its megaseq packages: each costs megabytes, not a
+# second 2.2 GB venv.
 ISO_ENVS := $(addprefix $(ISO)/,$(notdir $(PACKAGES)))
 $(ISO)/%/.installed: $(VENV)/.installed-$(TORCH) packages/core/pyproject.toml packages/testkit/pyproject.toml packages/%/pyproject.toml tools/link_venv.py
 	rm -rf $(ISO)/$*
 	$(PYTHON) -m venv --without-pip $(ISO)/$*
-	$(VENV)/bin/python tools/link_venv.py $(VENV) $(ISO)/$* > /dev/null
+	$(VENV)/bin/python tools/link_venv.py $(VENV) $(ISO)/$* packages/$*
 	$(ISO)/$*/bin/python -m pip install -q --no-deps -e packages/core -e packages/testkit $(if $(filter core testkit,$*),,-e packages/$*)
 	$(ISO)/$*/bin/python -m pip check
 	touch $@

@@ -3,7 +3,6 @@ environment that shares the full venv's third-party packages by hard links but n
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -69,55 +68,69 @@ def test_torch_pip_arguments(tmp_path):
     assert pip_arguments("cuda", tmp_path / "wheels") == "torch==2.13.0"
 
 
-def fake_distribution(site: Path, name: str, files: dict[str, str], editable: bool = False) -> None:
+def fake_distribution(site: Path, name: str, files: dict[str, str], requires: tuple[str, ...] = ()) -> None:
     info = site / f"{name}-1.0.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    requires_dist = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n{requires_dist}")
     for relative, text in files.items():
         (site / relative).parent.mkdir(parents=True, exist_ok=True)
         (site / relative).write_text(text)
-    if editable:
-        (info / "direct_url.json").write_text(json.dumps({"url": "file:///src", "dir_info": {"editable": True}}))
-    record = [*files, f"{info.name}/METADATA", f"{info.name}/RECORD"] + ([f"{info.name}/direct_url.json"] if editable else [])
+    record = [*files, f"{info.name}/METADATA", f"{info.name}/RECORD"]
     (info / "RECORD").write_text("".join(f"{r},,\n" for r in record))
 
 
-def test_link_venv_links_third_party_files_and_leaves_out_editables(tmp_path):
+def test_link_venv_links_what_the_package_declares_and_nothing_else(tmp_path):
+    """The closure of the package's dependencies and extras, through the distributions' own requirements (an
+    extra's only when asked), and through the workspace packages it names; nothing undeclared; console
+    scripts left behind; what the source lacks reported."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
-        from link_venv import link_tree
+        from link_venv import closure, link
     finally:
         sys.path.pop(0)
     source, target = tmp_path / "src" / "site-packages", tmp_path / "dst" / "site-packages"
     (tmp_path / "src" / "bin").mkdir(parents=True)
-    fake_distribution(source, "heavy", {"heavy/__init__.py": "x = 1\n", "../bin/heavy-cli": "#!/src/python\n"})
+    fake_distribution(source, "heavy", {"heavy/__init__.py": "x = 1\n", "../bin/heavy-cli": "#!/src/python\n"}, ("dep",))
     (tmp_path / "src" / "bin" / "heavy-cli").write_text("#!/src/python\n")
-    fake_distribution(source, "megaseq-core", {"_editable_megaseq_core.pth": "/src/packages/core/src\n"}, editable=True)
+    fake_distribution(source, "dep", {"dep.py": ""})
+    fake_distribution(source, "withextra", {"withextra.py": ""}, ('speedy; extra == "fast"', 'slowpoke; extra == "other"'))
+    for name in ("speedy", "slowpoke", "unrelated"):
+        fake_distribution(source, name, {f"{name}.py": ""})
+    package = tmp_path / "plugin"
+    package.mkdir()
+    (package / "pyproject.toml").write_text(
+        '[project]\nname = "plugin"\ndependencies = ["heavy", "megaseq-testkit"]\n'
+        '[project.optional-dependencies]\nx = ["withextra[fast]"]\n'
+    )
+    dists, missing = closure(package, source)
+    assert sorted(dists) == ["dep", "heavy", "speedy", "withextra"]
+    assert {"pip", "pytest-timeout", "pytest>=9.2", "torch>=2.13", "pluggy>=1.7"} <= set(missing)  # testkit's, core's
     target.mkdir(parents=True)
-    linked, skipped, copied = link_tree(source, target)
-    assert (linked, skipped, copied) == (["heavy"], ["megaseq-core"], 0)
+    assert link(dists, source, target) == 0
     assert (target / "heavy" / "__init__.py").stat().st_ino == (source / "heavy" / "__init__.py").stat().st_ino
     assert (target / "heavy-1.0.dist-info" / "RECORD").is_file()
-    assert not (target / "_editable_megaseq_core.pth").exists() and not (target / "megaseq_core-1.0.dist-info").exists()
+    assert not (target / "unrelated.py").exists() and not (target / "slowpoke.py").exists()
     assert not (tmp_path / "dst" / "bin").exists()
 
 
 @pytest.mark.slow  # builds an environment
 def test_the_isolated_environment_has_torch_and_no_megaseq_package(tmp_path):
-    """The real thing, from this venv: third-party packages importable, no megaseq package or entry point."""
+    """The real thing, from this venv, for megaseq-moe-chunked: what it declares importable (torch, and pytest
+    through the test kit), what it does not absent (Ray), no megaseq package or entry point."""
     venv = Path(sys.prefix)
     iso = tmp_path / "iso"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(iso)], check=True, timeout=120)
-    subprocess.run([sys.executable, str(REPO / "tools" / "link_venv.py"), str(venv), str(iso)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(REPO / "tools" / "link_venv.py"), str(venv), str(iso),
+                    str(REPO / "packages" / "moe-chunked")], check=True, capture_output=True, timeout=300)
     probe = ("import importlib.util as u, importlib.metadata as m; "
-             "print(u.find_spec('torch') is not None, u.find_spec('pytest') is not None, "
+             "print(u.find_spec('torch') is not None, u.find_spec('pytest') is not None, u.find_spec('ray') is None, "
              "[n for n in ('megaseq', 'megaseq_kda', 'megaseq_dsa', 'megaseq_moe') if u.find_spec(n)], "
              "sorted(e.name for e in m.entry_points(group='megaseq')))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(iso / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=True,
                          env=env, cwd=tmp_path, timeout=120).stdout.strip()
-    assert out == "True True [] []"
+    assert out == "True True True [] []"
     torch_init = next(iso.glob("lib/python*/site-packages/torch/__init__.py"))
     assert torch_init.stat().st_ino == next(venv.glob("lib/python*/site-packages/torch/__init__.py")).stat().st_ino
 
