@@ -356,21 +356,10 @@ class RLRun:
     def resume(self) -> bool:
         """Continue from the newest verified checkpoint of the run directory (False: there is none). Changes of
         the RL recipe since that checkpoint take effect and are listed in the run header."""
-        p = self.parallel
-        if p.is_main:
-            self.notes += [f"removed {name}, left by an interrupted save" for name in checkpoint.remove_leftovers(self.checkpoint_root)]
-
-        def load() -> checkpoint.Resumed | None:
-            return checkpoint.load_for_resume(self.checkpoint_root, self.model, self.policy_recipe.to_dict(), plugins=self.plugins)
-
-        resumed = load() if p.is_main else None  # rank 0 first: it sets damaged checkpoints aside
-        p.barrier()
-        if not p.is_main:
-            resumed = load()
+        resumed = checkpoint.resume_on_ranks(self.checkpoint_root, self.model, self.policy_recipe.to_dict(), self.parallel,
+                                             self.notes, plugins=self.plugins)
         if resumed is None:
             return False
-        if resumed.warning and p.is_main:
-            print(f"megaseq: warning: {resumed.warning}", file=sys.stderr)
         state = resumed.state
         names = checkpoint.optimizer_param_names(self.optimizer, self.model)
         carried = checkpoint.load_optimizer(self.optimizer, state["optimizer"], state["optimizer_names"], names)

@@ -43,6 +43,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -502,6 +503,35 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], save
     return len(state)
 
 
+def resume_on_ranks(
+    root: Path,
+    model: torch.nn.Module,
+    recipe: dict[str, Any],
+    parallel: Any,
+    notes: list[str],
+    read_weights: Callable[[Path, dict[str, Any]], dict[str, torch.Tensor]] | None = None,
+    *,
+    plugins: Plugins,
+) -> Resumed | None:
+    """:func:`load_for_resume` on every rank of ``parallel`` (a ``megaseq.distributed.groups.Parallel``), the
+    trainer's and the RL loop's one way to it: rank 0 first removes what an interrupted save left (a line in
+    ``notes`` for each) and sets damaged checkpoints aside, so that the others then find the same newest good
+    one; rank 0 prints the warning, if any."""
+    if parallel.is_main:
+        notes += [f"removed {name}, left by an interrupted save" for name in remove_leftovers(root)]
+
+    def load() -> Resumed | None:
+        return load_for_resume(root, model, recipe, read_weights, plugins=plugins)
+
+    resumed = load() if parallel.is_main else None
+    parallel.barrier()
+    if not parallel.is_main:
+        resumed = load()
+    if resumed is not None and resumed.warning and parallel.is_main:
+        print(f"megaseq: warning: {resumed.warning}", file=sys.stderr)
+    return resumed
+
+
 __all__ = [
     "CheckpointError",
     "Found",
@@ -520,6 +550,7 @@ __all__ = [
     "read_meta",
     "recipe_changes",
     "remove_leftovers",
+    "resume_on_ranks",
     "rng_state",
     "save_checkpoint",
     "set_aside",

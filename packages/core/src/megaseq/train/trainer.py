@@ -220,28 +220,12 @@ class Trainer:
         The checks and the weights are ``checkpoint.load_for_resume``'s; recipe changes (a new ``train.lr``,
         ``train.steps``, ...) take effect and are listed in the run header.
         """
-        p = self.parallel
-        if p.is_main:
-            self.notes += [f"removed {name}, left by an interrupted save" for name in checkpoint.remove_leftovers(self.checkpoint_root)]
-
-        def load() -> checkpoint.Resumed | None:
-            return checkpoint.load_for_resume(
-                self.checkpoint_root,
-                self.model,
-                self.recipe.to_dict(),
-                lambda path, meta: read_local_weights(path, meta, self.placement()),
-                plugins=self.plugins,
-            )
-
-        # rank 0 first: it sets damaged checkpoints aside, so that the others find the same newest good one
-        resumed = load() if p.is_main else None
-        p.barrier()
-        if not p.is_main:
-            resumed = load()
+        resumed = checkpoint.resume_on_ranks(
+            self.checkpoint_root, self.model, self.recipe.to_dict(), self.parallel, self.notes,
+            lambda path, meta: read_local_weights(path, meta, self.placement()), plugins=self.plugins,
+        )
         if resumed is None:
             return False
-        if resumed.warning and p.is_main:
-            print(f"megaseq: warning: {resumed.warning}", file=sys.stderr)
         state = resumed.state
         if not state:  # weights only (megaseq import writes no run state): step 0 with these weights
             self.notes.append(f"weights from {resumed.path}, which holds no run state: starting at step 0")
