@@ -614,14 +614,19 @@ def _model_for_alphabet(raw: dict[str, Any], recipe: Recipe, alphabet: Alphabet,
     return model
 
 
-def load_recipe(path: str | Path, plugins: Plugins, overrides: list[str] | None = None) -> Recipe:
-    path = Path(path)
+def read_recipe_file(path: str | Path) -> dict[str, Any]:
+    """A recipe file's TOML tables; a missing file or invalid TOML is a one-line :class:`ConfigError` (every
+    loader of a recipe kind, core's and plugins', reads its file through this)."""
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: recipe not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    raw = apply_overrides(raw, overrides or [])
+
+
+def load_recipe(path: str | Path, plugins: Plugins, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    raw = apply_overrides(read_recipe_file(path), overrides or [])
     refuse_replaced_keys(raw, plugins, str(path))
     return validate_recipe(raw, plugins, source=str(path))

@@ -14,13 +14,12 @@ here (:data:`NOT_IN_RL`) are one-line errors, not silently ignored.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from megaseq.config import ParallelConfig, RunConfig, Section, TrainConfig, apply_overrides
+from megaseq.config import ParallelConfig, RunConfig, Section, TrainConfig, apply_overrides, read_recipe_file
 from megaseq.errors import ConfigError
 from megaseq.plugins import Plugins
 from megaseq.records import ComponentConfig
@@ -222,11 +221,4 @@ def validate_rl_recipe(raw: dict[str, Any], plugins: Plugins, source: str = "<rl
 
 
 def load_rl_recipe(path: str | Path, plugins: Plugins, overrides: list[str] | None = None) -> RLRecipe:
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: recipe not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return validate_rl_recipe(apply_overrides(raw, overrides or []), plugins, source=str(path))
+    return validate_rl_recipe(apply_overrides(read_recipe_file(path), overrides or []), plugins, source=str(path))
