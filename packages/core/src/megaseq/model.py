@@ -196,8 +196,10 @@ def chunked_token_losses(
     loss_of = _chunk_loss if tp is None else _chunk_loss_vocab_parallel
     extra = () if tp is None else (tp, vocab_size)
     parts = []
-    for start in range(0, flat_t.numel(), chunk):
-        h, t = flat_h[start : start + chunk], flat_t[start : start + chunk]
+    # split, not a slice per chunk: a slice's backward writes its gradient into a zero tensor of the whole
+    # sequence's size, once per chunk (quadratic: 0.30 CPU s at 64k against 0.007 at 8k); split's backward
+    # joins all the chunks' gradients once
+    for h, t in zip(flat_h.split(chunk), flat_t.split(chunk), strict=True):
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             parts.append(checkpoint(loss_of, h, weight, t, *extra, use_reentrant=False))
         else:

@@ -188,7 +188,10 @@ def tiled_block_forward(
         history: list[tuple[Tensor, ...]] = []
         outputs: list[Tensor] = []
         metric_sums: dict[str, float] = {}
-        for start in range(0, length, tile_tokens):
+        # split, not a slice per tile: a slice's backward writes its gradient into a zero tensor of the whole
+        # input's size, once per tile (17.9 CPU s for 64 tiles at 1M tokens of width 128; split's 0.37)
+        pieces = x.split(tile_tokens, dim=1)
+        for start, piece in zip(range(0, length, tile_tokens), pieces, strict=True):
             tile = Tile(start, min(start + tile_tokens, length), length)
             sizes = [len(carry) for carry in history]
 
@@ -202,7 +205,7 @@ def tiled_block_forward(
 
             sub = ctx.fork()
             out, *carry = run_unit(
-                tile_fn, (x[:, tile.start : tile.stop], *(t for c in history for t in c)), sub, params, reuse_kept
+                tile_fn, (piece, *(t for c in history for t in c)), sub, params, reuse_kept
             )
             outputs.append(out)
             history.append(tuple(carry))

@@ -66,8 +66,9 @@ def completion_terms(
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     weight = model.head_weight
     logprobs, entropies = [], []
-    for start in range(0, flat_t.numel(), chunk):
-        h, t = flat_h[start : start + chunk], flat_t[start : start + chunk]
+    # split, not a slice per chunk: a slice's backward writes its gradient into a zero tensor of the whole
+    # sequence's size, once per chunk (megaseq.model.chunked_token_losses)
+    for h, t in zip(flat_h.split(chunk), flat_t.split(chunk), strict=True):
         if torch.is_grad_enabled():
             logprobs.append(checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False))
         else:
