@@ -202,7 +202,7 @@ class DeepSeekSparseAttention(nn.Module):
             k_rot = rotary(self.k_rope(x)[:, :, None], pos, self.config.rope_theta)[:, :, 0]
             q, key = torch.cat([q, q_rot], dim=-1), torch.cat([latent, k_rot], dim=-1)
         # under tensor parallelism this rank's block of the queries (megaseq_dsa.indexer.query_share)
-        q0, q1 = query_share(t, *((ctx.tp.rank, ctx.tp.world_size) if ctx.tp is not None else ()))
+        q0, q1 = query_share(t, *_rank_of(ctx.tp))
         q_idx, k_idx, idx_weights = self.indexer(x.detach(), c_q.detach(), slice(q0, q1))
         carry = (key, k_idx)
 
@@ -300,18 +300,21 @@ class DeepSeekSparseAttention(nn.Module):
         ranks all-gather the indices (module docstring)."""
         config = self.config
         rows = len(query_pos)
-        q0, q1 = (0, rows) if tp is None else query_share(rows, tp.rank, tp.world_size)
-        mine = ops.select_topk(
-            q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos[q0:q1], config.query_chunk,
-            config.index_scores,
-        ) if q1 > q0 else None
+        q0, q1 = query_share(rows, *_rank_of(tp))
+
+        def select() -> Tensor:
+            return ops.select_topk(
+                q_idx, k_idx, weights, config.topk, documents, config.index_pool, query_pos[q0:q1],
+                config.query_chunk, config.index_scores,
+            )
+
         if tp is None:
-            return mine
+            return select()
         share = query_share(rows, 0, tp.world_size)[1]  # the ranks' blocks padded to the first one's
         padded = q_idx.new_full((q_idx.shape[0], share, selected_slots(config.topk, config.index_pool)), -1,
                                 dtype=torch.int32)
-        if mine is not None:
-            padded[:, : q1 - q0] = mine
+        if q1 > q0:
+            padded[:, : q1 - q0] = select()
         return torch.cat(collectives.all_gather_tensor(padded, tp.group), dim=1)[:, :rows]
 
     def _dense(
@@ -334,6 +337,11 @@ class DeepSeekSparseAttention(nn.Module):
             )
         o = torch.cat(parts, dim=2) if parts else q.new_zeros(batch, heads, 0, value.shape[-1])
         return o.transpose(1, 2)[..., : self.config.kv_lora_rank]
+
+
+def _rank_of(tp: TensorParallel | None) -> tuple[int, int]:
+    """(rank, ranks) of a tensor-parallel group; (0, 1) without one: the arguments of ``query_share``."""
+    return (0, 1) if tp is None else (tp.rank, tp.world_size)
 
 
 def _query_runs(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,12 +58,20 @@ def context_parallel_cases(
 
 class _OwnHeadsTarget(DeepSeekSparseAttention):
     """A wrong tensor-parallel DSA: each rank's indexer loss takes the attention of its own main heads as the
-    target, never summed over the ranks, over all of the queries (tests/test_tensor_parallel.py shows that
-    the conformance check catches it)."""
+    target, never summed over the ranks (its target's sum runs in a group of this rank alone; the other ranks'
+    blocks are walked as usual). tests/test_tensor_parallel.py shows that the conformance check catches it."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        import torch.distributed as dist
+
+        # new_group is collective: every rank makes every one-rank group, in the same order, and keeps its own
+        self._alone = [dist.new_group([r]) for r in range(dist.get_world_size())] if dist.is_initialized() else []
 
     def _indexer_kl(self, q_idx: Tensor, k_idx: Tensor, weights: Tensor, q: Tensor, key: Tensor, query_pos: Tensor,
                     documents: Documents | None, indices: Tensor | None, tp: TensorParallel | None) -> Tensor:
-        return super()._indexer_kl(q_idx, k_idx, weights, q, key, query_pos, documents, indices, None)
+        alone = None if tp is None else dataclasses.replace(tp, group=self._alone[tp.rank])
+        return super()._indexer_kl(q_idx, k_idx, weights, q, key, query_pos, documents, indices, alone)
 
 
 def build_own_heads_target(config: dict[str, Any], dims: ModelDims, layer_idx: int) -> nn.Module:
