@@ -184,3 +184,33 @@ def test_bf16_residual_stream_loss_and_gradients_stay_near_the_fp32_stream():
     (loss32, grad32), (loss16, grad16) = results
     assert abs(loss16 - loss32) <= 1e-2 * loss32
     assert (grad16 - grad32).norm() <= 0.1 * grad32.norm()
+
+
+def _graph_nodes(root: torch.autograd.graph.Node) -> set[str]:
+    seen, names, stack = set(), set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack += [next_node for next_node, _ in node.next_functions]
+    return names
+
+
+def test_chunked_losses_take_split_pieces_whose_backward_joins_them_once():
+    """A slice per chunk would make each chunk's backward write its gradient into a zero tensor of the whole
+    sequence (quadratic in the length: docs/results.md, "Chunks and tiles as splits"); split's pieces join once.
+    The losses and the gradient are those of one unchunked pass."""
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 37, 8, requires_grad=True)
+    weight = torch.randn(5, 8)
+    targets = torch.randint(0, 5, (1, 37))
+    losses = chunked_token_losses(hidden, weight, targets, chunk=10)
+    names = _graph_nodes(losses.grad_fn)
+    assert "SliceBackward0" not in names and any(n.startswith("Split") for n in names), names
+    expected = torch.nn.functional.cross_entropy(hidden[0] @ weight.t(), targets[0], reduction="none")
+    torch.testing.assert_close(losses[0], expected)
+    (grad,) = torch.autograd.grad(losses.sum(), hidden)
+    (want,) = torch.autograd.grad(expected.sum(), hidden)
+    torch.testing.assert_close(grad, want)
