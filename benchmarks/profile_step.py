@@ -329,20 +329,6 @@ def cpu_seconds(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def saved_bytes(run: Callable[[], object], exclude: set[int]) -> int:
-    """Bytes of the distinct storages autograd saves while ``run`` executes, but those in ``exclude``."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in exclude:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(storages.values())
-
-
 @contextmanager
 def phase(attribution: Attribution, name: str, counting: bool) -> Iterator[None]:
     """Charge what runs inside to phase ``name``; when counting, its FLOPs too, by sub-part and matmul shape."""
@@ -371,11 +357,12 @@ class Row:
 
 def measure(
     label: str, run: Callable[[Any], torch.Tensor], parts: SubParts, autocast: Any, repeat: int,
-    exclude: set[int], seq_len: int,
+    exclude: tuple[torch.Tensor, ...], seq_len: int,
 ) -> list[Row]:
     """The component's row and its sub-parts' rows: FLOPs and shapes from one counting pass, bytes saved for
     backward from one forward, CPU seconds from the best of ``repeat`` passes."""
     from megaseq.contracts import ForwardContext
+    from megaseq_testkit.checks import saved_bytes
 
     grad: torch.Tensor | None = None
 
@@ -401,7 +388,7 @@ def measure(
 
     counted = one_pass(counting=True)
     parts.attribution = Attribution(parts.rest)  # the saved-bytes forward's nodes are hooked there, then dropped
-    saved = saved_bytes(forward, exclude) / seq_len
+    saved = saved_bytes(forward, exclude=exclude)[0] / seq_len
     timed = min((one_pass(counting=False) for _ in range(repeat)), key=lambda a: sum(a.seconds.values()))
 
     def seconds(phase: str, names: list[str]) -> float:
@@ -524,7 +511,7 @@ def main() -> None:
         for h in hooks:
             h.remove()
 
-        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        parameters = tuple(model.parameters())
         dims = model.dims
         for label, module, record, with_ctx in parts:
             x = inputs[label]

@@ -16,9 +16,9 @@ Registers and spills: Triton runs its ptxas verbosely; its log (printed on reque
 afresh rather than taken from Triton's cache) gives the registers per thread and the bytes spilled to local
 memory (stores and loads per thread). Assembling the PTX again with other options would not do: ptxas 13's
 register allocator, without the option Triton passes, gives some of these kernels 32 registers and
-kilobytes of spills. A spilling kernel
-runs, but every spilled value round-trips through local memory (L1, then L2 and DRAM) in its inner loop: the
-tests require none.
+kilobytes of spills. A spilling kernel runs, but every spilled value round-trips through local memory (L1,
+then L2 and DRAM) in its inner loop: a plugin's tests hold each kernel to its recorded spills and the others
+to none.
 """
 
 from __future__ import annotations
