@@ -38,6 +38,8 @@ CASES = {
     "gates_near_0": (1, 150, 1, 32, 32, "near_zero", None, True),
     "gates_all_minus_5": (1, 150, 1, 32, 32, "minus_5", None, True),
     "strong_then_weak_gates": (1, 128, 1, 32, 32, "strong_then_weak", None, False),
+    # the reported head: a [K, BV] state tile of 128 x 32, four programs along V, 8 warps (Layout.wide_warps)
+    "K128_V128": (1, 70, 1, 128, 128, "random", [0, 30, 70], True),
 }
 
 requires_triton = pytest.mark.skipif(
