@@ -4,6 +4,7 @@ Tolerance for fp32 results: max |a - ref| <= 1e-5 * max(1, max |ref|), ref compu
 """
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 import megaseq_kda.ops.chunk as chunk_module
 from megaseq_kda.ops import chunk_kda, naive_recurrent_kda
-from megaseq_kda.ops.chunk import _SubchunkDiagonalGrams
+from megaseq_kda.ops.chunk import _GatedGrams
 
 FP32_TOL = 1e-5
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -160,13 +161,28 @@ def test_saved_for_backward_is_the_inputs_and_one_state_per_chunk() -> None:
     assert floats_per_token_and_head <= 3 * K + V + 1 + K * V / 64, floats_per_token_and_head
 
 
-@pytest.mark.slow  # float64 gradcheck of the whole backward: seconds
-def test_subchunk_diagonal_grams_backward_gradcheck() -> None:
+@pytest.mark.slow  # float64 gradcheck of the hand-written backward: seconds
+def test_gated_grams_backward_gradcheck() -> None:
+    """Every level of the blocks (64, 16 and 4 rows) and both Grams, against finite differences."""
     gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, 16, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    g = (-3 * torch.rand(1, 16, 3, generator=gen, dtype=torch.float64)).requires_grad_()
-    assert torch.autograd.gradcheck(_SubchunkDiagonalGrams.apply, (k, g, q))
-    assert torch.autograd.gradcheck(_SubchunkDiagonalGrams.apply, (k, g))  # k-k blocks only
+    q, k = (torch.randn(2, 64, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    G = (-3 * torch.rand(2, 64, 3, generator=gen, dtype=torch.float64)).cumsum(-2).requires_grad_()
+    assert torch.autograd.gradcheck(_GatedGrams.apply, (k, q, G))
+
+
+def test_gated_grams_equal_their_definition_at_extreme_gates() -> None:
+    """A_qk[s, j] = sum_d q_s k_j exp(G_s - G_j) for j <= s, A_kk the same with k_s for j < s, formed directly in
+    float64, with gates from -1e-3 to -60 per token (exponents far below fp32's range) in fp32."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(3, 64, 8, generator=gen) for _ in range(2))
+    g = -torch.logspace(-3, math.log10(60), 64 * 8, dtype=torch.float64)[torch.randperm(64 * 8, generator=gen)]
+    G = g.view(1, 64, 8).expand(3, 64, 8).cumsum(-2)
+    A_kk, A_qk = _GatedGrams.apply(k, q, G)
+    decay = (G[:, :, None, :] - G[:, None, :, :]).clamp_max(0).exp()  # [.., s, j, K]
+    lower = torch.ones(64, 64, dtype=torch.bool).tril()
+    for got, x, mask in ((A_qk, q, lower), (A_kk, k, lower.tril(-1))):
+        want = torch.einsum("bsd,bjd,bsjd->bsj", x.double(), k.double(), decay) * mask
+        assert_close(got, want, "gated Gram")
 
 
 @pytest.mark.parametrize("group_head_tokens", [1, 3 * 64])

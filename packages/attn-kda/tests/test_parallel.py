@@ -54,8 +54,8 @@ def test_one_backend_pass_per_segment(monkeypatch: pytest.MonkeyPatch) -> None:
     v, g, beta = torch.randn(1, 150, 2, 8, generator=gen), -5 * torch.rand(1, 150, 2, 8), torch.rand(1, 150, 2)
     cu = torch.tensor([0, 40, 41, 150])
     calls, grams = [], []
-    diagonal_grams = chunk_module._SubchunkDiagonalGrams.apply
-    monkeypatch.setattr(chunk_module._SubchunkDiagonalGrams, "apply", lambda *a: grams.append(1) or diagonal_grams(*a))
+    gated_grams = chunk_module._GatedGrams.apply
+    monkeypatch.setattr(chunk_module._GatedGrams, "apply", lambda *a: grams.append(1) or gated_grams(*a))
 
     def counted(*args, **kwargs):
         calls.append(1)
