@@ -80,16 +80,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
-from torch import nn
+import pytest
+from torch import Tensor, nn
 
+from megaseq.contracts import ForwardContext
 from megaseq.plugins import Plugins, get_plugins
 from megaseq.records import MemoryEstimate, ModelDims, load_target
 from megaseq_testkit.checks import (
     assert_close,
     check_deterministic,
     check_gradients,
+    check_saved_estimate,
     count_collective_bytes,
     count_host_syncs,
+    saved_bytes,
     watch_host_syncs,
 )
 
@@ -194,6 +198,35 @@ class ComponentSuite:
 
     def declared(self) -> frozenset[str]:
         return declared_capabilities(self.kind, self.name, self.factory, self.capabilities)
+
+    def dims(self) -> ModelDims:
+        """The model dimensions the suite builds the component with."""
+        return ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
+
+    def estimator(self) -> Callable[[int], MemoryEstimate] | None:
+        """The component's ``seq_len -> MemoryEstimate`` (:func:`memory_estimator`), None when it has none."""
+        return memory_estimator(self.kind, self.name, self.config, self.dims(), self.factory, self.memory)
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The module under test (each suite builds its own kind)."""
+        raise NotImplementedError
+
+    def check_saved_per_token(self, batch: int, inputs: Callable[[int], Tensor]) -> None:
+        """The estimate's ``saved_per_token`` times the tokens of ``inputs(length)`` (``[batch, length, d_model]``)
+        within ``memory_tolerance`` of the bytes autograd saves in a forward, at each of ``memory_lengths``
+        (skipped when the component has no estimate)."""
+        estimate = self.estimator()
+        if estimate is None:
+            pytest.skip(f"{self.name}: no memory estimate (the record's memory target, or the suite's memory knob)")
+        module = self.build()
+
+        def measure(length: int) -> int:
+            x = inputs(length).requires_grad_(True)
+            count, _ = saved_bytes(lambda: module(x, ForwardContext()), (x,), tuple(module.parameters()))
+            return count
+
+        tokens = lambda length: batch * length * estimate(length).saved_per_token  # noqa: E731
+        check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")
 
 
 def load_factory(target: str) -> Any:

@@ -64,15 +64,12 @@ from megaseq_testkit import (
     build_component,
     check_deterministic,
     check_gradients,
-    memory_estimator,
     watch_host_syncs,
 )
 from megaseq_testkit.checks import (
-    check_saved_estimate,
     check_shape_and_dtype,
     check_two_forwards,
     forward_backward,
-    saved_bytes,
 )
 from megaseq_testkit.tensor_parallel import check_tensor_parallel
 
@@ -287,19 +284,7 @@ class AttentionConformance(ComponentSuite):
         check_two_forwards(module, inputs, grad_outs, ForwardContext, self.tolerance, self.name)
 
     def test_memory_estimate(self) -> None:
-        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        estimate = memory_estimator("attention", self.name, self.config, dims, self.factory, self.memory)
-        if estimate is None:
-            pytest.skip(f"{self.name}: no memory estimate (the record's memory target, or the suite's memory knob)")
-        module = self.build()
-
-        def measure(length: int) -> int:
-            x = self.inputs(1, length).requires_grad_(True)
-            count, _ = saved_bytes(lambda: module(x, ForwardContext()), (x,), tuple(module.parameters()))
-            return count
-
-        tokens = lambda length: length * estimate(length).saved_per_token  # noqa: E731
-        check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")
+        self.check_saved_per_token(1, lambda length: self.inputs(1, length))
 
     def test_kept_for_rerun(self) -> None:
         module = self.build()
@@ -317,8 +302,7 @@ class AttentionConformance(ComponentSuite):
                 assert torch.equal(rerun[key], value), (
                     f"{self.name} ({case}): a re-run with the kept values, {key}: differs from a forward"
                 )
-        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        estimate = memory_estimator("attention", self.name, self.config, dims, self.factory, self.memory)
+        estimate = self.estimator()
         if estimate is None:
             return
         for length in self.memory_lengths:

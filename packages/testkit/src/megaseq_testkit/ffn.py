@@ -31,27 +31,22 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import pytest
 import torch
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext
-from megaseq.records import ModelDims
 from megaseq_testkit import (
     ComponentSuite,
     assert_close,
     build_component,
     check_deterministic,
     check_gradients,
-    memory_estimator,
     watch_host_syncs,
 )
 from megaseq_testkit.checks import (
-    check_saved_estimate,
     check_shape_and_dtype,
     check_two_forwards,
     forward_backward,
-    saved_bytes,
 )
 from megaseq_testkit.tensor_parallel import check_tensor_parallel
 
@@ -69,8 +64,7 @@ class FeedForwardConformance(ComponentSuite):
     def build(self, seed: int = 0) -> nn.Module:
         """The module under test, in training mode."""
         torch.manual_seed(seed)
-        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        return build_component(self.kind, self.name, self.config, dims, factory=self.factory).float().train()
+        return build_component(self.kind, self.name, self.config, self.dims(), factory=self.factory).float().train()
 
     def inputs(self, seed: int = 1, length: int | None = None) -> Tensor:
         gen = torch.Generator().manual_seed(seed)
@@ -157,16 +151,4 @@ class FeedForwardConformance(ComponentSuite):
                                   factory=self.factory)
 
     def test_memory_estimate(self) -> None:
-        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        estimate = memory_estimator(self.kind, self.name, self.config, dims, self.factory, self.memory)
-        if estimate is None:
-            pytest.skip(f"{self.name}: no memory estimate (the record's memory target, or the suite's memory knob)")
-        module = self.build()
-
-        def measure(length: int) -> int:
-            x = self.inputs(length=length).requires_grad_(True)
-            count, _ = saved_bytes(lambda: module(x, ForwardContext()), (x,), tuple(module.parameters()))
-            return count
-
-        tokens = lambda length: self.batch * length * estimate(length).saved_per_token  # noqa: E731
-        check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")
+        self.check_saved_per_token(self.batch, lambda length: self.inputs(length=length))

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from megaseq.contracts import ForwardContext, SequenceTiling, Tile
-from megaseq.records import MemoryEstimate, ModelDims
-from megaseq_testkit import ComponentSuite, assert_close, build_component, declared_capabilities, memory_estimator
+from megaseq.records import MemoryEstimate
+from megaseq_testkit import ComponentSuite, assert_close, build_component, declared_capabilities
 from megaseq_testkit.checks import check_saved_estimate
 
 
@@ -66,12 +66,10 @@ class SequenceTilingConformance(ComponentSuite):
 
     def build(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
-        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        return build_component("attention", self.name, self.config, dims, factory=self.factory).float()
+        return build_component("attention", self.name, self.config, self.dims(), factory=self.factory).float()
 
     def memory_estimate(self, seq_len: int | None = None) -> MemoryEstimate | None:
-        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
-        estimate = memory_estimator("attention", self.name, self.config, dims, self.factory, self.memory)
+        estimate = self.estimator()
         return None if estimate is None else estimate(seq_len or self.seq_len)
 
     def inputs(self, batch: int, length: int, seed: int = 1) -> Tensor:

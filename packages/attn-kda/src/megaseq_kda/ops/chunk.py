@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from megaseq.documents import Documents
 from megaseq.dtypes import compute_dtype
-from megaseq_kda.ops.inputs import check_kda_inputs, documents_of
+from megaseq_kda.ops.inputs import check_kda_inputs
 
 CHUNK = 64
 # Forward and backward hold the intra-chunk tensors of about this many (token, head) pairs at a time. The
@@ -70,8 +70,7 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (same maths as the oracle): ``(o [B, T, H, V], final_state [N, H, K, V] or None)``."""
-    documents = documents_of(cu_seqlens, q.shape[0], q.shape[1])
-    n_seqs = check_kda_inputs(q, k, v, g, beta, initial_state, documents)
+    documents, n_seqs = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
     layout = _ChunkLayout.build(B, T, documents, q.device)

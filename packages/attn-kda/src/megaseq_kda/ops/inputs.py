@@ -26,9 +26,9 @@ def check_kda_inputs(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | Documents | None,
-) -> int:
-    """Validate shapes; return N, the number of independent sequences (rows of the state). Ops convert
-    ``cu_seqlens`` with :func:`documents_of` first, so that a tensor is read to the host only once."""
+) -> tuple[Documents | None, int]:
+    """Validate shapes; return ``cu_seqlens`` as :func:`documents_of` (a tensor read to the host once, here)
+    and N, the number of independent sequences (rows of the state)."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -40,10 +40,11 @@ def check_kda_inputs(
         raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
     if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
-    n_seqs = B if cu_seqlens is None else documents_of(cu_seqlens, B, T).n_docs
+    documents = documents_of(cu_seqlens, B, T)
+    n_seqs = B if documents is None else documents.n_docs
     if initial_state is not None and initial_state.shape != (n_seqs, H, K, v.shape[-1]):
         raise ValueError(
             f"initial_state must be [N, H, K, V] = [{n_seqs}, {H}, {K}, {v.shape[-1]}], "
             f"got {tuple(initial_state.shape)}"
         )
-    return n_seqs
+    return documents, n_seqs

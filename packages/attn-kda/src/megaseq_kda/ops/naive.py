@@ -14,7 +14,7 @@ import torch
 
 from megaseq.documents import Documents
 from megaseq.dtypes import compute_dtype
-from megaseq_kda.ops.inputs import check_kda_inputs, documents_of
+from megaseq_kda.ops.inputs import check_kda_inputs
 
 
 def naive_recurrent_kda(
@@ -32,8 +32,7 @@ def naive_recurrent_kda(
 
     With ``cu_seqlens`` each document is run on its own from its own initial state.
     """
-    documents = documents_of(cu_seqlens, q.shape[0], q.shape[1])
-    check_kda_inputs(q, k, v, g, beta, initial_state, documents)
+    documents, _ = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if documents is not None:
         outputs, finals = [], []
         for doc, (start, end) in enumerate(documents.bounds):

@@ -35,6 +35,16 @@ STAGES = {("fwd", 2): 3, ("fwd", 4): 1, ("bwd", 2): 1, ("bwd", 4): 1}
 
 
 @triton.jit
+def _selected_rows(idx_ptr, token, batch, slot_start, SLOTS, TK, BLOCK_S: tl.constexpr):
+    # The key rows that slots [slot_start, slot_start + BLOCK_S) of the token's index list select, and which
+    # of them count: forward and backward must skip the same slots (-1 padding, past the list, out of range).
+    slots = slot_start + tl.arange(0, BLOCK_S)
+    idx = tl.load(idx_ptr + token * SLOTS + slots, mask=slots < SLOTS, other=-1)
+    valid = (idx >= 0) & (idx < TK)
+    return batch * TK + tl.where(valid, idx, 0), valid
+
+
+@triton.jit
 def _gather_scores(
     q_ptr,
     k_ptr,
@@ -97,10 +107,7 @@ def _sparse_attention_fwd_kernel(
     row_sum = tl.zeros([HEADS_P], dtype=tl.float32)
     acc = tl.zeros([HEADS_P, DV_P], dtype=tl.float32)
     for slot_start in range(0, SLOTS, BLOCK_S):
-        slots = slot_start + tl.arange(0, BLOCK_S)
-        idx = tl.load(idx_ptr + token * SLOTS + slots, mask=slots < SLOTS, other=-1)
-        valid = (idx >= 0) & (idx < TK)
-        rows = batch * TK + tl.where(valid, idx, 0)
+        rows, valid = _selected_rows(idx_ptr, token, batch, slot_start, SLOTS, TK, BLOCK_S)
         scores = _gather_scores(
             q_ptr, k_ptr, token, heads, head_ok, rows, valid, D, BLOCK_D, HEADS, HEADS_P, BLOCK_S
         )
@@ -165,10 +172,7 @@ def _sparse_attention_bwd_kernel(
     lse = tl.load(lse_ptr + token * HEADS + heads, mask=head_ok, other=0.0)
 
     for slot_start in range(0, SLOTS, BLOCK_S):
-        slots = slot_start + tl.arange(0, BLOCK_S)
-        idx = tl.load(idx_ptr + token * SLOTS + slots, mask=slots < SLOTS, other=-1)
-        valid = (idx >= 0) & (idx < TK)
-        rows = batch * TK + tl.where(valid, idx, 0)
+        rows, valid = _selected_rows(idx_ptr, token, batch, slot_start, SLOTS, TK, BLOCK_S)
         scores = _gather_scores(
             q_ptr, k_ptr, token, heads, head_ok, rows, valid, D, BLOCK_D, HEADS, HEADS_P, BLOCK_S
         )

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from megaseq.documents import Documents
-from megaseq_kda.ops.inputs import check_kda_inputs, documents_of
+from megaseq_kda.ops.inputs import check_kda_inputs
 
 from .kernels_bwd import chunk_grads_kernel, pair_grads_kernel, state_bwd_kernel, wy_bwd_kernel
 from .kernels_fwd import (
@@ -267,8 +267,7 @@ def chunk_kda_triton(
     and, if output_final_state, the fp32 final states [N, H, K, V] (else None).
     """
     batch, seq, heads, k_dim = q.shape
-    documents = documents_of(cu_seqlens, batch, seq)
-    check_kda_inputs(q, k, v, g, beta, initial_state, documents)
+    documents, _ = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     v_dim = v.shape[-1]
     scale = k_dim**-0.5 if scale is None else scale
     if documents is None:  # the rows of the batch, one after another
