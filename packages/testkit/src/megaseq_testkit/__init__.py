@@ -38,7 +38,8 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `tolerance` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline, eval analysis | 1e-5; memory policy, baseline 1e-6; rl 1e-10; engine 1e-4; eval analysis 1e-9 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; eval analysis: each number of two results, relative to its size; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
 | `grad_tolerance` | attention, ffn, moe | 1e-6 | error bound of the float64 finite-difference gradient check, relative to `max(1, \|derivative\|)` |
 | `invariance_tolerance` | rl | 1e-4 | shift and scale invariance of advantages, relative to the largest advantage |
-| `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement |
+| `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement; the most `MemoryEstimate.temporary` may fall below the measured transient working set, relative to it |
+| `temporary_ratio` | attention, ffn, moe | 4.0 | the most `MemoryEstimate.temporary` may exceed the measured transient working set, as a multiple of it |
 | `memory_lengths` | attention, ffn, moe, tiling | `(64, 256)` | sequence lengths at which the estimate is checked (tiling: in four tiles) |
 | `seq_len` | attention, ffn, moe, tiling, memory policy, eval analysis, data transform | 48; ffn, moe 13; tiling 45; memory policy 67; eval analysis 701; data transform 150 | tokens per row (memory policy: per micro-batch; eval analysis: targets per window; data transform: per window, at least its `min_length`) |
 | `grad_seq_len` | attention, ffn, moe | 10; ffn, moe 5 | tokens per row of the gradient check (each parameter costs two forwards) |
@@ -190,6 +191,7 @@ class ComponentSuite:
     tolerance: ClassVar[float] = 1e-5
     memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
     memory_tolerance: ClassVar[float] = 0.25
+    temporary_ratio: ClassVar[float] = 4.0
     capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
 
     def declared(self) -> frozenset[str]:

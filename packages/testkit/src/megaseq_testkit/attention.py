@@ -21,6 +21,11 @@ would catch:
 - ``test_memory_estimate``: the record's ``MemoryEstimate.saved_per_token`` times the tokens is within
   ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
   parameters not) at each of ``memory_lengths`` (a 3x underestimate; a ``[T, T]`` matrix kept for backward).
+- ``test_temporary_estimate``: the record's ``MemoryEstimate.temporary`` against the transient working set of
+  one forward and of one backward (``megaseq_testkit.checks.transient_bytes``: the most bytes live at once of
+  what the call allocates and frees before it returns), the larger of the two, at each of ``memory_lengths``:
+  at least ``1 - memory_tolerance`` and at most ``temporary_ratio`` (4) times it (a scratch buffer the estimate
+  leaves out; a working set that grows faster than the estimate; a fixed cap where the buffer is smaller).
 - ``test_kept_for_rerun``: what the component keeps with ``ForwardContext.keep`` (as a recompute unit's forward
   does), replayed to a second forward as a recompute unit's re-run gets it, on plain rows and on packed
   documents (``doc_lengths``), gives bitwise the outputs and
@@ -68,8 +73,10 @@ from megaseq_testkit import (
     watch_host_syncs,
 )
 from megaseq_testkit.checks import (
+    call_transients,
     check_saved_estimate,
     check_shape_and_dtype,
+    check_temporary_estimate,
     check_two_forwards,
     forward_backward,
     saved_bytes,
@@ -300,6 +307,20 @@ class AttentionConformance(ComponentSuite):
 
         tokens = lambda length: length * estimate(length).saved_per_token  # noqa: E731
         check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")
+
+    def test_temporary_estimate(self) -> None:
+        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
+        estimate = memory_estimator("attention", self.name, self.config, dims, self.factory, self.memory)
+        if estimate is None:
+            pytest.skip(f"{self.name}: no memory estimate (the record's memory target, or the suite's memory knob)")
+        module = self.build()
+
+        def measure(length: int) -> tuple[int, str]:
+            x, grad_out = self.inputs(1, length), self.inputs(1, length, seed=3)
+            return call_transients(module, x, grad_out, ForwardContext())
+
+        check_temporary_estimate(measure, lambda length: estimate(length).temporary, self.memory_lengths,
+                                 self.memory_tolerance, self.temporary_ratio, f"{self.name} temporary")
 
     def test_kept_for_rerun(self) -> None:
         module = self.build()

@@ -22,6 +22,10 @@ these tests for the ``moe`` kind). What is checked, and what each check would ca
 - ``test_memory_estimate``: the record's ``MemoryEstimate.saved_per_token`` times the tokens is within
   ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
   parameters not), at each of ``memory_lengths`` (a 3x underestimate, a cost that grows faster than the tokens).
+- ``test_temporary_estimate``: the record's ``MemoryEstimate.temporary`` (times the rows: it is one sequence's)
+  against the larger transient working set of one forward and one backward
+  (``megaseq_testkit.checks.transient_bytes``) at each of ``memory_lengths``: at least ``1 - memory_tolerance``
+  and at most ``temporary_ratio`` (4) times it (a scratch buffer the estimate leaves out).
 
 Error bound: ``max |actual - expected| <= tolerance * max(1, max |expected|)`` (``tolerance``, 1e-5 for
 float32 comparisons; the float64 gradient check uses ``grad_tolerance``, 1e-6).
@@ -47,8 +51,10 @@ from megaseq_testkit import (
     watch_host_syncs,
 )
 from megaseq_testkit.checks import (
+    call_transients,
     check_saved_estimate,
     check_shape_and_dtype,
+    check_temporary_estimate,
     check_two_forwards,
     forward_backward,
     saved_bytes,
@@ -170,3 +176,19 @@ class FeedForwardConformance(ComponentSuite):
 
         tokens = lambda length: self.batch * length * estimate(length).saved_per_token  # noqa: E731
         check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")
+
+    def test_temporary_estimate(self) -> None:
+        dims = ModelDims(d_model=self.d_model, n_layers=2, vocab_size=8)
+        estimate = memory_estimator(self.kind, self.name, self.config, dims, self.factory, self.memory)
+        if estimate is None:
+            pytest.skip(f"{self.name}: no memory estimate (the record's memory target, or the suite's memory knob)")
+        module = self.build()
+
+        def measure(length: int) -> tuple[int, str]:
+            x, grad_out = self.inputs(length=length), self.inputs(seed=3, length=length)
+            return call_transients(module, x, grad_out, ForwardContext())
+
+        # the estimate is one sequence's (the planner multiplies it by the rows of a micro-batch)
+        rows = lambda length: self.batch * estimate(length).temporary  # noqa: E731
+        check_temporary_estimate(measure, rows, self.memory_lengths, self.memory_tolerance, self.temporary_ratio,
+                                 f"{self.name} temporary")
