@@ -31,7 +31,7 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `name` | all | (required) | the component's registered name |
 | `config` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis, data transform | `{}` | its config, as its recipe section would give it |
 | `factory` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis, data transform | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; the kit's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy, an RL algorithm or a data transform `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)`, for a baseline `build(config_dict, train)` (`train`: a `megaseq.data.Corpus`), for an eval analysis `build(config_dict, info)`; for a data source the `DataSourceSpec` record itself, registered in a fresh plugin manager |
-| `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
+| `memory` | attention, ffn, moe, tiling, memory policy | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate`; for a memory policy of its `effect(config_dict) -> MemoryEffect` |
 | `kind` | attention, ffn, moe, tiling | `"attention"`; `"ffn"`, `"moe"`; tiling `"attention"` | the kind to build (set by the suite class) |
 | `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
 | `d_model` | attention, ffn, moe, tiling | 32 | model width |
@@ -40,6 +40,7 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `invariance_tolerance` | rl | 1e-4 | shift and scale invariance of advantages, relative to the largest advantage |
 | `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement; the most `MemoryEstimate.temporary` may fall below the measured transient working set, relative to it |
 | `temporary_ratio` | attention, ffn, moe | 4.0 | the most `MemoryEstimate.temporary` may exceed the measured transient working set, as a multiple of it |
+| `effect_ratio` | memory policy | 2.0 | what the policy saves of what the layers keep, measured, within this factor either way of what its `MemoryEffect` saves in the plan (give or take a tenth of what the layers keep without it) |
 | `memory_lengths` | attention, ffn, moe, tiling | `(64, 256)` | sequence lengths at which the estimate is checked (tiling: in four tiles) |
 | `seq_len` | attention, ffn, moe, tiling, memory policy, eval analysis, data transform | 48; ffn, moe 13; tiling 45; memory policy 67; eval analysis 701; data transform 150 | tokens per row (memory policy: per micro-batch; eval analysis: targets per window; data transform: per window, at least its `min_length`) |
 | `grad_seq_len` | attention, ffn, moe | 10; ffn, moe 5 | tokens per row of the gradient check (each parameter costs two forwards) |
