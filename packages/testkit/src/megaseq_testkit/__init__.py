@@ -192,7 +192,6 @@ class ComponentSuite:
     tolerance: ClassVar[float] = 1e-5
     memory_lengths: ClassVar[tuple[int, ...]] = (64, 256)
     memory_tolerance: ClassVar[float] = 0.25
-    temporary_ratio: ClassVar[float] = 4.0
     capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the component would declare
 
     def declared(self) -> frozenset[str]:

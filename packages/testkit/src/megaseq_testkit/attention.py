@@ -209,6 +209,7 @@ class AttentionConformance(ComponentSuite):
     docs/writing-a-plugin.md)."""
 
     kind: ClassVar[str] = "attention"
+    temporary_ratio: ClassVar[float] = 4.0
     grad_tolerance: ClassVar[float] = 1e-6
     seq_len: ClassVar[int] = 48
     grad_seq_len: ClassVar[int] = 10

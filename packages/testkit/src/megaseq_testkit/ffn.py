@@ -67,6 +67,7 @@ class FeedForwardConformance(ComponentSuite):
     docs/writing-a-plugin.md)."""
 
     kind: ClassVar[str] = "ffn"
+    temporary_ratio: ClassVar[float] = 4.0
     grad_tolerance: ClassVar[float] = 1e-6
     batch: ClassVar[int] = 2
     seq_len: ClassVar[int] = 13
