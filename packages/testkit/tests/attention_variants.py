@@ -239,6 +239,34 @@ def toy_memory_at_64(config: dict[str, Any], dims: ModelDims, seq_len: int) -> M
     return MemoryEstimate(parameters=0, saved_per_token=count / 64)
 
 
+class WideScratch(ToyAttention):
+    """Runs its attention output through a scratch 32 times as wide (a lookup's expansion) before projecting it:
+    a buffer of 32 x d_model floats per token, freed before forward returns."""
+
+    def output(self, hidden: Tensor) -> Tensor:
+        wide = hidden.unsqueeze(-1).expand(*hidden.shape, 32).contiguous()
+        return super().output(wide.mean(-1))
+
+
+def no_temporary(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """An estimate that declares no transient working set at all."""
+    return MemoryEstimate(parameters=0, saved_per_token=0.0)
+
+
+def sdpa_memory(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """``sdpa``'s own estimate, from a plain config."""
+    from megaseq.builtins.config import SDPAConfig
+    from megaseq.builtins.sdpa import memory_estimate
+
+    return memory_estimate(SDPAConfig(**config), dims, seq_len)
+
+
+def sdpa_temporary_tenfold(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """Ten times ``sdpa``'s working set: the planner would refuse layouts that fit."""
+    estimate = sdpa_memory(config, dims, seq_len)
+    return dataclasses.replace(estimate, temporary=10 * estimate.temporary)
+
+
 # --- gradients -----------------------------------------------------------------------------------------
 
 

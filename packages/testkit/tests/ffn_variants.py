@@ -85,8 +85,17 @@ class ReadsBoundariesEveryLayer(ToyFFN):
 
 def toy_memory(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
     """``ToyFFN``'s estimate: autograd keeps the input (``w1``'s backward) and ``tanh``'s output (its own
-    backward and ``w2``'s), ``d + 2d`` fp32 values per token."""
-    return MemoryEstimate(parameters=4 * (4 * dims.d_model**2 + 3 * dims.d_model), saved_per_token=4 * 3 * dims.d_model)
+    backward and ``w2``'s), ``d + 2d`` fp32 values per token; backward's working set is the gradients of the
+    hidden activations after and before ``tanh``, ``2d + 2d`` per token."""
+    return MemoryEstimate(parameters=4 * (4 * dims.d_model**2 + 3 * dims.d_model), saved_per_token=4 * 3 * dims.d_model,
+                          temporary=4 * 4 * dims.d_model * seq_len)
+
+
+def toy_memory_temporary_tenth(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:
+    """A tenth of ``ToyFFN``'s working set: the estimate of an author who counted one hidden gradient's row."""
+    estimate = toy_memory(config, dims, seq_len)
+    return MemoryEstimate(parameters=estimate.parameters, saved_per_token=estimate.saved_per_token,
+                          temporary=estimate.temporary // 10)
 
 
 def toy_memory_third(config: dict[str, Any], dims: ModelDims, seq_len: int) -> MemoryEstimate:

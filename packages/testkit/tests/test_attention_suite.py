@@ -41,6 +41,7 @@ class TestOptOut(AttentionConformance):
     test_shape_and_dtype = test_causal = test_packed_equals_separate = test_decode_equals_forward = None
     test_gradients = test_deterministic = test_zero_input = test_padding_document = None
     test_one_host_sync_per_batch = test_two_forwards_one_backward = test_memory_estimate = None
+    test_temporary_estimate = None
 
 
 CAUGHT = [
@@ -103,6 +104,33 @@ def test_suite_holds_the_memory_estimate(factory_name: str, memory: str, message
     with pytest.raises(AssertionError, match=message):
         Suite().test_memory_estimate()
 
+
+@pytest.mark.parametrize(
+    ("factory_name", "memory", "message"),
+    [
+        ("sdpa", "sdpa_memory", None),
+        ("WideScratch", "no_temporary",
+         r"WideScratch temporary: at 64 tokens the estimate is 0 bytes, the largest transient working set measured "
+         r"\(forward\) is \d+ \(0.00x; bound 0.75x to 4x\): fix temporary"),
+        ("sdpa", "sdpa_temporary_tenfold", r"sdpa temporary: at 64 tokens .* \(backward\) .* \(10.00x; bound 0.75x to 4x\)"),
+    ],
+)
+def test_suite_holds_the_temporary_estimate(factory_name: str, memory: str, message: str | None) -> None:
+    """sdpa with its own estimate passes; a component with a wide scratch buffer that its estimate does not
+    declare is caught, and so is an estimate ten times the working set."""
+
+    class Suite(AttentionConformance):
+        name = factory_name
+        config = {"n_heads": 2} if factory_name == "sdpa" else {}
+        factory = globals()["factory"](factory_name)
+        d_model = 32 if factory_name == "sdpa" else 8
+
+    Suite.memory = globals()["factory"](memory)
+    if message is None:
+        Suite().test_temporary_estimate()
+        return
+    with pytest.raises(AssertionError, match=message):
+        Suite().test_temporary_estimate()
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaseq.contracts import ForwardContext, recomputing
 from megaseq.memory import model_layers
+from megaseq.records import MemoryEffect
 from megaseq_testkit.memory_policy import MemoryPolicyConformance
 
 
@@ -238,6 +239,19 @@ class Bf16Saved(CheckpointBlocks):
             yield
 
 
+def recompute_blocks(config: dict) -> MemoryEffect:
+    """What ``CheckpointBlocks`` does, as the planner models it."""
+    return MemoryEffect(recompute="block")
+
+
+class DeclaresRecomputeOnly(CheckpointBlocks):
+    """Wrong: declares whole-block recomputation (``recompute_blocks``) but runs the blocks as they are, so each
+    keeps everything it saves."""
+
+    def apply(self, model) -> None:
+        model_layers(model)  # finds the layers, wraps none of them
+
+
 def _suite(policy: str, **settings: Any) -> MemoryPolicyConformance:
     knobs = {"name": policy, "factory": f"{__file__}:{policy}", "capabilities": frozenset({"context_parallel"}), **settings}
     return type(f"Suite{policy}", (MemoryPolicyConformance,), knobs)()
@@ -246,6 +260,7 @@ def _suite(policy: str, **settings: Any) -> MemoryPolicyConformance:
 class TestThirdPartyCheckpointPolicy(MemoryPolicyConformance):
     name = "checkpoint-blocks"
     factory = f"{__file__}:CheckpointBlocks"
+    memory = f"{__file__}:recompute_blocks"
     capabilities = frozenset({"context_parallel"})
 
 
@@ -273,13 +288,18 @@ class TestLossyPolicy(MemoryPolicyConformance):
         ("NeedsStep", "test_forwards_outside_step_and_without_grad", "no-grad forward outside step"),
         ("CachesNoGrad", "test_forwards_outside_step_and_without_grad", "second batch"),
         ("Bf16Saved", "test_same_loss_gradients_losses_and_metrics", "relative error .* > tolerance 1.0e-04"),
+        ("DeclaresRecomputeOnly", "test_memory_effect",
+         r"DeclaresRecomputeOnly MemoryEffect: the planner takes MemoryEffect\(recompute='block'\) to save \d+ bytes .*"
+         r"applying the policy saves 0 of \d+"),
     ],
 )
 def test_wrong_policy_is_caught(policy, check, message):
-    lossy = {"exact": False, "tolerance": 1e-4} if policy == "Bf16Saved" else {}  # a bound it does not keep
+    settings = {"exact": False, "tolerance": 1e-4} if policy == "Bf16Saved" else {}  # a bound it does not keep
+    if policy == "DeclaresRecomputeOnly":
+        settings = {"memory": f"{__file__}:recompute_blocks"}  # a saving it does not make
     try:
         with pytest.raises(AssertionError, match=message):
-            getattr(_suite(policy, **lossy), check)()
+            getattr(_suite(policy, **settings), check)()
     finally:  # LeaksOnError leaves its hooks installed: remove them for the tests that follow
         while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()

@@ -199,9 +199,13 @@ def build(config: SlidingWindowConfig, dims: ModelDims, layer_idx: int) -> Slidi
 
 def memory_estimate(config: SlidingWindowConfig, dims: ModelDims, seq_len: int) -> MemoryEstimate:
     """Bytes at fp32: 4 d^2 weights; per token autograd keeps x, q, k, v, the attention output and one row of
-    probabilities/masks per head (``block + window - 1`` keys); the largest transient is one block's scores."""
+    probabilities/masks per head (``block + window - 1`` keys). The largest transient working set: in forward,
+    one block's scores and the ~4 tensors made from them (their scale, mask, probabilities), in backward, the
+    gradients of every block's slice of q, k and v, which autograd makes sequence-long before it sums them
+    (~7 x d_model floats per token)."""
     d, h = dims.d_model, config.n_heads
     block = min(config.block_size or default_block_size(config.window), seq_len)
     keys = min(block + config.window - 1, seq_len)
     per_token = 4.0 * (6 * d + 2 * h * keys) + h * keys  # floats (x, qkv, y, out-proj input, probs) + bool mask
-    return MemoryEstimate(parameters=4 * 4 * d * d, saved_per_token=per_token, temporary=4 * h * block * keys)
+    temporary = 4 * max(5 * h * block * keys, 7 * d * seq_len)
+    return MemoryEstimate(parameters=4 * 4 * d * d, saved_per_token=per_token, temporary=temporary)

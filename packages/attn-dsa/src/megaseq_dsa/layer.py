@@ -67,7 +67,7 @@ from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl, query_share
 from megaseq_dsa.ops import selected_slots
 from megaseq_dsa.ops.indexer import DEFAULT_QUERY_BLOCK, SCORE_BLOCK_BYTES, document_starts
-from megaseq_dsa.ops.sparse import CHUNK_BYTES as SPARSE_CHUNK_BYTES
+from megaseq_dsa.ops.sparse import default_chunk_size
 
 # Tokens a fresh decoding cache has room for before it first grows.
 INITIAL_CACHE_TOKENS = 256
@@ -402,7 +402,8 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     Temporary (the largest of the steps, which run one after another): in backward, the gradients of the
     attention's output and of the absorbed queries (H x (latent + key width) per token), of the compressed
     query and of the key (q_lora_rank + key width), with sparse
-    attention's chunk buffers (a few MiB) or, dense, one chunk of the indexer loss (CHUNK_BYTES); in forward,
+    attention's chunk buffers (a few MiB, less for short sequences) or, dense, one chunk of the indexer loss
+    (CHUNK_BYTES, less for short sequences); in forward,
     the selection's score block with its CPU selection copy and mask (~2.5 x the block, at most
     SCORE_BLOCK_BYTES). Kept for a recomputation's re-run (``ForwardContext.keep``): the selected indices.
     Measured with ``benchmarks/component_memory.py`` on the default recipe's sparse layer:
@@ -441,9 +442,17 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     grads = 4 * (heads * (latent + key_width) + config.q_lora_rank + key_width) * seq_len
     if config.mode == "sparse":
         block = 4 * min(DEFAULT_QUERY_BLOCK, seq_len) * -(-seq_len // config.index_pool)
-        temporary = max(grads + SPARSE_CHUNK_BYTES, 5 * min(block, SCORE_BLOCK_BYTES) // 2)
+        # one chunk of queries (its gathered keys and values near ops.sparse.CHUNK_BYTES, fewer queries when the
+        # sequence is shorter) holds, per query and slot, the gathered key, value and index key rows, the heads'
+        # scores and the indexer's per-head products and statistics
+        slots = selected_slots(config.topk, config.index_pool)
+        rows = min(seq_len, config.query_chunk or default_chunk_size(1, slots, key_width, latent, torch.float32))
+        chunk = 4 * rows * slots * (key_width + latent + config.index_dim + heads + 3 * index_heads + 4)
+        temporary = max(grads + chunk, 5 * min(block, SCORE_BLOCK_BYTES) // 2)
     else:
-        temporary = max(grads, CHUNK_BYTES)
+        # one chunk of the indexer loss: its score tile over every key, at most CHUNK_BYTES (indexer_kl's chunking)
+        wide = 4 * seq_len * max(heads, index_heads, key_width)
+        temporary = max(grads, wide * min(seq_len, config.query_chunk or max(1, CHUNK_BYTES // wide)))
     return MemoryEstimate(
         parameters=4 * parameters,
         saved_per_token=4 * per_token,

@@ -34,7 +34,7 @@ class TileCarry:
     """What a component that runs in sequence tiles (``megaseq.contracts.SequenceTiling``) hands to later
     tiles, in bytes: ``per_token`` for every token of the earlier tiles (softmax attention: its keys and
     values), ``per_tile`` once per tile boundary (linear attention: the recurrent state and the convolution's tail);
-    ``temporary``: the largest transient buffer of one tile's call beyond the component's ``temporary`` at the
+    ``temporary``: the transient working set of one tile's call beyond the component's ``temporary`` at the
     tile's length, which a tile that attends to the earlier tiles' keys adds (softmax attention: its mask)."""
 
     per_token: float = 0.0
@@ -50,8 +50,14 @@ class MemoryEstimate:
     and, for a component that declares ``tensor_parallel``, its block of heads or hidden width (``tp_size``),
     run over the sequence it gathers. ``parameters``: the parameters at their stored dtype;
     ``saved_per_token``: what autograd keeps alive per token (of the sequence the component runs on) between
-    forward and backward, including the component's input; ``temporary``: the largest transient buffer inside
-    one forward or backward call; ``tiling``: for an attention component that declares ``sequence_tiling``
+    forward and backward, including the component's input; ``temporary``: the transient working set of one
+    forward or one backward call over one sequence of ``seq_len`` tokens, whichever is larger: the most bytes
+    live at once, during the call, of the buffers it allocates and frees before it returns (not its inputs,
+    what autograd keeps, its output, nor the gradients it returns or accumulates into parameters, which the
+    planner counts as such; several buffers alive together count together). The planner adds it beside
+    everything the layers keep, so it must not fall short of the real working set (an out-of-memory step),
+    and is multiplied by the sequences of a micro-batch; ``megaseq_testkit.checks.transient_bytes`` measures
+    it; ``tiling``: for an attention component that declares ``sequence_tiling``
     (:data:`CAPABILITIES`), what it carries from tile to tile (required then, ignored otherwise);
     ``kept_per_token``: what the component keeps per token with ``ForwardContext.keep`` (at its own dtype, e.g.
     int32 indices) when it is recomputed, from the forward to the end of the re-run's backward. The memory

@@ -31,14 +31,16 @@ attributes, the same names for the same things (docs/writing-a-plugin.md holds t
 | `name` | all | (required) | the component's registered name |
 | `config` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis, data transform | `{}` | its config, as its recipe section would give it |
 | `factory` | attention, ffn, moe, tiling, memory policy, rl, engine, data source, baseline, eval analysis, data transform | `None` | `"module:attr"` or `"/path/file.py:attr"` of a builder to test instead of the installed plugin (a module not yet packaged; the kit's own wrong components): `build(config_dict, dims, layer_idx)`, for a memory policy, an RL algorithm or a data transform `build(config_dict)`, for an engine `build(config_dict, recipe, plugins)`, for a baseline `build(config_dict, train)` (`train`: a `megaseq.data.Corpus`), for an eval analysis `build(config_dict, info)`; for a data source the `DataSourceSpec` record itself, registered in a fresh plugin manager |
-| `memory` | attention, ffn, moe, tiling | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate` |
+| `memory` | attention, ffn, moe, tiling, memory policy | `None` | with `factory`: `"module:attr"` of its `estimate(config_dict, dims, seq_len) -> MemoryEstimate`; for a memory policy of its `effect(config_dict) -> MemoryEffect` |
 | `kind` | attention, ffn, moe, tiling | `"attention"`; `"ffn"`, `"moe"`; tiling `"attention"` | the kind to build (set by the suite class) |
 | `recipe` | memory policy, engine | a small `sdpa` model | TOML-shaped `[model]` and component tables of the model trained (memory policy: 3 layers of `sdpa` and the suite's probe feed-forward) or served (engine: 2 layers of `sdpa`) |
 | `d_model` | attention, ffn, moe, tiling | 32 | model width |
 | `tolerance` | attention, ffn, moe, tiling, memory policy, rl, engine, baseline, eval analysis | 1e-5; memory policy, baseline 1e-6; rl 1e-10; engine 1e-4; eval analysis 1e-9 | the error bound: `max \|actual - expected\| <= tolerance * max(1, max \|expected\|)` for the float32 comparisons, float64 for rl; eval analysis: each number of two results, relative to its size; memory policy with `exact = False`: the bound the policy states on the relative error of the loss, each auxiliary loss and metric, and the whole gradient vector; engine: the largest \|engine - training forward\| log-probability |
 | `grad_tolerance` | attention, ffn, moe | 1e-6 | error bound of the float64 finite-difference gradient check, relative to `max(1, \|derivative\|)` |
 | `invariance_tolerance` | rl | 1e-4 | shift and scale invariance of advantages, relative to the largest advantage |
-| `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement |
+| `memory_tolerance` | attention, ffn, moe, tiling | 0.25 | largest difference of the memory estimate from what autograd saves (tiling: from what the tiles carry), relative to the measurement; the most `MemoryEstimate.temporary` may fall below the measured transient working set, relative to it |
+| `temporary_ratio` | attention, ffn, moe | 4.0 | the most `MemoryEstimate.temporary` may exceed the measured transient working set, as a multiple of it |
+| `effect_ratio` | memory policy | 2.0 | what the policy saves of what the layers keep, measured, within this factor either way of what its `MemoryEffect` saves in the plan (give or take a tenth of what the layers keep without it) |
 | `memory_lengths` | attention, ffn, moe, tiling | `(64, 256)` | sequence lengths at which the estimate is checked (tiling: in four tiles) |
 | `seq_len` | attention, ffn, moe, tiling, memory policy, eval analysis, data transform | 48; ffn, moe 13; tiling 45; memory policy 67; eval analysis 701; data transform 150 | tokens per row (memory policy: per micro-batch; eval analysis: targets per window; data transform: per window, at least its `min_length`) |
 | `grad_seq_len` | attention, ffn, moe | 10; ffn, moe 5 | tokens per row of the gradient check (each parameter costs two forwards) |
@@ -88,9 +90,11 @@ from megaseq.plugins import Plugins, get_plugins
 from megaseq.records import MemoryEstimate, ModelDims, load_target
 from megaseq_testkit.checks import (
     assert_close,
+    call_transients,
     check_deterministic,
     check_gradients,
     check_saved_estimate,
+    check_temporary_estimate,
     count_collective_bytes,
     count_host_syncs,
     saved_bytes,
@@ -227,6 +231,21 @@ class ComponentSuite:
 
         tokens = lambda length: batch * length * estimate(length).saved_per_token  # noqa: E731
         check_saved_estimate(measure, tokens, self.memory_lengths, self.memory_tolerance, f"{self.name} saved_per_token")
+
+    def check_temporary(self, batch: int, inputs: Callable[[int, int], Tensor]) -> None:
+        """The estimate's ``temporary`` (one sequence's, times ``batch`` rows as the planner counts it) against the
+        largest transient working set of one forward or backward on ``inputs(length, seed)``, at each of
+        ``memory_lengths``: at least ``1 - memory_tolerance`` of it, at most ``temporary_ratio`` times it."""
+        estimate = self.estimator()
+        if estimate is None:
+            pytest.skip(f"{self.name}: no memory estimate (the record's memory target, or the suite's memory knob)")
+        module = self.build()
+
+        def measure(length: int) -> tuple[int, str]:
+            return call_transients(module, inputs(length, 1), inputs(length, 3), ForwardContext())
+
+        check_temporary_estimate(measure, lambda length: batch * estimate(length).temporary, self.memory_lengths,
+                                 self.memory_tolerance, self.temporary_ratio, f"{self.name} temporary")
 
 
 def load_factory(target: str) -> Any:

@@ -21,6 +21,11 @@ would catch:
 - ``test_memory_estimate``: the record's ``MemoryEstimate.saved_per_token`` times the tokens is within
   ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
   parameters not) at each of ``memory_lengths`` (a 3x underestimate; a ``[T, T]`` matrix kept for backward).
+- ``test_temporary_estimate``: the record's ``MemoryEstimate.temporary`` against the transient working set of
+  one forward and of one backward (``megaseq_testkit.checks.transient_bytes``: the most bytes live at once of
+  what the call allocates and frees before it returns), the larger of the two, at each of ``memory_lengths``:
+  at least ``1 - memory_tolerance`` and at most ``temporary_ratio`` (4) times it (a scratch buffer the estimate
+  leaves out; a working set that grows faster than the estimate; a fixed cap where the buffer is smaller).
 - ``test_kept_for_rerun``: what the component keeps with ``ForwardContext.keep`` (as a recompute unit's forward
   does), replayed to a second forward as a recompute unit's re-run gets it, on plain rows and on packed
   documents (``doc_lengths``), gives bitwise the outputs and
@@ -199,6 +204,7 @@ class AttentionConformance(ComponentSuite):
     docs/writing-a-plugin.md)."""
 
     kind: ClassVar[str] = "attention"
+    temporary_ratio: ClassVar[float] = 4.0
     grad_tolerance: ClassVar[float] = 1e-6
     seq_len: ClassVar[int] = 48
     grad_seq_len: ClassVar[int] = 10
@@ -285,6 +291,9 @@ class AttentionConformance(ComponentSuite):
 
     def test_memory_estimate(self) -> None:
         self.check_saved_per_token(1, lambda length: self.inputs(1, length))
+
+    def test_temporary_estimate(self) -> None:
+        self.check_temporary(1, lambda length, seed: self.inputs(1, length, seed=seed))
 
     def test_kept_for_rerun(self) -> None:
         module = self.build()

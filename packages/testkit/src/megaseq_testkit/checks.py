@@ -12,19 +12,26 @@
   gradients (state kept on the module between a forward and its backward is overwritten by the second).
 - :func:`saved_bytes` and :func:`check_saved_estimate`: what autograd keeps for backward, in bytes, and a
   component's ``MemoryEstimate.saved_per_token`` held to it.
+- :func:`transient_bytes` and :func:`check_temporary_estimate`: the most bytes live at once of the storages a
+  call allocates and frees before it returns (its transient working set), and a component's
+  ``MemoryEstimate.temporary`` held to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import inspect
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def assert_close(actual: Tensor, expected: Tensor, tolerance: float, what: str) -> None:
@@ -309,16 +316,130 @@ def check_saved_estimate(
         )
 
 
+class _Allocations(TorchDispatchMode):
+    """Every storage an operation allocates while the mode is on: its bytes, and when it was allocated and freed,
+    on a clock that ticks at each of these events.
+
+    An operation's output is an allocation when its storage is neither one of the operation's inputs' (a view,
+    an in-place or ``out=`` result) nor one already tracked. A weak reference to the storage says when it is
+    freed. Buffers a kernel allocates and frees inside itself are not seen: they are the kernel's, bounded by
+    its blocking, not by the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = 0
+        self.sizes: list[int] = []
+        self.allocated: list[int] = []
+        self.freed: list[int | None] = []
+        self.live: dict[int, int] = {}  # data_ptr -> index of the allocation
+        self.refs: list[weakref.ref] = []  # kept so that their callbacks fire
+
+    def _free(self, index: int, ptr: int) -> None:
+        self.clock += 1
+        self.freed[index] = self.clock
+        if self.live.get(ptr) == index:
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
+                 and t.device.type != "meta"}
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or ptr in given or ptr in self.live:
+                continue
+            index = len(self.sizes)
+            self.clock += 1
+            self.sizes.append(nbytes)
+            self.allocated.append(self.clock)
+            self.freed.append(None)
+            self.live[ptr] = index
+            self.refs.append(weakref.ref(storage, lambda _, i=index, p=ptr: self._free(i, p)))
+        return out
+
+    def transient_peak(self) -> int:
+        """The most bytes live at once of the storages allocated and freed (those still alive are
+        what the call returns or leaves for later: outputs, saved tensors, gradients)."""
+        events = []
+        for size, start, stop in zip(self.sizes, self.allocated, self.freed, strict=True):
+            if stop is not None:
+                events += [(start, size), (stop, -size)]
+        peak = live = 0
+        for _, change in sorted(events):
+            live += change
+            peak = max(peak, live)
+        return peak
+
+
+def transient_bytes(run: Callable[[], Any]) -> tuple[int, Any]:
+    """The transient working set of ``run()``: the most bytes live at once, during the call, of the distinct
+    storages it allocates and frees before it returns; and ``run()``'s result.
+
+    What the call receives (its inputs, the graph it differentiates), what it returns or leaves alive (outputs,
+    the tensors autograd saves, gradients) is not counted: these are the other terms of a component's
+    ``MemoryEstimate``. Every storage an operation allocates is seen, at any depth (autograd's backward,
+    ``torch.utils.checkpoint``'s re-runs, custom ``autograd.Function``s), except a kernel's own scratch."""
+    tracker = _Allocations()
+    with tracker:
+        result = run()
+    gc.collect()  # what a reference cycle kept until now was freed by the end of the call
+    peak = tracker.transient_peak()
+    tracker.refs.clear()
+    return peak, result
+
+
+def call_transients(module: nn.Module, x: Tensor, grad_out: Tensor, ctx: Any) -> tuple[int, str]:
+    """The larger transient working set (:func:`transient_bytes`) of ``module``'s forward on ``x`` (which needs
+    a gradient, as an inner layer's input does) and of the backward of ``out`` with ``grad_out`` and of the
+    auxiliary losses it added to ``ctx``, and which of the two it was (``"forward"``, ``"backward"``)."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    forward, out = transient_bytes(lambda: module(x, ctx))
+    aux = list(ctx.losses.values())
+    grads = [grad_out, *(torch.ones_like(a) for a in aux)]
+    backward, _ = transient_bytes(lambda: torch.autograd.backward([out, *aux], grads))
+    return (forward, "forward") if forward > backward else (backward, "backward")
+
+
+def check_temporary_estimate(
+    measure: Callable[[int], tuple[int, str]],
+    estimate: Callable[[int], float],
+    lengths: tuple[int, ...],
+    tolerance: float,
+    ratio: float,
+    what: str,
+) -> None:
+    """At each sequence length, ``estimate(length)`` (bytes) at least ``1 - tolerance`` and at most ``ratio``
+    times ``measure(length)``: the largest transient working set of the component's forward or backward, and
+    which of the two it was. The planner adds the temporary beside everything the layers keep: an estimate
+    below it plans an out-of-memory step; one far above it refuses layouts that fit. Two lengths or more, so
+    that a working set growing faster than the tokens cannot match a per-token estimate at both."""
+    for length in lengths:
+        (measured, where), estimated = measure(length), estimate(length)
+        low, high = (1 - tolerance) * measured, ratio * measured
+        assert low <= estimated <= high, (
+            f"{what}: at {length} tokens the estimate is {estimated:.0f} bytes, the largest transient working set "
+            f"measured ({where}) is {measured} ({estimated / max(measured, 1):.2f}x; bound {1 - tolerance:.2f}x "
+            f"to {ratio:g}x): fix temporary"
+        )
+
+
 __all__ = [
     "assert_close",
+    "call_transients",
     "check_deterministic",
     "check_gradients",
     "check_saved_estimate",
+    "check_temporary_estimate",
     "check_two_forwards",
     "count_collective_bytes",
     "count_host_syncs",
     "forward_backward",
     "saved_bytes",
+    "transient_bytes",
     "watch_host_syncs",
 ]
 

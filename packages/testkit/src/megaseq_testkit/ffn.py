@@ -22,6 +22,10 @@ these tests for the ``moe`` kind). What is checked, and what each check would ca
 - ``test_memory_estimate``: the record's ``MemoryEstimate.saved_per_token`` times the tokens is within
   ``memory_tolerance`` (25%) of the bytes autograd saves (distinct storages, the input included, the
   parameters not), at each of ``memory_lengths`` (a 3x underestimate, a cost that grows faster than the tokens).
+- ``test_temporary_estimate``: the record's ``MemoryEstimate.temporary`` (times the rows: it is one sequence's)
+  against the larger transient working set of one forward and one backward
+  (``megaseq_testkit.checks.transient_bytes``) at each of ``memory_lengths``: at least ``1 - memory_tolerance``
+  and at most ``temporary_ratio`` (4) times it (a scratch buffer the estimate leaves out).
 
 Error bound: ``max |actual - expected| <= tolerance * max(1, max |expected|)`` (``tolerance``, 1e-5 for
 float32 comparisons; the float64 gradient check uses ``grad_tolerance``, 1e-6).
@@ -56,6 +60,7 @@ class FeedForwardConformance(ComponentSuite):
     docs/writing-a-plugin.md)."""
 
     kind: ClassVar[str] = "ffn"
+    temporary_ratio: ClassVar[float] = 4.0
     grad_tolerance: ClassVar[float] = 1e-6
     batch: ClassVar[int] = 2
     seq_len: ClassVar[int] = 13
@@ -152,3 +157,6 @@ class FeedForwardConformance(ComponentSuite):
 
     def test_memory_estimate(self) -> None:
         self.check_saved_per_token(self.batch, lambda length: self.inputs(length=length))
+
+    def test_temporary_estimate(self) -> None:
+        self.check_temporary(self.batch, lambda length, seed: self.inputs(seed=seed, length=length))

@@ -25,6 +25,16 @@ without, and checks:
   left: no saved-tensor hooks installed, no file descriptors open, nothing in the scratch directory
   (``$MEGASEQ_SCRATCH`` points at an empty directory for the test), and no more tensor memory reachable
   than before the step;
+- ``test_memory_effect``: the policy's declared ``MemoryEffect`` (its record's ``memory`` target; with
+  ``factory``, the ``memory`` knob) against what applying it does: the bytes one forward leaves alive for
+  backward in the model's layers (measured with ``megaseq_testkit.checks``'s allocation tracker: what the
+  forward allocates and still holds when it returns, on the device, so a tensor moved to a scratch file or
+  host memory does not count), without the policy and with it. What the planner
+  (``megaseq.memory.plan.estimate``) predicts the effect saves of what the layers keep must match what the
+  policy saves within ``effect_ratio`` (2x either way, give or take a tenth of what the layers keep without
+  it: the planner models a layer's parts, not each small tensor). A policy that declares a recomputation or an
+  offload it does not do, or does one it does not declare, is caught. What is not measurable in one forward
+  on CPU is not checked: ``maps_allocations_from`` (the C library's heap) and the time costs.
 - under context parallelism (``cp_world_sizes``, 2 gloo ranks by default) the same equality against
   the same ranks without the policy, when the record declares ``context_parallel``
   (``megaseq.records.CAPABILITIES``) and this config does not tile sequences
@@ -56,11 +66,15 @@ from torch import Tensor, nn
 from megaseq.capabilities import policy_effect, policy_runs_under
 from megaseq.config import validate_recipe
 from megaseq.contracts import ContextParallel, ForwardContext, MemoryPolicy
+from megaseq.distributed.layout import Layout
+from megaseq.errors import UserError
 from megaseq.hookspecs import hookimpl
+from megaseq.memory.machine import Machine
+from megaseq.memory.plan import PolicyChoice, estimate
 from megaseq.model import LanguageModel, build_model, chunked_token_losses
 from megaseq.parallel import zigzag_shard
 from megaseq.plugins import Plugins
-from megaseq.records import ComponentConfig, FFNSpec, MemoryEstimate, ModelDims
+from megaseq.records import ComponentConfig, FFNSpec, MemoryEffect, MemoryEstimate, ModelDims
 from megaseq_testkit import env, load_factory
 
 PROBE_LOSS, PROBE_METRIC = "memory_probe", "memory_probe_abs"
@@ -196,6 +210,8 @@ class MemoryPolicyConformance:
     cp_seq_len: ClassVar[int] = 68
     probe_noise: ClassVar[bool] = True
     capabilities: ClassVar[frozenset[str] | None] = None  # with factory: what the policy would declare
+    memory: ClassVar[str | None] = None  # with factory: its effect(config_dict) -> MemoryEffect
+    effect_ratio: ClassVar[float] = 2.0
 
     # -- building -----------------------------------------------------------------------------------------
     def suite_plugins(self) -> Plugins:
@@ -341,7 +357,62 @@ class MemoryPolicyConformance:
             outs += [forward(13), forward(14)]
         return outs
 
+    def declared_effect(self) -> MemoryEffect | None:
+        """What the planner models the policy as: its record's ``memory`` target, or with ``factory`` the
+        ``memory`` knob's ``effect(config_dict)``; ``None`` when there is none."""
+        if self.factory is not None:
+            return None if self.memory is None else load_factory(self.memory)(dict(self.config))
+        provided = self.suite_plugins().get("memory_policy", self.name)
+        return policy_effect(provided.spec, provided.spec.config(**self.config))
+
+    def kept_by_layers(self, with_policy: bool) -> int:
+        """Bytes one forward of a micro-batch leaves alive on the device for backward (the storages it allocates
+        and still holds when it returns, less its output), with or without the policy, inside ``step()``."""
+        from megaseq_testkit.checks import _Allocations
+
+        model, policy = self.build(with_policy)
+        torch.manual_seed(1)  # the probe's noise
+        tokens = _batch(0, 0, self.seq_len, model.dims.vocab_size)
+        tracker = _Allocations()
+        with policy.step() if policy is not None else contextlib.nullcontext():
+            with tracker:
+                hidden = model(tokens[:, :-1], ForwardContext(cu_seqlens=self.cu_seqlens()))
+            gc.collect()
+            alive = sum(size for size, freed in zip(tracker.sizes, tracker.freed, strict=True) if freed is None)
+            alive -= hidden.untyped_storage().nbytes()
+            del hidden
+        tracker.refs.clear()
+        return alive
+
+    def planned_kept(self, effect: MemoryEffect | None) -> int:
+        """What the planner says the layers keep for one micro-batch of the suite's model, under ``effect``."""
+        recipe = self.model_recipe()
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"batch_size": 1})})
+        choices = [PolicyChoice(self.name, dict(self.config), effect)] if effect is not None else []
+        planned = estimate(recipe, self.suite_plugins(), choices, Layout(), Machine("cpu", 2**50, None), self.seq_len)
+        return sum(kept for kind, kept in planned.saved_by_kind.items() if kind != "embedding+head")
+
     # -- the tests ---------------------------------------------------------------------------------------
+    def test_memory_effect(self) -> None:
+        effect = self.declared_effect()
+        if effect is None:
+            pytest.skip(f"{self.name}: no memory effect (the record's memory target, or the suite's memory knob)")
+        try:
+            planned_without, planned_with = self.planned_kept(None), self.planned_kept(effect)
+        except UserError as exc:  # a recipe knob whose components the planner cannot model
+            pytest.skip(f"{self.name}: the suite's model cannot be planned: {exc}")
+        with _scratch():
+            measured_without, measured_with = self.kept_by_layers(False), self.kept_by_layers(True)
+        declared, saved = planned_without - planned_with, measured_without - measured_with
+        slack = measured_without / 10
+        low, high = declared / self.effect_ratio - slack, declared * self.effect_ratio + slack
+        assert low <= saved <= high, (
+            f"{self.name} MemoryEffect: the planner takes {_summary(effect)} to save {declared} bytes of the {planned_without} "
+            f"the layers keep between forward and backward, applying the policy saves {saved} of {measured_without} "
+            f"(bound {max(low, 0):.0f} to {high:.0f} bytes: 1/{self.effect_ratio:g}x to {self.effect_ratio:g}x of the "
+            f"declared saving, give or take a tenth of what the layers keep): fix the policy's memory effect"
+        )
+
     def test_is_a_memory_policy(self) -> None:
         _, policy = self.build(with_policy=True)
         assert isinstance(policy, MemoryPolicy), f"{self.name}: build(config) did not return a MemoryPolicy (apply, step)"
@@ -446,6 +517,14 @@ class MemoryPolicyConformance:
             for rank, (pair, _) in enumerate(results):
                 got, ref = pair
                 self.compare([got], [ref], where=f", cp{world} rank {rank}")
+
+
+def _summary(effect: MemoryEffect) -> str:
+    """The fields of ``effect`` that change what the layers keep, as ``MemoryEffect(recompute='block', ...)``."""
+    fields = ("recompute", "layers", "tile_tokens", "reuses_kept", "offload_min_bytes")
+    default = MemoryEffect()
+    shown = ", ".join(f"{f}={getattr(effect, f)!r}" for f in fields if getattr(effect, f) != getattr(default, f))
+    return f"MemoryEffect({shown})"
 
 
 def _cp_step(suite: MemoryPolicyConformance, with_policy: bool, rank: int, world: int) -> dict[str, Any]:

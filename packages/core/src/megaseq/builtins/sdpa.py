@@ -259,12 +259,13 @@ def memory_estimate(config: SDPAConfig, dims: ModelDims, seq_len: int) -> Memory
     width = heads * head_dim
     # saved per token (fp32, measured with saved-tensor hooks): the input, the q/k/v projection, the attention
     # output and one logsumexp per head; with RoPE also the rotated q and k and the cos/sin tables of both.
-    # Temporary: backward's gradients of q, k, v and the output, ~3.3 floats per channel (measured, 4k-64k).
+    # Temporary: backward's gradients of q, k and v (the kernel's, then rotated back) and their stacked qkv
+    # gradient, 6 floats per channel (measured with the test kit's transient_bytes).
     rope = 2 * width + 2 * head_dim if config.rope else 0
     return MemoryEstimate(
         parameters=4 * dims.d_model * width * 4,
         saved_per_token=(dims.d_model + 4 * width + rope + heads) * 4,
-        temporary=13 * width * seq_len,
+        temporary=24 * width * seq_len,
         # a tile hands on its rotated keys and its values; each block of a tile's queries (attend_suffix) builds
         # a boolean mask over the keys it sees, which scaled_dot_product_attention turns into a float one, for at
         # most TILE_SCORE_BYTES / (4 x heads x rows) query-key pairs: ~12 bytes a pair at the peak, in forward
