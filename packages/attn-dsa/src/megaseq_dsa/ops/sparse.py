@@ -84,7 +84,8 @@ class _Chunks:
         slots = indices.shape[-1]
         rows = batch * min(chunk, indices.shape[1])
         self.gathered = torch.empty(rows * slots, self.kv.shape[1], dtype=dtype, device=k.device)
-        self.scores = torch.empty(rows, heads, slots, dtype=dtype, device=k.device)
+        self.heads = heads
+        self.scores = torch.empty(rows * heads * slots, dtype=dtype, device=k.device)
         # The indexer loss's index keys, gathered at the same rows into their own buffer (the products want
         # contiguous rows: a strided view of wider rows made them 2x slower).
         if k_idx is not None:
@@ -96,23 +97,31 @@ class _Chunks:
         out = torch.index_select(self.index_keys, 0, rows, out=self.index_gathered[: len(rows)])
         return out.view(queries, -1, self.index_keys.shape[1])
 
-    def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """indices [B, C, S] -> flat rows [B*C*S], gathered rows [B*C, S, width], and valid [B*C, 1, S]
-        (None when every index is valid)."""
-        batch, chunk, slots = indices.shape
+    def gather(
+        self, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """indices [B, C, S] -> the indices up to the chunk's last valid column [B, C, S'], flat rows [B*C*S'],
+        gathered rows [B*C, S', width], and valid [B*C, 1, S'] (None when every index is valid)."""
         valid = indices >= 0
+        # Columns after every row's last index hold padding only, whose probability is 0: they are cut, not
+        # gathered and multiplied (a row of topk + pool - 1 indices is padded to a multiple of 64, and the first
+        # queries see fewer keys than the slots).
+        columns = valid.flatten(0, 1).any(0)
+        used = max(1, int((columns * torch.arange(1, len(columns) + 1, device=columns.device)).max()))
+        indices, valid = indices[..., :used], valid[..., :used]
+        batch, chunk, slots = indices.shape
         # Padding reads row 0 of its sequence; its probability is exactly 0, so it adds nothing anywhere.
         offsets = torch.arange(batch, device=indices.device)[:, None, None] * self.n_keys
         rows = (indices.long().clamp_min(0) + offsets).view(-1)
         kv = torch.index_select(self.kv, 0, rows, out=self.gathered[: len(rows)])
         valid = None if bool(valid.all()) else valid.view(batch * chunk, 1, slots)
-        return rows, kv.view(batch * chunk, slots, -1), valid
+        return indices, rows, kv.view(batch * chunk, slots, -1), valid
 
     def scores_of(
         self, q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
         """scale q . k [n, H, S] for queries q [n, H, D] against their gathered rows, -inf where invalid."""
-        scores = self.scores[: len(q)]
+        scores = self.scores[: len(q) * self.heads * kv.shape[1]].view(len(q), self.heads, kv.shape[1])
         torch.baddbmm(scores, q, kv[..., : self.dim].transpose(1, 2), beta=0.0, alpha=scale, out=scores)
         if valid is not None:
             scores.masked_fill_(~valid, float("-inf"))
@@ -145,7 +154,7 @@ class SparseAttention(torch.autograd.Function):
             grad_k_idx = torch.zeros(batch * k_idx.shape[1], k_idx.shape[-1], dtype=dtype, device=q.device)
         for c0 in range(0, n_queries, chunk_size):
             c1 = min(c0 + chunk_size, n_queries)
-            rows, kv, valid = chunks.gather(indices[:, c0:c1])
+            chunk_indices, rows, kv, valid = chunks.gather(indices[:, c0:c1])
             q_chunk = q[:, c0:c1].reshape(-1, heads, dim).to(dtype)
             probs = chunks.scores_of(q_chunk, kv, valid, scale)
             row_max = probs.amax(-1, keepdim=True)
@@ -160,7 +169,7 @@ class SparseAttention(torch.autograd.Function):
             if not with_kl:
                 continue
             n = len(q_chunk)
-            visible = indices[:, c0:c1].reshape(n, 1, -1) >= 0
+            visible = chunk_indices.reshape(n, 1, -1) >= 0
             target = probs.div_(row_sum.clamp_min(1.0)).mean(1, keepdim=True)  # [n, 1, S]
             chunk_kl, grads = kl_and_grads(
                 target,
@@ -213,7 +222,7 @@ class SparseAttention(torch.autograd.Function):
         grad_gathered = torch.empty_like(chunks.gathered)
         for c0 in range(0, n_queries, chunk_size):
             c1 = min(c0 + chunk_size, n_queries)
-            rows, kv, valid = chunks.gather(indices[:, c0:c1])
+            _, rows, kv, valid = chunks.gather(indices[:, c0:c1])
             q_chunk = q[:, c0:c1].reshape(-1, heads, dim).to(dtype)
             grad_out = grad_o[:, c0:c1].reshape(-1, heads, dim_v).to(dtype)
             probs = chunks.scores_of(q_chunk, kv, valid, scale)
