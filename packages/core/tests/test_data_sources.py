@@ -1,7 +1,8 @@
 """Data sources with a recipe section and an alphabet: an outside author's protein source (sequences one per
 line, split into a training and a held-out part) configured by ``[data_source.NAME]``, trained and evaluated
 end to end on the CPU; the recipe's checks of data, vocabulary and the alphabets baselines and analyses handle;
-fetch requests and the shim for ``fetch(cache_dir)``."""
+fetch requests and the shim for ``fetch(cache_dir)``; a source's file named by a relative path, read alike by the
+one-process trainer and a launcher's workers."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import pytest
 import torch
 
 from megaseq.alphabets import PROTEIN
-from megaseq.config import apply_overrides, validate_recipe
+from megaseq.config import apply_overrides, load_recipe, validate_recipe
 from megaseq.data import Corpus, fetch, token_metadata, tokenized
 from megaseq.data.errors import DataError
+from megaseq.distributed.launch import with_absolute_paths
 from megaseq.errors import ConfigError, PluginError
 from megaseq.hookspecs import hookimpl
-from megaseq.records import BaselineSpec, ComponentConfig, DataSourceSpec, EvalAnalysisSpec, FetchRequest
+from megaseq.records import BaselineSpec, ComponentConfig, DataSourceSpec, EvalAnalysisSpec, FetchRequest, LocalPath
 from megaseq.train.trainer import Trainer
 from megaseq_testkit import fresh_plugins, registered
 
@@ -35,7 +37,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 class SeqLinesConfig(ComponentConfig):
-    path: str
+    path: LocalPath
     heldout_lines: int = 3
 
 
@@ -214,6 +216,50 @@ def test_set_configures_a_data_source_and_deselecting_drops_its_section(tmp_path
         dropped = apply_overrides(raw, ["data.train=excerpt-chr20", "data.heldout=excerpt-chrX"])
         assert "seqlines" not in dropped.get("data_source", {})
         validate_recipe(dropped, plugins, "p.toml")
+
+
+# -- a relative path to a source's file ----------------------------------------------------------------------
+
+
+def test_a_relative_source_path_reaches_the_workers_as_the_one_process_trainer_reads_it(tmp_path, monkeypatch):
+    # the guide's layout: the recipe in a folder of its own, the data file in the working directory, which the
+    # path is relative to; a file of the same name where the workers start is not the one meant
+    launch, workers = tmp_path / "launch", tmp_path / "ray-worker"
+    for folder, seed in ((launch, 0), (workers, 1)):
+        folder.mkdir()
+        protein_file(folder, seed=seed)
+    (launch / "recipes").mkdir()
+    (launch / "recipes" / "p.toml").write_text(
+        '[data]\ntrain = "seqlines"\nheldout = "seqlines"\nseq_len = 32\n\n'
+        '[data_source.seqlines]\npath = "proteins.txt"\n'
+    )
+    plugins = fresh_plugins()
+    with registered(ProteinPlugin(), plugins, "protein-plugin"):
+        monkeypatch.chdir(launch)
+        recipe = load_recipe("recipes/p.toml", plugins)  # what `megaseq train` reads, with or without workers
+        one_process = tokenized(recipe.corpus("train", plugins), plugins=plugins)
+        handed = with_absolute_paths(recipe).to_dict()  # what the launcher hands its workers
+        monkeypatch.chdir(workers)
+        worker = validate_recipe(handed, plugins, source=recipe.source)  # what each worker reads (run_worker)
+        assert worker.component("data_source", "seqlines").path == str(launch / "proteins.txt")
+        assert (tokenized(worker.corpus("train", plugins), plugins=plugins) == one_process).all()
+
+
+class PathDefaults(ComponentConfig):
+    given: LocalPath = "given.txt"
+    default: LocalPath = "default.txt"
+    optional: LocalPath | None = "optional"
+    absent: LocalPath | None = None
+    text: str = "not-a-path"
+
+
+def test_a_local_path_is_absolute_against_the_working_directory_its_default_too(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = PathDefaults(given="~/data/x.txt")
+    assert config == PathDefaults(given=str(Path.home() / "data" / "x.txt"), default=str(tmp_path / "default.txt"),
+                                  optional=str(tmp_path / "optional"), absent=None, text="not-a-path")
+    monkeypatch.chdir(tmp_path.parent)
+    assert PathDefaults(**config.model_dump()) == config  # read again elsewhere: the same files
 
 
 # -- fetch requests ------------------------------------------------------------------------------------------

@@ -12,17 +12,54 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, get_args
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+from pydantic.fields import FieldInfo
 
 from megaseq.alphabets import ALPHABETS, DNA, Alphabet, alphabet_named
 
 
+def absolute_path(value: str) -> str:
+    """``value`` (``~`` expanded) made absolute against this process's working directory."""
+    return str(Path(value).expanduser().absolute())
+
+
+_ABSOLUTE = AfterValidator(absolute_path)
+LocalPath = Annotated[str, _ABSOLUTE]
+"""A config field that names a file or folder on this machine (``path: LocalPath``, ``LocalPath | None``).
+
+A relative value, its default included, is made absolute against the working directory when the config is
+validated, as it is read by the process that reads the recipe: the launcher of a distributed run hands its
+workers, whose working directory may differ, the absolute path, and a checkpoint stores it."""
+
+
+def _is_local_path(info: FieldInfo) -> bool:
+    """Whether the field is declared a :data:`LocalPath` (also inside ``Optional``/``Annotated``)."""
+    stack: list[Any] = [info.annotation]
+    found = any(meta is _ABSOLUTE for meta in info.metadata)
+    while stack and not found:
+        annotation = stack.pop()
+        found = any(meta is _ABSOLUTE for meta in getattr(annotation, "__metadata__", ()))
+        stack.extend(get_args(annotation))
+    return found
+
+
 class ComponentConfig(BaseModel):
-    """Base class of every component's config schema: unknown keys are errors, values are validated."""
+    """Base class of every component's config schema: unknown keys are errors, values are validated, and a
+    :data:`LocalPath` field is absolute."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="after")
+    def _absolute_defaults(self) -> ComponentConfig:
+        # pydantic validates given values only: a relative default would reach a worker as written and be made
+        # absolute against the worker's working directory, not the launcher's
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if name not in self.model_fields_set and isinstance(value, str) and _is_local_path(info):
+                self.__dict__[name] = absolute_path(value)  # the model is frozen; this is its own validation
+        return self
 
 
 class NoConfig(ComponentConfig):

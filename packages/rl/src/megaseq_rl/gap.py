@@ -17,20 +17,21 @@ from typing import Any
 import torch
 
 from megaseq.contracts import ForwardContext, RoutingReplay
-from megaseq.data.sources import tokenized
+from megaseq.data.sources import Corpus, tokenized
 from megaseq.data.windows import GenomeWindows
 from megaseq.devices import pick_device
 from megaseq.errors import UserError
 from megaseq.inference import SamplingParams, sequence_logprobs
 from megaseq.plugins import Plugins
 from megaseq_rl.policy import load_policy
+from megaseq_rl.task import task_corpus
 
 
-def heldout_prompts(dataset: str, length: int, count: int) -> torch.Tensor:
-    """``count`` windows of ``length`` bases without N, evenly spaced over ``dataset`` (the middle one for 1)."""
-    windows = GenomeWindows(tokenized(dataset), length, max_n_fraction=0.0)
+def heldout_prompts(corpus: Corpus, length: int, count: int) -> torch.Tensor:
+    """``count`` windows of ``length`` bases without N, evenly spaced over ``corpus`` (the middle one for 1)."""
+    windows = GenomeWindows(tokenized(corpus), length, max_n_fraction=0.0)
     if len(windows) < count:
-        raise UserError(f"--lengths/--prompts: {dataset!r} has {len(windows)} windows of {length} bases without N, {count} asked for")
+        raise UserError(f"--lengths/--prompts: {str(corpus)!r} has {len(windows)} windows of {length} bases without N, {count} asked for")
     picks = [len(windows) // 2] if count == 1 else torch.linspace(0, len(windows) - 1, count).round().long().tolist()
     return windows.batch(picks).inputs
 
@@ -69,9 +70,10 @@ def measure_gap(
     served = provided.load()(config, recipe, plugins)
     served.update_weights(model.state_dict())
     has_moe = recipe.model.moe is not None
+    corpus = task_corpus(recipe, "heldout", dataset, plugins)
     rows = []
     for length in lengths:
-        prompt = heldout_prompts(dataset or recipe.data.heldout, length, prompts)
+        prompt = heldout_prompts(corpus, length, prompts)
         gen = served.generate(prompt, SamplingParams(new_tokens, temperature=0.0))
         tokens = torch.cat([prompt, gen.tokens.cpu()], 1).to(torch_device)
         engine_lp = gen.logprobs.to(torch_device)

@@ -70,7 +70,7 @@ from megaseq.train.trainer import seed_everything
 from megaseq_rl.policy import completion_terms, load_policy
 from megaseq_rl.recipe import RLRecipe
 from megaseq_rl.rollout import build_engine, cat_generations, select_rows
-from megaseq_rl.task import build_task
+from megaseq_rl.task import build_task, task_corpus
 
 
 @dataclass
@@ -114,15 +114,15 @@ class RLRun:
                 f"at least {self.algorithm.min_group_size} completions per prompt"
             )
         self.on_main(self.build_engine)  # rank 0 alone draws rollouts and evaluates
-        d = self.policy_recipe.data
         task = recipe.task
         options = {"gc_target": task.gc_target, "avoid": task.avoid}
-        self.task = build_task(task.name, task.train or d.train, task.prompt_len, s.max_new_tokens, **options)
-        heldout_task = build_task(task.name, task.heldout or d.heldout, task.prompt_len, s.max_new_tokens, **options)
+        train, heldout = (task_corpus(self.policy_recipe, which, getattr(task, which), plugins) for which in ("train", "heldout"))
+        self.task = build_task(task.name, train, task.prompt_len, s.max_new_tokens, **options)
+        heldout_task = build_task(task.name, heldout, task.prompt_len, s.max_new_tokens, **options)
         self.heldout_prompts = heldout_task.sample(recipe.eval.reward_prompts, np.random.default_rng([recipe.run.seed, 1]))
         policy_eval = self.policy_recipe.eval.model_copy(update={"windows": recipe.eval.windows})
         self.eval_recipe = self.policy_recipe.model_copy(update={"eval": policy_eval})
-        self.heldout = heldout_windows(self.eval_recipe)
+        self.heldout = heldout_windows(self.eval_recipe, plugins)
         self.rng = np.random.default_rng([recipe.run.seed, 0])
         policies = apply_memory_policies(self.model, plugins, recipe.memory_policies)
         self.optimizer_step = build_optimizer_step(self.model, t, plugins, recipe.source, p, policies)

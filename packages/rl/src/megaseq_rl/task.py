@@ -6,6 +6,9 @@ fixed set of held-out prompts from the held-out one.
 of a completion is the fraction of its generated bases equal to the answer, base by base.
 ``gc-content`` (a design reward): ``1 - |GC fraction - gc_target| / max(gc_target, 1 - gc_target)`` over
 the generated bases, and 0 for a completion containing the motif ``avoid``. Empty completions score 0.
+
+The prompts' corpus is read as the policy's trainer read its data (:func:`task_corpus`): a data source gets its
+``[data_source.NAME]`` config from the policy's recipe and the installed plugins, and ``train``/``heldout`` the part.
 """
 
 from __future__ import annotations
@@ -14,19 +17,30 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from megaseq.data.sources import tokenized
+from megaseq.config import Recipe
+from megaseq.data.sources import Corpus, tokenized
 from megaseq.data.tokenizer import N_ID, TOKEN_ID_MASK, VOCAB
 from megaseq.errors import UserError
+from megaseq.plugins import Plugins
+
+
+def task_corpus(recipe: Recipe, which: str, spec: str | None, plugins: Plugins) -> Corpus:
+    """The policy recipe's ``data.<which>`` ("train" / "heldout"), or ``spec`` read in its place, as the trainer
+    reads it (``Recipe.corpus``): a data source with the recipe's ``[data_source.NAME]`` config for that name,
+    the part ``which`` and ``plugins``."""
+    if spec is not None:
+        recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={which: spec})})
+    return recipe.corpus(which, plugins)
 
 
 class ContinuationTask:
-    def __init__(self, dataset: str, prompt_len: int, completion_len: int) -> None:
-        self.dataset = dataset
-        self.tokens = tokenized(dataset)
+    def __init__(self, corpus: Corpus, prompt_len: int, completion_len: int) -> None:
+        self.dataset = str(corpus)
+        self.tokens = tokenized(corpus)
         self.prompt_len, self.completion_len = prompt_len, completion_len
         span = prompt_len + completion_len
         if len(self.tokens) < span:
-            raise UserError(f"task: {dataset!r} has {len(self.tokens)} bases, fewer than prompt_len + max_new_tokens = {span}")
+            raise UserError(f"task: {self.dataset!r} has {len(self.tokens)} bases, fewer than prompt_len + max_new_tokens = {span}")
 
     def sample(self, n: int, rng: np.random.Generator) -> tuple[Tensor, Tensor]:
         """``n`` prompts ``[n, prompt_len]`` and their true continuations ``[n, completion_len]`` (int64)."""
@@ -50,8 +64,8 @@ class ContinuationTask:
 
 
 class GCContentTask(ContinuationTask):
-    def __init__(self, dataset: str, prompt_len: int, completion_len: int, gc_target: float, avoid: str) -> None:
-        super().__init__(dataset, prompt_len, completion_len)
+    def __init__(self, corpus: Corpus, prompt_len: int, completion_len: int, gc_target: float, avoid: str) -> None:
+        super().__init__(corpus, prompt_len, completion_len)
         self.gc_target = gc_target
         self.motif = torch.tensor([VOCAB.index(base) for base in avoid.upper()], dtype=torch.int64)
 
@@ -69,9 +83,9 @@ class GCContentTask(ContinuationTask):
         return torch.where(self.contains_motif(tokens, mask) | (mask.sum(-1) == 0), 0.0, score)
 
 
-def build_task(name: str, dataset: str, prompt_len: int, completion_len: int, gc_target: float = 0.5, avoid: str = "") -> ContinuationTask:
+def build_task(name: str, corpus: Corpus, prompt_len: int, completion_len: int, gc_target: float = 0.5, avoid: str = "") -> ContinuationTask:
     if name == "continuation":
-        return ContinuationTask(dataset, prompt_len, completion_len)
+        return ContinuationTask(corpus, prompt_len, completion_len)
     if name == "gc-content":
-        return GCContentTask(dataset, prompt_len, completion_len, gc_target, avoid)
+        return GCContentTask(corpus, prompt_len, completion_len, gc_target, avoid)
     raise UserError(f"task.name: unknown task {name!r}; available: continuation, gc-content")

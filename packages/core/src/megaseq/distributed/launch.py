@@ -263,8 +263,10 @@ def _where(record: dict[str, Any]) -> str:
 
 def with_absolute_paths(recipe: Recipe) -> Recipe:
     """The recipe with every path a worker reads or writes made absolute against this process's working
-    directory: Ray starts its workers in a working directory of its own. ``run.out_dir`` (with ``{name}``
-    filled in) and FASTA files named in ``data.train``/``data.heldout``; data-source names stay names."""
+    directory, as the one-process trainer reads them: Ray starts its workers in a working directory of its own.
+    ``run.out_dir`` (with ``{name}`` filled in) and FASTA files named in ``data.train``/``data.heldout``;
+    data-source names stay names. A component's path fields (``megaseq.records.LocalPath``, such as a data
+    source's file in ``[data_source.NAME]``) are absolute already: validating the recipe in this process made them so."""
     from megaseq.data.sources import data_sources
 
     sources = data_sources()
