@@ -45,7 +45,7 @@ def test_the_estimate_gives_a_ranks_parameters(config):
 
 def test_the_estimates_chunk_group_does_not_shrink_with_the_heads():
     """Backward's intra-chunk graph runs at most ``GROUP_HEAD_TOKENS`` (token, head) pairs at once: with one
-    head per rank at 2k tokens that is as many as with two, so a rank's temporary is more than half of it."""
-    whole = memory_estimate(KDAConfig(n_heads=2, head_dim=64), ModelDims(128, 2, 8), 2048)
-    rank = memory_estimate(KDAConfig(n_heads=2, head_dim=64), ModelDims(128, 2, 8, tp_size=2), 2048)
+    head per rank at 16k tokens that is as many as with two, so a rank's temporary is more than half of it."""
+    whole = memory_estimate(KDAConfig(n_heads=2, head_dim=64), ModelDims(128, 2, 8), 16384)
+    rank = memory_estimate(KDAConfig(n_heads=2, head_dim=64), ModelDims(128, 2, 8, tp_size=2), 16384)
     assert rank.temporary > whole.temporary / 2

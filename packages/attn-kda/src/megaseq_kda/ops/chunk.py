@@ -12,12 +12,12 @@ and then, with A_qk[s, j] = sum_d q_s[d] k_j[d] exp(G_s[d] - G_j[d]) for j <= s,
     o      = (exp(G) * Q) S + A_qk delta
     S_next = Diag(exp(G_last)) S + (exp(G_last - G) * K)^T delta.
 
-Numerics: only exponents <= 0 are ever exponentiated. The gated Gram matrices are built in blocks
-(``_GatedGrams``): a block below the diagonal factorises as exp(G_s - G_r) * exp(G_r - G_j) with r the first
-row of the row's block (j < r <= s, so both factors decay), blocks on the diagonal split again (64, 16, 4 rows),
-and the 4 x 4 ones are formed one sub-diagonal at a time from exp(G_s - G_j), j <= s; no [T, 4, K] tensor is
-ever stored. Cumulative log-decays are summed in float64 (differences of large sums would lose accuracy in
-fp32); everything else runs in fp32 (float64 for float64 inputs), also under bf16 autocast (which the op
+Numerics: only exponents <= 0 are ever exponentiated. The gated Gram matrices are built in 16-token
+sub-chunks (``_GatedGrams``): a block below the diagonal factorises as exp(G_s - G_r) * exp(G_r - G_j) with r
+the first row of the row's sub-chunk (j < r <= s, so both factors decay), and the 16 x 16 diagonal blocks are
+formed one sub-diagonal at a time from exp(G_s - G_j), j <= s; no [T, 16, K] tensor is ever stored.
+Cumulative log-decays are summed in float64 (differences of large sums would lose accuracy in fp32);
+everything else runs in fp32 (float64 for float64 inputs), also under bf16 autocast (which the op
 switches off inside: it takes bf16 inputs and returns its output in q's dtype).
 
 Memory: one custom autograd Function runs the whole op. Forward saves only its inputs (q, k, v, g, beta: what
@@ -51,11 +51,9 @@ from megaseq.dtypes import compute_dtype
 from megaseq_kda.ops.inputs import check_kda_inputs
 
 CHUNK = 64
-# Forward and backward hold the intra-chunk tensors of about this many (token, head) pairs at a time. The
-# work on them is elementwise and bound by memory traffic: at 2048 a tensor of head_dim 64 is 0.5 MiB and a
-# group's working set stays near a core's L2 cache (measured on a 2 MiB-L2 CPU, one thread, one layer's
-# forward and backward: 16384 pairs 1.29 s, 4096 1.14 s, 2048 1.06 s at 32k tokens).
-GROUP_HEAD_TOKENS = 2048
+SUBCHUNK = 16  # the gated Grams' blocks (``_GatedGrams``)
+# Forward and backward hold the intra-chunk tensors of about this many (token, head) pairs at a time.
+GROUP_HEAD_TOKENS = 16384
 
 
 def chunk_kda(
@@ -196,14 +194,13 @@ class _GatedGrams(torch.autograd.Function):
     """A_kk (strictly lower) and A_qk (lower, diagonal included) of every chunk: ``(k, q [..., CHUNK, K], G)`` ->
     two ``[..., CHUNK, CHUNK]``, with G the float64 cumulative log-decay of the chunk.
 
-    A block of ``L`` rows splits into ``SPLIT`` x ``SPLIT`` blocks. A block below the diagonal is one matmul of
-    rows and columns rebased on the first row r of its row block: exp(G_s - G_r) * x_s against exp(G_r - G_j) * k_j
-    (j < r <= s, so both exponents are <= 0). Blocks on the diagonal split again, from 64 to 16 to 4 rows, and
-    the 4 x 4 ones are formed one sub-diagonal at a time from exp(G_s - G_j), j <= s. So each token pairs with
-    2.5 others elementwise (instead of 8.5 at one level of 16) and the rest is products. The exponents are
-    differences of the float64 G, exponentiated in the compute dtype. Backward runs the same blocks by hand,
-    with the forward's decays (no intra-chunk graph of slices and pads whose gradients fill whole-size zero
-    tensors). The op runs on one group of chunks at a time, so the decays kept are bounded like the group.
+    In blocks of ``SUBCHUNK`` rows: a block below the diagonal is one matmul of rows and columns rebased on the
+    first row r of its block row, exp(G_s - G_r) * x_s against exp(G_r - G_j) * k_j (j < r <= s, so both
+    exponents are <= 0); a block on the diagonal is formed one sub-diagonal at a time from exp(G_s - G_j),
+    j <= s. Exponents are differences of the float64 G, exponentiated in the compute dtype. Backward runs the
+    same blocks by hand with the forward's decays (an autograd graph of these slices and pads would fill a
+    whole-size zero tensor for the gradient of each); the op runs on one group of chunks at a time, so the
+    decays kept are bounded like the group.
     """
 
     @staticmethod
@@ -212,8 +209,7 @@ class _GatedGrams(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.stack([k, q])  # rows[0] pairs k with k (strictly lower), rows[1] q with k
         grams = rows.new_zeros(*rows.shape[:-1], rows.shape[-2])
-        ctx.decays = []
-        _grams_into(grams, rows, G, ctx.decays)
+        ctx.decays = _grams_into(grams, rows, G)
         ctx.save_for_backward(rows, G)
         return grams[0], grams[1]
 
@@ -223,80 +219,110 @@ class _GatedGrams(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         rows, G = ctx.saved_tensors
         d_rows, dG = torch.zeros_like(rows), torch.zeros_like(G)
-        _grams_backward(torch.stack([d_kk, d_qk]), rows, iter(ctx.decays), d_rows, dG)
+        _grams_backward(torch.stack([d_kk, d_qk]), rows, G, iter(ctx.decays), d_rows, dG)
         return d_rows[0], d_rows[1], dG
 
 
-SPLIT = 4  # a block of the Gram matrices splits into SPLIT x SPLIT blocks, down to blocks of SPLIT rows
+def _subchunks(x: torch.Tensor) -> torch.Tensor:
+    """``[..., L, D]`` -> ``[..., L // SUBCHUNK, SUBCHUNK, D]`` (a view)."""
+    return x.unflatten(-2, (-1, SUBCHUNK))
 
 
-def _diagonal_blocks(x: torch.Tensor, b: int) -> torch.Tensor:
-    """The ``b x b`` blocks on the diagonal of ``x [..., L, L]`` as a view ``[..., L // b, b, b]``."""
-    n = x.shape[-1] // b
-    return x.unflatten(-1, (n, b)).unflatten(-3, (n, b)).diagonal(0, -4, -2).movedim(-1, -3)
+def _diagonal_blocks(x: torch.Tensor) -> torch.Tensor:
+    """The ``SUBCHUNK x SUBCHUNK`` blocks on the diagonal of ``x [..., L, L]`` as a view ``[..., L // SUBCHUNK,
+    SUBCHUNK, SUBCHUNK]``."""
+    n = x.shape[-1] // SUBCHUNK
+    return x.unflatten(-1, (n, SUBCHUNK)).unflatten(-3, (n, SUBCHUNK)).diagonal(0, -4, -2).movedim(-1, -3)
 
 
-def _grams_into(out: torch.Tensor, rows: torch.Tensor, G: torch.Tensor, decays: list[torch.Tensor]) -> None:
-    """Writes the gated Grams of ``rows [P, ..., L, K]`` against ``rows[0]`` into ``out [P, ..., L, L]`` (zero
-    above the diagonal, and on it for rows[0]); ``G [..., L, K]``. Appends every decay it forms to ``decays``,
-    in the order :func:`_grams_backward` takes them."""
+def _grams_into(out: torch.Tensor, rows: torch.Tensor, G: torch.Tensor) -> list[torch.Tensor]:
+    """Writes the gated Grams of ``rows [P, ..., L, K]`` against ``rows[0]`` into the zeros ``out [P, ..., L, L]``
+    (above the diagonal stays zero, and on it for rows[0]); ``G [..., L, K]``. Returns the decays it formed, in
+    the order :func:`_grams_backward` takes them."""
     L, dtype = rows.shape[-2], rows.dtype
-    if L <= SPLIT:
-        for d in range(L):  # sub-diagonal d pairs row s with column s - d
-            k_decayed = rows[0]
-            if d:
-                decays.append(_exp(G[..., d:, :] - G[..., : L - d, :], dtype))
-                k_decayed = rows[0, ..., : L - d, :] * decays[-1]
-            pairs = slice(None) if d else slice(1, None)
-            out[pairs].diagonal(-d, -2, -1).copy_((rows[pairs, ..., d:, :] * k_decayed).sum(-1))
-        return
-    b = L // SPLIT
-    for r in range(b, L, b):
-        # rows [r, r + b) and columns [0, r), rebased on row r
-        row_decay = _exp(G[..., r : r + b, :] - G[..., r : r + 1, :], dtype)
+    decays = []
+    for r in range(SUBCHUNK, L, SUBCHUNK):  # rows [r, r + SUBCHUNK) and columns [0, r), rebased on row r
+        row_decay = _exp(G[..., r : r + SUBCHUNK, :] - G[..., r : r + 1, :], dtype)
         col_decay = _exp(G[..., r : r + 1, :] - G[..., :r, :], dtype)
         decays += [row_decay, col_decay]
-        out[..., r : r + b, :r] = (rows[..., r : r + b, :] * row_decay) @ (rows[0, ..., :r, :] * col_decay).mT
-    _grams_into(_diagonal_blocks(out, b), rows.unflatten(-2, (SPLIT, b)), G.unflatten(-2, (SPLIT, b)), decays)
+        row_part, col_part = rows[..., r : r + SUBCHUNK, :] * row_decay, rows[0, ..., :r, :] * col_decay
+        out[..., r : r + SUBCHUNK, :r] = row_part @ col_part.mT
+    for c in _chunk_slices(G):
+        _diagonal_grams(out[..., c, :, :], rows[..., c, :, :], G[..., c, :, :])
+    return decays
 
 
 def _grams_backward(
-    d_out: torch.Tensor, rows: torch.Tensor, decays: Iterator[torch.Tensor], d_rows: torch.Tensor, dG: torch.Tensor
+    d_out: torch.Tensor,
+    rows: torch.Tensor,
+    G: torch.Tensor,
+    decays: Iterator[torch.Tensor],
+    d_rows: torch.Tensor,
+    dG: torch.Tensor,
 ) -> None:
     """Adds the gradients of :func:`_grams_into` given ``d_out`` into ``d_rows`` and ``dG`` (the shapes of rows
     and G). An exponent G_a - G_b adds its gradient to dG_a and subtracts it from dG_b."""
     L = rows.shape[-2]
-    if L <= SPLIT:
-        for d in range(L):
-            head, tail = slice(None, L - d), slice(d, None)
-            decay = next(decays) if d else None
-            k_decayed = rows[0, ..., head, :] * decay if d else rows[0]
-            pairs = slice(None) if d else slice(1, None)
-            grads = d_out[pairs].diagonal(-d, -2, -1)[..., None]
-            d_rows[pairs, ..., tail, :] += grads * k_decayed
-            d_k_decayed = (grads * rows[pairs, ..., tail, :]).sum(0)
-            d_rows[0, ..., head, :] += d_k_decayed * decay if d else d_k_decayed
-            if d:
-                d_exponent = d_k_decayed * k_decayed
-                dG[..., tail, :] += d_exponent
-                dG[..., head, :] -= d_exponent
-        return
-    b = L // SPLIT
-    for r in range(b, L, b):
+    for r in range(SUBCHUNK, L, SUBCHUNK):
         row_decay, col_decay = next(decays), next(decays)
-        row_part, col_part = rows[..., r : r + b, :] * row_decay, rows[0, ..., :r, :] * col_decay
-        d_block = d_out[..., r : r + b, :r]
+        row_part, col_part = rows[..., r : r + SUBCHUNK, :] * row_decay, rows[0, ..., :r, :] * col_decay
+        d_block = d_out[..., r : r + SUBCHUNK, :r]
         d_row = d_block @ col_part
-        d_col = (d_block.transpose(-1, -2) @ row_part).sum(0)
-        d_rows[..., r : r + b, :] += d_row * row_decay
+        d_col = (d_block.mT @ row_part).sum(0)
+        d_rows[..., r : r + SUBCHUNK, :] += d_row * row_decay
         d_rows[0, ..., :r, :] += d_col * col_decay
         d_row_exponent = (d_row * row_part).sum(0)
         d_col_exponent = d_col * col_part
-        dG[..., r : r + b, :] += d_row_exponent
+        dG[..., r : r + SUBCHUNK, :] += d_row_exponent
         dG[..., r, :] += d_col_exponent.sum(-2) - d_row_exponent.sum(-2)
         dG[..., :r, :] -= d_col_exponent
-    split = (x.unflatten(-2, (SPLIT, b)) for x in (rows, d_rows, dG))
-    _grams_backward(_diagonal_blocks(d_out, b), next(split), decays, *split)
+    for c in _chunk_slices(G):
+        _diagonal_grams_backward(*(x[..., c, :, :] for x in (d_out, rows, G, d_rows, dG)))
+
+
+# The diagonal blocks' sub-diagonal loop makes many elementwise passes over its tensors: it runs on slices of
+# about this many (token, head) pairs, whose tensors stay in a core's L2 cache (0.5 MiB at head_dim 64), while
+# the rest of a group's intra-chunk work runs on the whole group. Measured on a 2 MiB-L2 CPU at 8k tokens, one
+# thread: one layer's op forward and backward 0.38-0.40 CPU s in one pass over a group of 16,384 pairs.
+DIAGONAL_HEAD_TOKENS = 2048
+
+
+def _chunk_slices(G: torch.Tensor) -> list[slice]:
+    """Runs of chunks of ``G [..., n_chunks, CHUNK, K]`` holding about DIAGONAL_HEAD_TOKENS (token, head) pairs."""
+    step = max(1, DIAGONAL_HEAD_TOKENS // (G[..., 0, 0, 0].numel() * CHUNK))
+    return [slice(c, c + step) for c in range(0, G.shape[-3], step)]
+
+
+def _diagonal_grams(out: torch.Tensor, rows: torch.Tensor, G: torch.Tensor) -> None:
+    """The ``SUBCHUNK x SUBCHUNK`` blocks on the diagonal of the Grams (:func:`_grams_into`), one sub-diagonal d
+    at a time: row s with column s - d."""
+    out, rows, G = _diagonal_blocks(out), _subchunks(rows), _subchunks(G)
+    for d in range(SUBCHUNK):
+        k_decayed = rows[0]
+        if d:
+            k_decayed = rows[0, ..., : SUBCHUNK - d, :] * _exp(G[..., d:, :] - G[..., : SUBCHUNK - d, :], rows.dtype)
+        pairs = slice(None) if d else slice(1, None)
+        out[pairs].diagonal(-d, -2, -1).copy_((rows[pairs, ..., d:, :] * k_decayed).sum(-1))
+
+
+def _diagonal_grams_backward(
+    d_out: torch.Tensor, rows: torch.Tensor, G: torch.Tensor, d_rows: torch.Tensor, dG: torch.Tensor
+) -> None:
+    """Adds the gradients of :func:`_diagonal_grams` into ``d_rows`` and ``dG`` (their decays formed again)."""
+    d_out, rows, G, d_rows, dG = (_diagonal_blocks(d_out), *(_subchunks(x) for x in (rows, G, d_rows, dG)))
+    for d in range(SUBCHUNK):
+        head, tail = slice(None, SUBCHUNK - d), slice(d, None)
+        decay = _exp(G[..., tail, :] - G[..., head, :], rows.dtype) if d else None
+        k_decayed = rows[0, ..., head, :] * decay if d else rows[0]
+        pairs = slice(None) if d else slice(1, None)
+        grads = d_out[pairs].diagonal(-d, -2, -1)[..., None]
+        d_rows[pairs, ..., tail, :] += grads * k_decayed
+        d_k_decayed = (grads * rows[pairs, ..., tail, :]).sum(0)
+        d_rows[0, ..., head, :] += d_k_decayed * decay if d else d_k_decayed
+        if d:
+            d_exponent = d_k_decayed * k_decayed
+            dG[..., tail, :] += d_exponent
+            dG[..., head, :] -= d_exponent
 
 
 class _ChunkedKDA(torch.autograd.Function):

@@ -23,6 +23,10 @@ the block's two norms, ``x``: the block input, d_model x 4 bytes):
     ... in tiles of t    x + carry          (re-creates a t, and f t for a dense feed-forward or f N for MoE,
                                              whose input h, x per token, is then kept as well)
 
+A recomputed block's re-run re-creates both parts at once; its backward then runs the feed-forward's part
+beside that part's temporary and frees ``f N`` before the attention's part runs beside its own, so the block's
+working set is the larger of ``(a + f + o) N + ffn temporary`` and ``(a + o / 2) N + attention temporary``.
+
 A recomputed component also keeps what it declares as ``MemoryEstimate.kept_per_token`` (what its re-run takes
 back instead of computing again, ``ForwardContext.keep``: a sparse attention's selected indices), beside its part's input,
 where the policy's re-runs take it back (``MemoryEffect.reuses_kept``).
@@ -337,7 +341,10 @@ def estimate(
         elif part == "attention":
             kept, work, unit_input = (f + norms + x) * tokens + rerun_a, a * tokens + temp, x * tokens
         elif tile is None or not c.attention_tiles or tile >= length:
-            kept, work, unit_input = x * tokens + rerun_a + rerun_f, (a + f + norms) * tokens + temp, x * tokens
+            # the block's re-run re-creates both parts' activations; backward then runs the FFN's part (beside its
+            # temporary) and frees them before the attention's part runs beside its own
+            work = max((a + f + norms) * tokens + ffn_temp, (a + norms / 2) * tokens + attention_temp)
+            kept, unit_input = x * tokens + rerun_a + rerun_f, x * tokens
         else:
             if attention.tiling is None:
                 raise UserError(f"{recipe.source}: attention of layer {i} ({c.kind}) declares sequence_tiling but its "
