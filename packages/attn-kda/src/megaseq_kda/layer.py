@@ -342,9 +342,9 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     allocations unmapped when freed: 94, 224 and 320 MiB at 4k, 16k and 64k for the default recipe's layer,
     and with the test kit's ``transient_bytes`` at the suite's sizes): the op's gradients of q, k, v, g and
     the incoming one of its output (5 x width per token), then the larger of one group of chunks'
-    intra-chunk graph (~36 x head_dim per token and head, plus ~3 ``CHUNK x CHUNK`` matrices per chunk and
-    head, 3 x CHUNK per token and head: the op's backward measured 43.6, 38.6 and 37.6 x head_dim at head_dim
-    32, 64 and 128; at most ``GROUP_HEAD_TOKENS`` of them) and one block of the recomputed front or tail (~24 x width per token, at
+    intra-chunk tensors (~36 x head_dim per token and head, plus ~6 ``CHUNK x CHUNK`` matrices per chunk and
+    head, 6 x CHUNK per token and head, the larger part for small heads: the op's backward measured 43.6, 38.6
+    and 37.6 x head_dim at head_dim 32, 64 and 128 over 16k tokens; at most ``GROUP_HEAD_TOKENS`` of them) and one block of the recomputed front or tail (~24 x width per token, at
     most ``BLOCK_TOKENS``): backward runs them one after another. Under tensor parallelism
     (``dims.tp_size``) all of it is one rank's, whose heads run over the gathered sequence: the gates'
     down-projections and the output norm's weight are whole on every rank."""
@@ -357,7 +357,7 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     parameters = d * 3 * width + 3 * width * config.conv_size + d * heads + 2 * (d * rank + rank * width)
     parameters += heads + width + config.head_dim + width * d + (width if config.out_gate_bias else 0)
     per_token = d + 5 * width + heads + heads * config.head_dim**2 / CHUNK
-    group = min(GROUP_HEAD_TOKENS, seq_len * heads) * (36 * config.head_dim + 3 * CHUNK)
+    group = min(GROUP_HEAD_TOKENS, seq_len * heads) * (36 * config.head_dim + 6 * CHUNK)
     temporary = 5 * width * seq_len + max(group, 24 * min(BLOCK_TOKENS, seq_len) * width)
     # a sequence tile hands on the recurrent state (fp32) and the convolution's last inputs
     carry = TileCarry(per_tile=4 * (heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))
