@@ -161,13 +161,28 @@ def test_saved_for_backward_is_the_inputs_and_one_state_per_chunk() -> None:
     assert floats_per_token_and_head <= 3 * K + V + 1 + K * V / 64, floats_per_token_and_head
 
 
-@pytest.mark.slow  # float64 gradcheck of the hand-written backward: seconds
-def test_gated_grams_backward_gradcheck() -> None:
-    """Blocks below the diagonal and on it, both Grams, against finite differences."""
+def _gated_grams_by_definition(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_kk, A_qk formed directly: sum_d x_s k_j exp(G_s - G_j) for j < s (A_kk) and j <= s (A_qk)."""
+    decay = (G[..., :, None, :] - G[..., None, :, :]).clamp_max(0).exp()  # [.., s, j, K]
+    lower = torch.ones(G.shape[-2], G.shape[-2], dtype=torch.bool).tril()
+    kk = torch.einsum("...sd,...jd,...sjd->...sj", k, k, decay) * lower.tril(-1)
+    return kk, torch.einsum("...sd,...jd,...sjd->...sj", q, k, decay) * lower
+
+
+def test_gated_grams_backward_equals_autograd_through_the_definition() -> None:
+    """The hand-written backward (blocks below the diagonal and on it, both Grams) against autograd through the
+    direct formula, float64, two chunks, gates of up to -3 per token."""
     gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(2, 64, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    G = (-3 * torch.rand(2, 64, 3, generator=gen, dtype=torch.float64)).cumsum(-2).requires_grad_()
-    assert torch.autograd.gradcheck(_GatedGrams.apply, (k, q, G))
+    k, q = (torch.randn(2, 64, 5, generator=gen, dtype=torch.float64) for _ in range(2))
+    G = (-3 * torch.rand(2, 64, 5, generator=gen, dtype=torch.float64)).cumsum(-2)
+    weights = [torch.randn(2, 64, 64, generator=gen, dtype=torch.float64) for _ in range(2)]
+    grads = []
+    for grams in (_GatedGrams.apply, _gated_grams_by_definition):
+        leaves = [x.clone().requires_grad_() for x in (k, q, G)]
+        sum((w * a).sum() for w, a in zip(weights, grams(*leaves), strict=True)).backward()
+        grads.append([x.grad for x in leaves])
+    for name, got, want in zip("kqG", *grads, strict=True):
+        assert_close(got, want, f"d{name}", 1e-12)
 
 
 def test_gated_grams_equal_their_definition_at_extreme_gates() -> None:
@@ -178,11 +193,9 @@ def test_gated_grams_equal_their_definition_at_extreme_gates() -> None:
     g = -torch.logspace(-3, math.log10(60), 64 * 8, dtype=torch.float64)[torch.randperm(64 * 8, generator=gen)]
     G = g.view(1, 64, 8).expand(3, 64, 8).cumsum(-2)
     A_kk, A_qk = _GatedGrams.apply(k, q, G)
-    decay = (G[:, :, None, :] - G[:, None, :, :]).clamp_max(0).exp()  # [.., s, j, K]
-    lower = torch.ones(64, 64, dtype=torch.bool).tril()
-    for got, x, mask in ((A_qk, q, lower), (A_kk, k, lower.tril(-1))):
-        want = torch.einsum("bsd,bjd,bsjd->bsj", x.double(), k.double(), decay) * mask
-        assert_close(got, want, "gated Gram")
+    want_kk, want_qk = _gated_grams_by_definition(k.double(), q.double(), G)
+    assert_close(A_kk, want_kk, "A_kk")
+    assert_close(A_qk, want_qk, "A_qk")
 
 
 @pytest.mark.parametrize("group_head_tokens", [1, 3 * 64])
