@@ -405,6 +405,28 @@ def test_sparse_attention_matches_reference(chunk_size: int | None):
         assert_close(got, want)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+def test_sparse_attention_with_holes_and_cut_columns_matches_reference(chunk_size: int | None):
+    """A chunk gathers its index columns up to the last valid one only: rows with -1 holes between valid
+    indices, rows whose valid indices end at different columns, a chunk whose columns all end early, and one
+    row with its only index in the last slot, against the float64 reference."""
+    seq_len, slots = 11, 8
+    q, k, v = attention_inputs(seq_len)
+    indices = random_indices(2, seq_len, slots, seed=3)
+    indices[:, 1:4, 5:] = -1  # an early chunk whose columns end at 5
+    indices[:, 5] = torch.arange(slots, dtype=indices.dtype)
+    indices[:, 5, 1:4] = -1  # holes inside full rows: five valid indices, the last in the last slot
+    indices[:, 7] = -1
+    indices[:, 7, -1] = 2  # a single index, in the last slot
+    grad_out = torch.randn(2, seq_len, 3, 12, generator=torch.Generator().manual_seed(9))
+    fast = forward_and_grads(sparse_attention, q, k, v, indices, 0.3, grad_out, chunk_size=chunk_size)
+    oracle = forward_and_grads(
+        sparse_attention_reference, q.double(), k.double(), v.double(), indices, 0.3, grad_out
+    )
+    for got, want in zip(fast, oracle, strict=True):
+        assert_close(got, want)
+
+
 @pytest.mark.parametrize("chunk_size", [3, None])
 def test_sparse_attention_keys_longer_than_queries(chunk_size: int | None):
     n_queries, n_keys, slots = 23, 61, 13

@@ -107,14 +107,16 @@ class _Chunks:
         # gathered and multiplied (a row of topk + pool - 1 indices is padded to a multiple of 64, and the first
         # queries see fewer keys than the slots).
         columns = valid.flatten(0, 1).any(0)
-        used = max(1, int((columns * torch.arange(1, len(columns) + 1, device=columns.device)).max()))
+        last = (columns * torch.arange(1, len(columns) + 1, device=columns.device)).max()
+        used, n_valid = torch.stack([last, valid.sum()]).tolist()  # one read to the host for both
+        used = max(1, used)
         indices, valid = indices[..., :used], valid[..., :used]
         batch, chunk, slots = indices.shape
         # Padding reads row 0 of its sequence; its probability is exactly 0, so it adds nothing anywhere.
         offsets = torch.arange(batch, device=indices.device)[:, None, None] * self.n_keys
         rows = (indices.long().clamp_min(0) + offsets).view(-1)
         kv = torch.index_select(self.kv, 0, rows, out=self.gathered[: len(rows)])
-        valid = None if bool(valid.all()) else valid.view(batch * chunk, 1, slots)
+        valid = None if n_valid == valid.numel() else valid.view(batch * chunk, 1, slots)
         return indices, rows, kv.view(batch * chunk, slots, -1), valid
 
     def scores_of(
