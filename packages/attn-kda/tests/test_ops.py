@@ -198,15 +198,21 @@ def test_gated_grams_equal_their_definition_at_extreme_gates() -> None:
     assert_close(A_qk, want_qk, "A_qk")
 
 
-@pytest.mark.parametrize("group_head_tokens", [1, 3 * 64])
-def test_chunk_groups_do_not_change_results(group_head_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forward and backward walk groups of chunks (one chunk, or three per group here): the state and its
+@pytest.mark.parametrize(
+    ("group_head_tokens", "diagonal_head_tokens"), [(1, 2048), (3 * 64, 2048), (10**6, 64), (10**6, 2 * 64)]
+)
+def test_chunk_groups_do_not_change_results(
+    group_head_tokens: int, diagonal_head_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forward and backward walk groups of chunks (one chunk, or three per group here), and the Grams' diagonal
+    blocks slices of a group (one chunk, or two per slice, of a group of every chunk): the state and its
     gradient cross group boundaries, also inside and between packed documents, exactly as in one group."""
     lengths = [150, 1, 0, 64, 200, 5]  # documents spanning groups, starting and ending inside them
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     inputs = make_inputs(B=1, T=sum(lengths), H=1, K=8, V=6, gate="mixed", n_states=len(lengths))
     oracle = run_with_grads(naive_recurrent_kda, inputs, torch.float64, cu_seqlens=offsets)
     monkeypatch.setattr(chunk_module, "GROUP_HEAD_TOKENS", group_head_tokens)
+    monkeypatch.setattr(chunk_module, "DIAGONAL_HEAD_TOKENS", diagonal_head_tokens)
     assert_all_close(run_with_grads(chunk_kda, inputs, torch.float64, cu_seqlens=offsets), oracle, tol=1e-11)
     batched = make_inputs(B=2, T=300, H=2, K=8, V=6, gate="random")
     oracle = run_with_grads(naive_recurrent_kda, batched, torch.float64)

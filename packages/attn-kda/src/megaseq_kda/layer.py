@@ -344,9 +344,10 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     the incoming one of its output (5 x width per token), then the larger of one group of chunks'
     intra-chunk tensors (~36 x head_dim per token and head, plus ~6 ``CHUNK x CHUNK`` matrices per chunk and
     head, 6 x CHUNK per token and head, the larger part for small heads: the op's backward measured 43.6, 38.6
-    and 37.6 x head_dim at head_dim 32, 64 and 128 over 16k tokens; at most ``GROUP_HEAD_TOKENS`` of them) and one block of the recomputed front or tail (~24 x width per token, at
-    most ``BLOCK_TOKENS``): backward runs them one after another. Under tensor parallelism
-    (``dims.tp_size``) all of it is one rank's, whose heads run over the gathered sequence: the gates'
+    and 37.6 x head_dim at head_dim 32, 64 and 128 over 16k tokens; at most ``GROUP_HEAD_TOKENS`` of them)
+    and one block of the recomputed front or tail (~24 x width per token, at most ``BLOCK_TOKENS``): backward
+    runs them one after another. Under tensor parallelism (``dims.tp_size``) all of it is one rank's, whose
+    heads run over the gathered sequence: the gates'
     down-projections and the output norm's weight are whole on every rank."""
     if config.n_heads % dims.tp_size:
         raise ValueError(f"attention.kda: n_heads {config.n_heads} is not a multiple of tp {dims.tp_size}")
