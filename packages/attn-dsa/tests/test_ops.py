@@ -390,12 +390,8 @@ def forward_and_grads(fn, q, k, v, indices, scale, grad_out, **kwargs):
     return (out, *grads)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, None])
-def test_sparse_attention_matches_reference(chunk_size: int | None):
-    seq_len, slots = 53, 19
-    q, k, v = attention_inputs(seq_len)
-    indices = random_indices(2, seq_len, slots)
-    grad_out = torch.randn(2, seq_len, 3, 12, generator=torch.Generator().manual_seed(9))
+def assert_matches_reference(q, k, v, indices, grad_out, chunk_size):
+    """fp32 sparse_attention's output and gradients against the float64 reference."""
     fast = forward_and_grads(sparse_attention, q, k, v, indices, 0.3, grad_out, chunk_size=chunk_size)
     oracle = forward_and_grads(
         sparse_attention_reference, q.double(), k.double(), v.double(), indices, 0.3, grad_out
@@ -403,6 +399,15 @@ def test_sparse_attention_matches_reference(chunk_size: int | None):
     for got, want in zip(fast, oracle, strict=True):
         assert got.dtype == torch.float32
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, None])
+def test_sparse_attention_matches_reference(chunk_size: int | None):
+    seq_len, slots = 53, 19
+    q, k, v = attention_inputs(seq_len)
+    indices = random_indices(2, seq_len, slots)
+    grad_out = torch.randn(2, seq_len, 3, 12, generator=torch.Generator().manual_seed(9))
+    assert_matches_reference(q, k, v, indices, grad_out, chunk_size)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, None])
@@ -419,12 +424,7 @@ def test_sparse_attention_with_holes_and_cut_columns_matches_reference(chunk_siz
     indices[:, 7] = -1
     indices[:, 7, -1] = 2  # a single index, in the last slot
     grad_out = torch.randn(2, seq_len, 3, 12, generator=torch.Generator().manual_seed(9))
-    fast = forward_and_grads(sparse_attention, q, k, v, indices, 0.3, grad_out, chunk_size=chunk_size)
-    oracle = forward_and_grads(
-        sparse_attention_reference, q.double(), k.double(), v.double(), indices, 0.3, grad_out
-    )
-    for got, want in zip(fast, oracle, strict=True):
-        assert_close(got, want)
+    assert_matches_reference(q, k, v, indices, grad_out, chunk_size)
 
 
 @pytest.mark.parametrize("chunk_size", [3, None])
@@ -434,12 +434,7 @@ def test_sparse_attention_keys_longer_than_queries(chunk_size: int | None):
     _, k, v = attention_inputs(n_keys, seed=2)
     indices = random_indices(2, n_queries, slots, seed=4, n_keys=n_keys)
     grad_out = torch.randn(2, n_queries, 3, 12, generator=torch.Generator().manual_seed(5))
-    fast = forward_and_grads(sparse_attention, q, k, v, indices, 0.3, grad_out, chunk_size=chunk_size)
-    oracle = forward_and_grads(
-        sparse_attention_reference, q.double(), k.double(), v.double(), indices, 0.3, grad_out
-    )
-    for got, want in zip(fast, oracle, strict=True):
-        assert_close(got, want)
+    assert_matches_reference(q, k, v, indices, grad_out, chunk_size)
 
 
 @pytest.mark.parametrize("pool", [1, 4])

@@ -84,6 +84,13 @@ def test_suite_catches(variant: str, test: str, message: str, monkeypatch: pytes
         getattr(Suite(), "test_context_parallel" if test == "opt-out" else test)()
 
 
+
+def _suite(component: str, memory: str, d_model: int) -> AttentionConformance:
+    """The suite on one of the kit's variants (or sdpa, with two heads) with a memory estimate of this file's."""
+    knobs = {"name": component, "config": {"n_heads": 2} if component == "sdpa" else {}, "d_model": d_model,
+             "factory": factory(component), "memory": factory(memory)}
+    return type(f"Suite{component}", (AttentionConformance,), knobs)()
+
 @pytest.mark.parametrize(
     ("factory_name", "memory", "message"),
     [
@@ -95,14 +102,8 @@ def test_suite_holds_the_memory_estimate(factory_name: str, memory: str, message
     """A 3x underestimate, and a per-token estimate right at one length of a component whose saved bytes grow
     as the square of the tokens (caught at the second length)."""
 
-    class Suite(AttentionConformance):
-        name = factory_name
-        config = {"n_heads": 2} if factory_name == "sdpa" else {}
-        factory = globals()["factory"](factory_name)
-
-    Suite.memory = globals()["factory"](memory)
     with pytest.raises(AssertionError, match=message):
-        Suite().test_memory_estimate()
+        _suite(factory_name, memory, d_model=32).test_memory_estimate()
 
 
 @pytest.mark.parametrize(
@@ -119,18 +120,12 @@ def test_suite_holds_the_temporary_estimate(factory_name: str, memory: str, mess
     """sdpa with its own estimate passes; a component with a wide scratch buffer that its estimate does not
     declare is caught, and so is an estimate ten times the working set."""
 
-    class Suite(AttentionConformance):
-        name = factory_name
-        config = {"n_heads": 2} if factory_name == "sdpa" else {}
-        factory = globals()["factory"](factory_name)
-        d_model = 32 if factory_name == "sdpa" else 8
-
-    Suite.memory = globals()["factory"](memory)
+    suite = _suite(factory_name, memory, d_model=32 if factory_name == "sdpa" else 8)
     if message is None:
-        Suite().test_temporary_estimate()
+        suite.test_temporary_estimate()
         return
     with pytest.raises(AssertionError, match=message):
-        Suite().test_temporary_estimate()
+        suite.test_temporary_estimate()
 
 
 @pytest.mark.parametrize(
@@ -147,14 +142,9 @@ def test_suite_holds_what_is_kept_for_a_rerun(variant: str, memory: str, message
     when its estimate omits them, or when it changes the kept value after using it (also when only packed
     documents do)."""
 
-    class Suite(AttentionConformance):
-        name = variant
-        factory = globals()["factory"](variant)
-        d_model = 8
-
-    Suite.memory = globals()["factory"](memory)
+    suite = _suite(variant, memory, d_model=8)
     if message is None:
-        Suite().test_kept_for_rerun()
+        suite.test_kept_for_rerun()
         return
     with pytest.raises(AssertionError, match=message):
-        Suite().test_kept_for_rerun()
+        suite.test_kept_for_rerun()

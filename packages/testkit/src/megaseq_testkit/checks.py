@@ -360,6 +360,10 @@ class _Allocations(TorchDispatchMode):
             self.refs.append(weakref.ref(storage, lambda _, i=index, p=ptr: self._free(i, p)))
         return out
 
+    def alive_bytes(self) -> int:
+        """The bytes of the storages allocated while tracking and not freed (yet)."""
+        return sum(size for size, freed in zip(self.sizes, self.freed, strict=True) if freed is None)
+
     def transient_peak(self) -> int:
         """The most bytes live at once of the storages allocated and freed (those still alive are
         what the call returns or leaves for later: outputs, saved tensors, gradients)."""

@@ -378,8 +378,7 @@ class MemoryPolicyConformance:
             with tracker:
                 hidden = model(tokens[:, :-1], ForwardContext(cu_seqlens=self.cu_seqlens()))
             gc.collect()
-            alive = sum(size for size, freed in zip(tracker.sizes, tracker.freed, strict=True) if freed is None)
-            alive -= hidden.untyped_storage().nbytes()
+            alive = tracker.alive_bytes() - hidden.untyped_storage().nbytes()
             del hidden
         tracker.refs.clear()
         return alive
