@@ -432,7 +432,7 @@ def test_backend_choice_is_never_a_silent_fallback(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="backend 'triton' needs cuda tensors, got cpu; backends that run there"):
         m(inputs(8), ForwardContext())
     assert BACKENDS.select("auto", torch.device("cuda")).name == "triton"
-    assert BACKENDS.select("auto", torch.device("cpu")).name == "torch"
+    assert BACKENDS.select("auto", torch.device("cpu")).name == "native"
 
 
 def test_plugin_module_does_not_import_torch():

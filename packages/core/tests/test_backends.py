@@ -106,3 +106,24 @@ def test_declaration_mistakes_are_caught():
         Backends("x", [op, op], auto=("torch",))
     with pytest.raises(ValueError, match="auto order"):
         Backends("x", [op], auto=("triton",))
+
+
+def test_a_backend_that_cannot_run_here_says_why_when_requested_and_is_passed_over_by_auto(monkeypatch, caplog):
+    """``unavailable`` (a compiler that must build the kernels, say): a requested backend fails in one line
+    with its reason; auto logs the reason and takes the next one; a backend whose check passes is taken."""
+    monkeypatch.setattr(backends_module, "is_installed", lambda module: True)
+    reason: list[str | None] = ["no C compiler"]
+    chooser = Backends(
+        "attention.thing",
+        [Backend("torch", load=lambda: "torch op"),
+         Backend("native", load=lambda: "native op", devices=("cpu",), unavailable=lambda: reason[0])],
+        auto=("native", "torch"),
+    )
+    with pytest.raises(BackendError) as exc:
+        chooser.check("native")
+    assert one_line(exc) == "attention.thing: backend 'native' cannot run here: no C compiler"
+    with caplog.at_level(logging.INFO, logger="megaseq.backends"):
+        assert chooser.load("auto", CPU) == "torch op"
+    assert "passed over: native: no C compiler" in caplog.text
+    reason[0] = None
+    assert chooser.load("auto", CPU) == "native op" and chooser.load("native", CPU) == "native op"

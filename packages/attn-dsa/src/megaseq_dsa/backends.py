@@ -5,7 +5,11 @@
   same arguments and results, pooled selection included. Its kernel scores in fp32, so ``index_scores =
   "bf16"`` with ``backend = "triton"`` is refused in the recipe; under ``auto`` the selection runs torch's bf16
   path on the same device (logged once) and sparse attention runs the kernel.
-- ``auto``: triton where it is installed and runs on the tensors' device, else torch (logged).
+- ``native``: CPU only; selection (fp32 scores; bf16 scores run torch's path), sparse attention and the
+  indexer loss by C kernels compiled on this machine on first use (``megaseq_dsa.ops.native``: needs a C
+  compiler).
+- ``auto``: triton where it is installed and runs on the tensors' device, else native where the tensors are
+  on the CPU and the kernels build, else torch (logged).
 
 The rule is core's (``megaseq.backends``): a requested backend whose package is missing fails when the layer
 is built, one that cannot run on the tensors' device fails at the call; nothing falls back silently.
@@ -69,12 +73,35 @@ def _triton() -> DSAOps:
     return DSAOps(select, attend)
 
 
+def _native() -> DSAOps:
+    from megaseq_dsa.ops import native
+
+    def select(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, query_chunk, scores="fp32"):
+        return native.select_topk(q_idx, k_idx, weights, topk, cu_seqlens, pool, query_positions, scores=scores)
+
+    return DSAOps(select, native.sparse_attention, native.sparse_attention_with_indexer_kl)
+
+
+def _native_unavailable() -> str | None:
+    from megaseq_dsa.ops.native.build import unavailable
+
+    return unavailable()
+
+
+def plans_native(backend: str) -> bool:
+    """Whether the memory plan counts the native kernels' buffers for a layer with this ``backend`` setting:
+    ``native``, or ``auto`` where the kernels build (a plan does not know the run's device: on CUDA ``auto``
+    runs triton, whose working set is the native kernels' size, not the PyTorch path's chunk buffers)."""
+    return backend == "native" or (backend == "auto" and _native_unavailable() is None)
+
+
 BACKENDS = Backends(
     "attention.dsa",
     [
         Backend("torch", load=_torch),
         Backend("triton", load=_triton, requires=("triton",), install="pip install 'megaseq-attn-dsa[triton]'",
                 devices=("cuda",), interpretable=True),
+        Backend("native", load=_native, devices=("cpu",), unavailable=_native_unavailable),
     ],
-    auto=("triton", "torch"),
+    auto=("triton", "native", "torch"),
 )

@@ -39,8 +39,10 @@ class DSAConfig(ComponentConfig):
     freeze_main_in_warmup: bool = Field(
         True, description="dense_warmup: build this layer's non-indexer parameters with requires_grad=False"
     )
-    backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto: triton on CUDA when importable, else torch"
+    backend: Literal["auto", "torch", "triton", "native"] = Field(
+        "auto",
+        description="auto: triton on CUDA when importable, native (C kernels built on first use) on CPU where a C "
+        "compiler builds them, else torch (megaseq_dsa/backends.py)",
     )
     query_chunk: int | None = Field(
         None,

@@ -62,11 +62,12 @@ from megaseq.model import RMSNorm
 from megaseq.parallel import collectives, gather_sequence, tp_gather, tp_reduce_scatter
 from megaseq.records import MemoryEstimate, ModelDims, TileCarry
 from megaseq.rotary import rotary
-from megaseq_dsa.backends import BACKENDS, DSAOps
+from megaseq_dsa.backends import BACKENDS, DSAOps, plans_native
 from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl, query_share
 from megaseq_dsa.ops import selected_slots
-from megaseq_dsa.ops.indexer import DEFAULT_QUERY_BLOCK, SCORE_BLOCK_BYTES, document_starts
+from megaseq_dsa.ops.indexer import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, SCORE_BLOCK_BYTES, document_starts
+from megaseq_dsa.ops.native import ROW_GRADIENT_BYTES, SELECT_ROWS
 from megaseq_dsa.ops.sparse import default_chunk_size
 
 # Tokens a fresh decoding cache has room for before it first grows.
@@ -402,10 +403,13 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     Temporary (the largest of the steps, which run one after another): in backward, the gradients of the
     attention's output and of the absorbed queries (H x (latent + key width) per token), of the compressed
     query and of the key (q_lora_rank + key width), with sparse
-    attention's chunk buffers (a few MiB, less for short sequences) or, dense, one chunk of the indexer loss
+    attention's chunk buffers (a few MiB, less for short sequences; the native kernels read the selected rows in
+    place, and a second thread adds its copy of the key rows' gradients instead, at most ``ROW_GRADIENT_BYTES``;
+    under tensor parallelism the indexer loss keeps its own chunk buffers) or, dense, one chunk of the indexer loss
     (CHUNK_BYTES, less for short sequences); in forward,
-    the selection's score block with its CPU selection copy and mask (~2.5 x the block, at most
-    SCORE_BLOCK_BYTES). Kept for a recomputation's re-run (``ForwardContext.keep``): the selected indices.
+    the selection's score block with its CPU selection copies and mask (~3.5 x the block, at most
+    SCORE_BLOCK_BYTES), the index heads' scores of one key tile and the block's selected rows (native: the
+    transposed candidate keys, a few queries' scores per thread and a block's selected rows). Kept for a recomputation's re-run (``ForwardContext.keep``): the selected indices.
     Measured with ``benchmarks/component_memory.py`` on the default recipe's sparse layer:
     14, 43 and 160 MiB at 4k, 16k and 64k. Under tensor parallelism (``dims.tp_size``) all of it is one rank's,
     whose query heads run over the gathered sequence: what every head reads, the indexer's parameters and keys
@@ -441,14 +445,33 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
             per_token += heads * latent
     grads = 4 * (heads * (latent + key_width) + config.q_lora_rank + key_width) * seq_len
     if config.mode == "sparse":
-        block = 4 * min(DEFAULT_QUERY_BLOCK, seq_len) * -(-seq_len // config.index_pool)
-        # one chunk of queries (its gathered keys and values near ops.sparse.CHUNK_BYTES, fewer queries when the
-        # sequence is shorter) holds, per query and slot, the gathered key, value and index key rows, the heads'
-        # scores and the indexer's per-head products and statistics
         slots = selected_slots(config.topk, config.index_pool)
-        rows = min(seq_len, config.query_chunk or default_chunk_size(1, slots, key_width, latent, torch.float32))
-        chunk = 4 * rows * slots * (key_width + latent + config.index_dim + heads + 3 * index_heads + 4)
-        temporary = max(grads + chunk, 5 * min(block, SCORE_BLOCK_BYTES) // 2)
+        pooled = -(-seq_len // config.index_pool)
+        # a block of queries' chosen blocks and their tokens as int64, then the rows as int64 and int32
+        expand_per_query = 24 * (config.topk // config.index_pool) + 12 * slots  # (``expand_rows``)
+        candidates = 80 * seq_len  # ``pooled_candidates``' int64 ranges and tails per query, positions per key
+        native = plans_native(config.backend)
+        if native:
+            # the transposed candidate keys, two threads' scores of a few queries over every candidate, and a
+            # block of SELECT_ROWS queries' expanded rows
+            selection = 4 * (config.index_dim + 12) * pooled + min(SELECT_ROWS, seq_len) * expand_per_query + candidates
+        else:
+            # a query block's score block (fewer rows where it would pass SCORE_BLOCK_BYTES) with its CPU
+            # selection copies and mask (~3.5 x the block), the per-head scores of one key tile, and the block's
+            # expanded rows
+            rows = min(DEFAULT_QUERY_BLOCK, seq_len, max(1, SCORE_BLOCK_BYTES // (4 * pooled)))
+            selection = 4 * rows * (7 * pooled // 2 + index_heads * min(DEFAULT_KEY_BLOCK, pooled))
+            selection += rows * expand_per_query + candidates
+        if native and dims.tp_size == 1:
+            # the native kernels read the rows in place; a second thread adds its copy of the key rows' gradients
+            chunk = min(ROW_GRADIENT_BYTES, 4 * seq_len * max(key_width, config.index_dim))
+        else:
+            # one chunk of queries (its gathered keys and values near ops.sparse.CHUNK_BYTES, fewer queries when
+            # the sequence is shorter) holds, per query and slot, the gathered key, value and index key rows, the
+            # heads' scores and the indexer's per-head products and statistics
+            rows = min(seq_len, config.query_chunk or default_chunk_size(1, slots, key_width, latent, torch.float32))
+            chunk = 4 * rows * slots * (key_width + latent + config.index_dim + heads + 3 * index_heads + 4)
+        temporary = max(grads + chunk, selection)
     else:
         # one chunk of the indexer loss: its score tile over every key, at most CHUNK_BYTES (indexer_kl's chunking)
         wide = 4 * seq_len * max(heads, index_heads, key_width)

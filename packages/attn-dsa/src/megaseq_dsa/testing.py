@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 import megaseq_dsa.ops
+import megaseq_dsa.ops.native
 from megaseq.contracts import TensorParallel
 from megaseq.documents import Documents
 from megaseq.records import ModelDims
@@ -27,20 +28,27 @@ def build_layer(config: dict[str, Any], d_model: int, seed: int = 0) -> nn.Modul
 
 @contextmanager
 def recorded_selections() -> Iterator[list[tuple[int, int]]]:
-    """Records (queries, keys) of every torch ``select_topk`` call the layer makes inside the block (the
-    ``torch`` backend looks it up in ``megaseq_dsa.ops`` at each call)."""
+    """Records (queries, keys) of every ``select_topk`` call the layer makes inside the block, by the torch or
+    the native backend (each looks its function up in its module, ``megaseq_dsa.ops`` or
+    ``megaseq_dsa.ops.native``, at each call)."""
     calls: list[tuple[int, int]] = []
-    select = megaseq_dsa.ops.select_topk
+    modules = [megaseq_dsa.ops, megaseq_dsa.ops.native]
+    originals = [module.select_topk for module in modules]
 
-    def recording(q_idx: Tensor, k_idx: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        calls.append((q_idx.shape[1], k_idx.shape[1]))
-        return select(q_idx, k_idx, *args, **kwargs)
+    def recorder(select: Any) -> Any:
+        def recording(q_idx: Tensor, k_idx: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            calls.append((q_idx.shape[1], k_idx.shape[1]))
+            return select(q_idx, k_idx, *args, **kwargs)
 
-    megaseq_dsa.ops.select_topk = recording
+        return recording
+
+    for module, select in zip(modules, originals, strict=True):
+        module.select_topk = recorder(select)
     try:
         yield calls
     finally:
-        megaseq_dsa.ops.select_topk = select
+        for module, select in zip(modules, originals, strict=True):
+            module.select_topk = select
 
 
 def context_parallel_cases(

@@ -8,8 +8,9 @@ third-party library's kernels), chosen by a ``backend`` key in its config that a
   another one: a missing package fails when the component is built (:meth:`Backends.check`, call it from
   the module's ``__init__``); a device the backend cannot run on fails at the call (:meth:`Backends.select`:
   a module can be moved between devices after it is built).
-- ``"auto"`` takes the first backend of the component's preference order that is installed and runs on the
-  tensors' device (never an interpreted one: the Triton interpreter is for tests), and logs that choice (logger ``megaseq.backends``, level INFO, once per component, device
+- ``"auto"`` takes the first backend of the component's preference order that is installed, passes its own
+  ``unavailable`` check and runs on the tensors' device (never an interpreted one: the Triton interpreter is
+  for tests), and logs that choice (logger ``megaseq.backends``, level INFO, once per component, device
   type and choice) together with why each backend before it was passed over.
 
 Deciding reads only ``importlib.util.find_spec``: nothing is imported until a backend is loaded, so building
@@ -79,7 +80,9 @@ class Backend:
 
     ``requires``: top-level modules it imports (``install`` says how to get them); ``devices``: the device
     types it runs on (``None``: any); ``interpretable``: Triton kernels, which also run on CPU tensors under
-    the Triton interpreter.
+    the Triton interpreter; ``unavailable``: a check beyond imports (a compiler that builds its kernels on
+    this machine, say), returning why the backend cannot run here or None; called when a backend is requested
+    or considered by ``auto``, so keep it cheap after its first call.
     """
 
     name: str
@@ -88,9 +91,17 @@ class Backend:
     install: str = ""
     devices: tuple[str, ...] | None = None
     interpretable: bool = False
+    unavailable: Callable[[], str | None] | None = None
 
     def missing(self) -> list[str]:
         return [module for module in self.requires if not is_installed(module)]
+
+    def why_not(self) -> str | None:
+        """Why it cannot run on this machine (a missing package or what ``unavailable`` says), or None."""
+        missing = self.missing()
+        if missing:
+            return f"{', '.join(missing)} not installed"
+        return self.unavailable() if self.unavailable is not None else None
 
     def runs_on(self, device: torch.device, *, interpreted: bool = True) -> bool:
         """Whether it runs on tensors on ``device`` (``interpreted``: counting the Triton interpreter)."""
@@ -130,6 +141,9 @@ class Backends:
             raise BackendError(
                 f"{self.component}: backend {requested!r} needs {', '.join(missing)}, which is not installed{hint}"
             )
+        reason = backend.unavailable() if backend.unavailable is not None else None
+        if reason:
+            raise BackendError(f"{self.component}: backend {requested!r} cannot run here: {reason}")
 
     def select(self, requested: str, device: torch.device | str) -> Backend:
         """The backend that runs on tensors on ``device``: ``requested`` itself, or an error; for ``auto`` the
@@ -139,7 +153,7 @@ class Backends:
             self.check(requested)
             backend = self.backends[requested]
             if not backend.runs_on(device):
-                runnable = [b.name for b in self.backends.values() if b.runs_on(device) and not b.missing()]
+                runnable = [b.name for b in self.backends.values() if b.runs_on(device) and not b.why_not()]
                 extra = " (or set TRITON_INTERPRET=1 before importing triton, for tests)" if backend.interpretable else ""
                 raise BackendError(
                     f"{self.component}: backend {requested!r} needs {' or '.join(backend.devices or ())} tensors, "
@@ -149,11 +163,10 @@ class Backends:
         passed_over = []
         for name in self.auto:
             backend = self.backends[name]
-            missing = backend.missing()
-            if missing:
-                passed_over.append(f"{name}: {', '.join(missing)} not installed")
-            elif not backend.runs_on(device, interpreted=False):
+            if not backend.runs_on(device, interpreted=False):
                 passed_over.append(f"{name}: does not run on {device.type}")
+            elif reason := backend.why_not():
+                passed_over.append(f"{name}: {reason}")
             else:
                 self._log_choice(device, name, passed_over)
                 return backend

@@ -246,7 +246,7 @@ class SparseAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
-def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor) -> None:
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be [B, Tq, H, D], got shape {tuple(q.shape)}")
     batch, n_queries, _, dim = q.shape
@@ -316,13 +316,28 @@ def sparse_attention_with_indexer_kl(
     ``(o, kl)``, kl equal to ``megaseq_dsa.indexer.indexer_kl(q_idx, k_idx, weights, q, k, scale, ...,
     indices)`` and differentiable in q_idx [B, Tq, Hi, Di], k_idx [B, Tk, Di] and weights [B, Tq, Hi] only.
     Sharing the pass saves the loss its own gather of the main keys and its own attention scores."""
+    check_indexer_inputs(q, k, q_idx, k_idx, weights)
+    o, _, kl, *kl_grads = _apply(q, k, v, indices, scale, chunk_size, (q_idx, k_idx, weights))
+    return o, with_given_gradient(kl, (q_idx, k_idx, weights), kl_grads)
+
+
+def check_indexer_inputs(
+    q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor
+) -> None:
+    """The indexer's inputs of `sparse_attention_with_indexer_kl` match the main query and key (ValueError)."""
     if k_idx.shape[:2] != k.shape[:2] or q_idx.shape[:2] != q.shape[:2] or weights.shape != q_idx.shape[:3]:
         raise ValueError(
             f"q_idx [B, Tq, Hi, Di], k_idx [B, Tk, Di] and weights [B, Tq, Hi] must match q {tuple(q.shape[:2])} "
             f"and k {tuple(k.shape[:2])}, got {tuple(q_idx.shape)}, {tuple(k_idx.shape)}, {tuple(weights.shape)}"
         )
-    o, _, kl, *kl_grads = _apply(q, k, v, indices, scale, chunk_size, (q_idx, k_idx, weights))
-    return o, _GivenGradient.apply(kl, q_idx, k_idx, weights, *kl_grads)
+
+
+def with_given_gradient(
+    value: torch.Tensor, inputs: tuple[torch.Tensor, ...], grads: list[torch.Tensor]
+) -> torch.Tensor:
+    """``value``, differentiable in ``inputs`` with the gradients ``grads`` formed beside it (scaled by the
+    incoming gradient in backward)."""
+    return _GivenGradient.apply(value, *inputs, *grads)
 
 
 class _GivenGradient(torch.autograd.Function):
@@ -352,7 +367,7 @@ def _apply(
     indexer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """SparseAttention's outputs (see there), checked arguments and chunk size filled in."""
-    _check_attention_inputs(q, k, v, indices)
+    check_attention_inputs(q, k, v, indices)
     if chunk_size is None:
         chunk_size = default_chunk_size(
             q.shape[0], indices.shape[-1], q.shape[-1], v.shape[-1], compute_dtype(q.dtype)
