@@ -107,7 +107,7 @@ def test_causal_conv_restarts_at_documents() -> None:
 def test_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BACKENDS.names == KDAConfig.model_fields["backend"].annotation.__args__
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert BACKENDS.select("auto", torch.device("cpu")).name == "chunk"
+    assert BACKENDS.select("auto", torch.device("cpu")).name == "native"
     cuda = torch.device("cuda")
     for installed, expected in [({"triton", "fla"}, "triton"), ({"fla"}, "fla"), (set(), "chunk")]:
         monkeypatch.setattr(core_backends, "is_installed", lambda module, installed=installed: module in installed)

@@ -4,7 +4,10 @@
 - ``naive``: the token-loop oracle (tests only: a Python loop over tokens).
 - ``triton``: this package's Triton kernels (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests).
 - ``fla``: fla-core's ``chunk_kda`` (CUDA only).
-- ``auto``: the first of triton, fla, chunk that is installed and runs on the tensors' device (logged).
+- ``native``: ``chunk`` with each chunk's gated Gram matrices by C kernels built on first use
+  (``megaseq_kda.ops.native``; CPU, needs a C compiler).
+- ``auto``: the first of triton, fla, native, chunk that is installed and runs on the tensors' device
+  (logged, with why each one before it was passed over).
 
 The rule is core's (``megaseq.backends``): a requested backend whose package is missing fails when the layer
 is built, one that cannot run on the tensors' device fails at the call; nothing falls back silently.
@@ -46,6 +49,24 @@ def _fla() -> KDAOp:
     return fla_chunk_kda
 
 
+def _native() -> KDAOp:
+    from megaseq_kda.ops.native import chunk_kda_native
+
+    return chunk_kda_native
+
+
+def _native_unavailable() -> str | None:
+    from megaseq_kda.ops.native import unavailable
+
+    return unavailable()
+
+
+def plans_native(backend: str) -> bool:
+    """Whether the memory plan counts the native Grams' working set for a layer with this ``backend`` setting:
+    ``native``, or ``auto`` where the kernels build (a plan does not know the run's device)."""
+    return backend == "native" or (backend == "auto" and _native_unavailable() is None)
+
+
 BACKENDS = Backends(
     "attention.kda",
     [
@@ -54,8 +75,9 @@ BACKENDS = Backends(
         Backend("triton", load=_triton, requires=("triton",), install="pip install 'megaseq-attn-kda[triton]'",
                 devices=("cuda",), interpretable=True),
         Backend("fla", load=_fla, requires=("fla",), install="pip install fla-core", devices=("cuda",)),
+        Backend("native", load=_native, devices=("cpu",), unavailable=_native_unavailable),
     ],
-    auto=("triton", "fla", "chunk"),
+    auto=("triton", "fla", "native", "chunk"),
 )
 
 

@@ -22,7 +22,8 @@ class KDAConfig(ComponentConfig):
     gate_rank: int | None = Field(None, ge=1, description="rank of the gate projections; default: head_dim")
     norm_eps: float = Field(1e-5, gt=0, description="epsilon of the per-head output RMSNorm")
     out_gate_bias: bool = Field(False, description="a bias on the output gate's up-projection (fla's layout has one)")
-    backend: Literal["auto", "chunk", "naive", "triton", "fla"] = Field(
+    backend: Literal["auto", "chunk", "naive", "triton", "fla", "native"] = Field(
         "auto",
-        description="auto: triton on CUDA if installed, else fla on CUDA if installed, else chunk (PyTorch)",
+        description="auto: triton on CUDA if installed, else fla on CUDA if installed, else native (chunk with C "
+        "kernels built on first use) on CPU where a C compiler builds them, else chunk (PyTorch)",
     )

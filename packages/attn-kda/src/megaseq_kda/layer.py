@@ -48,7 +48,7 @@ from megaseq.documents import Documents, as_documents
 from megaseq.dtypes import compute_dtype
 from megaseq.parallel import tp_gather, tp_reduce_scatter
 from megaseq.records import MemoryEstimate, ModelDims, TileCarry
-from megaseq_kda.backends import BACKENDS
+from megaseq_kda.backends import BACKENDS, plans_native
 from megaseq_kda.config import KDAConfig
 from megaseq_kda.ops import naive_recurrent_kda
 from megaseq_kda.ops.chunk import CHUNK, GROUP_HEAD_TOKENS
@@ -343,8 +343,9 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     and with the test kit's ``transient_bytes`` at the suite's sizes): the op's gradients of q, k, v, g and
     the incoming one of its output (5 x width per token), then the larger of one group of chunks'
     intra-chunk tensors (~36 x head_dim per token and head, plus ~6 ``CHUNK x CHUNK`` matrices per chunk and
-    head, 6 x CHUNK per token and head, the larger part for small heads: the op's backward measured 43.6, 38.6
-    and 37.6 x head_dim at head_dim 32, 64 and 128 over 16k tokens; at most ``GROUP_HEAD_TOKENS`` of them)
+    head, 6 x CHUNK per token and head, the larger part for small heads: the op's backward measured 44.6, 39.6
+    and 38.6 x head_dim at head_dim 32, 64 and 128 over 16k tokens; with the native backend's Grams ~30 x
+    head_dim, measured 38.0, 33.0 and 32.6; at most ``GROUP_HEAD_TOKENS`` of them)
     and one block of the recomputed front or tail (~24 x width per token, at most ``BLOCK_TOKENS``): backward
     runs them one after another. Under tensor parallelism (``dims.tp_size``) all of it is one rank's, whose
     heads run over the gathered sequence: the gates'
@@ -358,7 +359,9 @@ def memory_estimate(config: KDAConfig, dims: ModelDims, seq_len: int) -> MemoryE
     parameters = d * 3 * width + 3 * width * config.conv_size + d * heads + 2 * (d * rank + rank * width)
     parameters += heads + width + config.head_dim + width * d + (width if config.out_gate_bias else 0)
     per_token = d + 5 * width + heads + heads * config.head_dim**2 / CHUNK
-    group = min(GROUP_HEAD_TOKENS, seq_len * heads) * (36 * config.head_dim + 6 * CHUNK)
+    # the native backend's Grams keep no decays for their backward: 6 x head_dim less per pair
+    per_pair = (30 if plans_native(config.backend) else 36) * config.head_dim + 6 * CHUNK
+    group = min(GROUP_HEAD_TOKENS, seq_len * heads) * per_pair
     temporary = 5 * width * seq_len + max(group, 24 * min(BLOCK_TOKENS, seq_len) * width)
     # a sequence tile hands on the recurrent state (fp32) and the convolution's last inputs
     carry = TileCarry(per_tile=4 * (heads * config.head_dim**2 + (config.conv_size - 1) * 3 * width))

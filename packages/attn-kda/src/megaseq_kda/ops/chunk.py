@@ -39,7 +39,7 @@ the initial state, so one call with K more value columns also gives the map of a
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,9 @@ SUBCHUNK = 16  # the gated Grams' blocks (``_GatedGrams``)
 # Forward and backward hold the intra-chunk tensors of about this many (token, head) pairs at a time.
 GROUP_HEAD_TOKENS = 16384
 
+# (k, q, G) -> (A_kk, A_qk): the gated Gram matrices of every chunk (``_GatedGrams``).
+GramsOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 def chunk_kda(
     q: torch.Tensor,
@@ -68,6 +71,23 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (same maths as the oracle): ``(o [B, T, H, V], final_state [N, H, K, V] or None)``."""
+    return chunk_kda_with(_GatedGrams.apply, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def chunk_kda_with(
+    grams: GramsOp,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | Documents | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`chunk_kda` whose gated Gram matrices come from ``grams(k, q, G) -> (A_kk, A_qk)`` (``_GatedGrams``'s
+    contract, differentiable in all three): the native backend's C kernels (``megaseq_kda.ops.native``)."""
     documents, n_seqs = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
@@ -76,7 +96,7 @@ def chunk_kda(
         initial_state = q.new_zeros(n_seqs, H, K, v.shape[-1], dtype=compute_dtype(q.dtype))
     group = max(1, GROUP_HEAD_TOKENS // (layout.rows * H * CHUNK))
     with torch.autocast(q.device.type, enabled=False):  # fp32 inside, whatever autocast the caller runs
-        o, final_state = _ChunkedKDA.apply(q, k, v, g, beta, initial_state, scale, layout, group)
+        o, final_state = _ChunkedKDA.apply(q, k, v, g, beta, initial_state, scale, layout, group, grams)
     return o, final_state if output_final_state else None
 
 
@@ -164,7 +184,8 @@ class _ChunkLayout:
 
 
 def _intra_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    grams: GramsOp,
 ) -> tuple[torch.Tensor, ...]:
     """Everything that needs no state, batched over a group of chunks ``[rows, H, n, CHUNK, D]``.
 
@@ -174,7 +195,7 @@ def _intra_chunk(
     # Float64 log-decay: exponents are differences of cumulative sums that can be large (|G| ~ 300 for
     # g = -5), and in fp32 the difference of two such sums would lose ~|G| * 6e-8 of absolute accuracy.
     G = g.to(torch.float64).cumsum(-2)
-    A_kk, A_qk = _GatedGrams.apply(k, q, G)
+    A_kk, A_qk = grams(k, q, G)
     V = v.shape[-1]
     decay = _exp(G, k.dtype)
     rhs = beta[..., None] * torch.cat([v, decay * k], -1)
@@ -344,6 +365,7 @@ class _ChunkedKDA(torch.autograd.Function):
         scale: float,
         layout: _ChunkLayout,
         group: int,
+        grams: GramsOp,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = compute_dtype(q.dtype)
         _, _, H, K = q.shape
@@ -352,7 +374,7 @@ class _ChunkedKDA(torch.autograd.Function):
         finals = []
         for c0, c1 in layout.groups(group):
             chunks = [layout.slots(x, c0, c1, dtype) for x in (q, k, v, g, beta[..., None])]
-            Qg, Kg, W, U, A_qk, decay = _intra_chunk(*chunks[:4], chunks[4].squeeze(-1), scale)
+            Qg, Kg, W, U, A_qk, decay = _intra_chunk(*chunks[:4], chunks[4].squeeze(-1), scale, grams)
             v_new = torch.empty_like(U)
             for c in range(c0, c1):
                 i = c - c0
@@ -365,7 +387,7 @@ class _ChunkedKDA(torch.autograd.Function):
                     finals.append(S)
             layout.put(o, Qg @ states[:, :, c0:c1] + A_qk @ v_new, c0, c1)
         ctx.save_for_backward(q, k, v, g, beta, states)
-        ctx.layout, ctx.scale, ctx.group = layout, scale, group
+        ctx.layout, ctx.scale, ctx.group, ctx.grams = layout, scale, group, grams
         ctx.initial = (initial_state.shape, initial_state.dtype)
         return o, torch.cat(finals)
 
@@ -387,7 +409,7 @@ class _ChunkedKDA(torch.autograd.Function):
         for c0, c1 in reversed(layout.groups(ctx.group)):
             leaves = [layout.slots(x, c0, c1, dtype).requires_grad_() for x in inputs]
             with torch.enable_grad():
-                intra = _intra_chunk(*leaves[:4], leaves[4].squeeze(-1), scale)
+                intra = _intra_chunk(*leaves[:4], leaves[4].squeeze(-1), scale, ctx.grams)
             Qg, Kg, W, U, A_qk, decay = (x.detach() for x in intra)
             S = states[:, :, c0:c1]
             d_out = layout.slots(d_o, c0, c1, dtype)
@@ -419,6 +441,7 @@ class _ChunkedKDA(torch.autograd.Function):
         return (
             *(grad.to(x.dtype) for grad, x in zip([*grads, d_beta], (q, k, v, g, beta), strict=True)),
             d_initial.to(initial_dtype),
+            None,
             None,
             None,
             None,

@@ -1,0 +1,103 @@
+"""Chunked KDA on CPU with its gated Gram matrices by C kernels (``grams.c``): the ``native`` backend.
+
+``chunk_kda_native`` is ``megaseq_kda.ops.chunk_kda`` (same arguments, results and memory) except for the
+Grams of each chunk, which ``grams.c`` forms from their definition, forward and backward (its comment says
+why), instead of ``_GatedGrams``' rebased blocks; their error against the float64 definition is the same
+order (tests/test_native.py). fp32 only: float64 inputs take ``_GatedGrams`` (the op computes in fp32 for bf16
+inputs). The library is built on first use by core's ``megaseq.native.NativeLibrary``. Chunks are independent:
+``torch.get_num_threads()`` Python threads split them (ctypes releases the GIL).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import itertools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megaseq.native import NativeLibrary
+from megaseq_kda.ops.chunk import _GatedGrams, chunk_kda_with
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    size, pointer = ctypes.c_int64, ctypes.c_void_p
+    lib.kda_grams_forward.restype = None
+    lib.kda_grams_forward.argtypes = [size] * 4 + [pointer] * 5
+    lib.kda_grams_backward.restype = None
+    lib.kda_grams_backward.argtypes = [size] * 4 + [pointer] * 9
+
+
+LIBRARY = NativeLibrary("megaseq-kda", list(Path(__file__).parent.glob("*.c")), _declare)
+unavailable = LIBRARY.unavailable
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _over_chunks(n: int, run: Any) -> None:
+    """``run(first, end)`` over contiguous ranges of the ``n`` chunks, one per thread, at once."""
+    global _pool
+    threads = max(1, min(torch.get_num_threads(), n))
+    bounds = [n * i // threads for i in range(threads + 1)]
+    ranges = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    if len(ranges) <= 1:
+        for a, b in ranges:
+            run(a, b)
+        return
+    if _pool is None or _pool._max_workers < len(ranges) - 1:
+        _pool = concurrent.futures.ThreadPoolExecutor(len(ranges) - 1, thread_name_prefix="megaseq-kda")
+    others = [_pool.submit(run, a, b) for a, b in ranges[1:]]
+    run(*ranges[0])
+    for future in others:
+        future.result()
+
+
+class NativeGrams(torch.autograd.Function):
+    """``_GatedGrams`` by ``grams.c``: ``(k, q [..., L, K] fp32, G [..., L, K] float64)`` -> ``(A_kk, A_qk)
+    [..., L, L]``."""
+
+    @staticmethod
+    def forward(ctx: Any, k: torch.Tensor, q: torch.Tensor, G: torch.Tensor):  # type: ignore[override]
+        k, q, G = (x.contiguous() for x in (k, q, G))
+        *lead, L, K = k.shape
+        n = k[..., 0, 0].numel()
+        A_kk, A_qk = (k.new_empty(*lead, L, L) for _ in range(2))
+        lib = LIBRARY.load()
+        _over_chunks(n, lambda a, b: lib.kda_grams_forward(
+            a, b, L, K, k.data_ptr(), q.data_ptr(), G.data_ptr(), A_kk.data_ptr(), A_qk.data_ptr()))
+        ctx.save_for_backward(k, q, G)
+        return A_kk, A_qk
+
+    @staticmethod
+    def backward(ctx: Any, d_kk: torch.Tensor, d_qk: torch.Tensor):  # type: ignore[override]
+        k, q, G = ctx.saved_tensors
+        *_, L, K = k.shape
+        n = k[..., 0, 0].numel()
+        d_kk, d_qk = d_kk.contiguous(), d_qk.contiguous()
+        dk, dq, dG = torch.zeros_like(k), torch.zeros_like(q), torch.zeros_like(G)
+        lib = LIBRARY.load()
+
+        def run(a: int, b: int) -> None:
+            scratch = torch.empty(4 * K)  # a row's gradients: 2 K floats and K doubles
+            lib.kda_grams_backward(a, b, L, K, k.data_ptr(), q.data_ptr(), G.data_ptr(), d_kk.data_ptr(),
+                                   d_qk.data_ptr(), dk.data_ptr(), dq.data_ptr(), dG.data_ptr(), scratch.data_ptr())
+
+        _over_chunks(n, run)
+        return dk, dq, dG
+
+
+def gated_grams(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Grams of every chunk: by the kernels for fp32 rows, by ``_GatedGrams`` otherwise."""
+    if k.dtype == q.dtype == torch.float32 and G.dtype == torch.float64:
+        return NativeGrams.apply(k, q, G)
+    return _GatedGrams.apply(k, q, G)
+
+
+def chunk_kda_native(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``megaseq_kda.ops.chunk_kda`` (same arguments) with the Grams by the kernels."""
+    return chunk_kda_with(gated_grams, *args, **kwargs)
+
+
+__all__ = ["LIBRARY", "NativeGrams", "chunk_kda_native", "gated_grams", "unavailable"]
