@@ -264,7 +264,9 @@ class SubParts:
 
 
 def dsa_parts(parts: SubParts, layer: torch.nn.Module) -> None:
-    """The DSA layer's sub-parts: indexer projections, selection, sparse attention, indexer KL loss."""
+    """The DSA layer's sub-parts: indexer projections, selection, sparse attention, indexer KL loss. Under the
+    ``native`` backend the indexer loss runs inside the kernels' attention pass (no row of its own), and the
+    kernels' arithmetic is not made of torch operators, which the FLOP count sees (no FLOPs there)."""
     import megaseq_dsa.layer as dsa_layer
     import megaseq_dsa.ops.sparse as dsa_sparse
 

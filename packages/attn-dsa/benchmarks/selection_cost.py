@@ -2,7 +2,9 @@
 (per-head products, relu, weighted head sum) and the top-k threshold with the kept positions, the latter both by
 a selection over whole rows and through the group-maxima bound (``megaseq_dsa.ops.indexer._kth_and_kept``),
 in the same process on the same scores (the two agree exactly; checked here too); then the whole block's
-selection (scores, threshold, ties, rows) with the path the selection takes at that length.
+selection (scores, threshold, ties, rows) with the path the selection takes at that length, and the same
+block by the ``native`` backend's kernel (``select.c``: its scores summed in another order, so the share of
+the same keys chosen is printed too; "-" where no C compiler builds it).
 
 One block of the queries at the end of a sequence of ``--seq-len`` tokens (pool 4, top-k 512, 4 index heads of
 32: the default recipe's indexer), random inputs, as many queries as SCORE_BLOCK_BYTES allows; each time is the
@@ -22,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from megaseq_dsa.ops import indexer
+from megaseq_dsa.ops.native import build as native_build
 
 
 def fastest(fn: Callable[[], object], repeats: int) -> float:
@@ -34,9 +37,9 @@ def fastest(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure(seq_len: int, repeats: int, negative_share: float) -> tuple[int, float, float, float, float]:
+def measure(seq_len: int, repeats: int, negative_share: float) -> tuple[int, float, ...]:
     """Queries in the block and CPU ns per query-block pair: scores, whole-row threshold, bounded threshold, the
-    block's whole selection."""
+    block's whole selection, the native kernel's; and the share of the same keys the kernel chose."""
     heads, dim, pool, kept = 4, 32, 4, 512 // 4
     gen = torch.Generator().manual_seed(0)
     n_blocks = seq_len // pool
@@ -79,7 +82,22 @@ def measure(seq_len: int, repeats: int, negative_share: float) -> tuple[int, flo
 
     pairs = queries * n_blocks / 1e9
     t_whole, t_bound = fastest(whole_rows, repeats) / pairs, fastest(bound, repeats) / pairs
-    return queries, t_score / pairs, t_whole, t_bound, fastest(block, repeats) / pairs
+    t_native = same = float("nan")
+    if native_build.unavailable() is None:
+        lib, n_pad = native_build.library(), -(-n_blocks // 16) * 16 + 16
+        keys_t = torch.zeros(dim, n_pad)
+        keys_t[:, :n_blocks] = keys[0].t()
+        out = torch.empty(queries, kept, dtype=torch.long)
+        scratch = [torch.empty(4 * n_blocks), torch.empty(2 * n_blocks), torch.empty(4 * (heads * (dim + 1) + n_blocks // 16 + 1))]
+
+        def native_block() -> None:
+            lib.dsa_select(0, queries, heads, dim, q.data_ptr(), weights.data_ptr(), keys_t.data_ptr(), n_pad,
+                           lo.data_ptr(), hi.data_ptr(), kept, out.data_ptr(), *(x.data_ptr() for x in scratch))
+
+        t_native = fastest(native_block, repeats) / pairs
+        want = block()[0]
+        same = sum(len(set(a) & set(b)) for a, b in zip(out.tolist(), want.tolist(), strict=True)) / want.numel()
+    return queries, t_score / pairs, t_whole, t_bound, fastest(block, repeats) / pairs, t_native, same
 
 
 def main() -> None:
@@ -89,12 +107,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     print(f"{'negative':>8} {'seq_len':>9} {'queries':>7} {'scores ns':>9} {'whole rows ns':>13} {'bound ns':>8} "
-          f"{'ratio':>6} {'block ns':>8}")
+          f"{'ratio':>6} {'block ns':>8} {'native ns':>9} {'same keys':>9}")
     for share in args.negative_share:
         for seq_len in args.seq_len:
-            queries, t_score, t_whole, t_bound, t_block = measure(seq_len, args.repeats, share)
+            queries, t_score, t_whole, t_bound, t_block, t_native, same = measure(seq_len, args.repeats, share)
             print(f"{share:>8.2f} {seq_len:>9} {queries:>7} {t_score:>9.2f} {t_whole:>13.2f} {t_bound:>8.2f} "
-                  f"{t_whole / t_bound:>6.2f} {t_block:>8.2f}", flush=True)
+                  f"{t_whole / t_bound:>6.2f} {t_block:>8.2f} {t_native:>9.2f} {same:>9.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,19 @@ BODY float dot(const float *restrict a, const float *restrict b, int64_t n) {
     return s;
 }
 
+/* Selected rows lie anywhere in the sequence (past L2 at long lengths): each loop over them asks for the row
+ * AHEAD places on while it works on this one. */
+#define AHEAD 8
+
+BODY void prefetch_row(const float *base, const int32_t *restrict sel, int64_t j, int64_t m, int64_t width, int write) {
+    if (j + AHEAD >= m) return;
+    const char *row = (const char *)(base + (int64_t)sel[j + AHEAD] * width);
+    for (int64_t b = 0; b < width * (int64_t)sizeof(float); b += 64) {
+        if (write) __builtin_prefetch(row + b, 1);
+        else __builtin_prefetch(row + b, 0);
+    }
+}
+
 /* The valid entries of one index row, in order; their count. */
 BODY int64_t compact(const int32_t *restrict row, int64_t slots, int32_t *restrict out) {
     int64_t m = 0;
@@ -86,6 +99,7 @@ BODY float indexer_kl_row(
     float *restrict index, float *restrict d_q_idx, float *restrict d_w, float *restrict d_k_idx) {
     float top = -INFINITY;
     for (int64_t j = 0; j < m; j++) {
+        prefetch_row(k_idx, sel, j, m, Di, 0);
         const float *key = k_idx + (int64_t)sel[j] * Di;
         float score = 0.0f;
         for (int64_t h = 0; h < Hi; h++) {
@@ -122,6 +136,7 @@ BODY float indexer_kl_row(
         d_w[h] = dw;
     }
     for (int64_t j = 0; j < m; j++) {
+        prefetch_row(d_k_idx, sel, j, m, Di, 1);
         float *restrict dk = d_k_idx + (int64_t)sel[j] * Di;
         for (int64_t h = 0; h < Hi; h++) {
             const float g = per_head[h * m + j];
@@ -154,6 +169,7 @@ BODY double forward_body(
             continue;
         }
         for (int64_t j = 0; j < m; j++) {
+            prefetch_row(kv, sel, j, m, W, 0);
             const float *row = kv + (int64_t)sel[j] * W;
             for (int64_t h = 0; h < H; h++) probs[h * m + j] = scale * dot(qt + h * D, row, D);
         }
@@ -170,6 +186,7 @@ BODY double forward_body(
         }
         for (int64_t i = 0; i < H * Dv; i++) acc[i] = 0.0f;
         for (int64_t j = 0; j < m; j++) {
+            prefetch_row(kv, sel, j, m, W, 0);
             const float *value = kv + (int64_t)sel[j] * W + voff;
             for (int64_t h = 0; h < H; h++) {
                 const float p = probs[h * m + j];
@@ -202,6 +219,8 @@ BODY void backward_body(
         const float *qt = q + t * H * D, *dot_t = d_o + t * H * Dv;
         for (int64_t i = 0; i < H * D; i++) dq[i] = 0.0f;
         for (int64_t j = 0; j < m; j++) {
+            prefetch_row(kv, sel, j, m, W, 0);
+            prefetch_row(d_kv, sel, j, m, W, 1);
             const float *row = kv + (int64_t)sel[j] * W, *value = row + voff;
             for (int64_t h = 0; h < H; h++) {
                 p[h] = exp_nonpositive(scale * dot(qt + h * D, row, D) - lse[t * H + h]); /* P = exp(S - lse) */
