@@ -1,5 +1,5 @@
-"""The ``native`` backend: each chunk's gated Grams by C kernels, against their float64 definition and the
-whole op against the token-loop oracle.
+"""The ``native`` backend: each chunk's gated Grams and triangular solve by C kernels, against their float64
+definitions (LAPACK's solver for the solve), and the whole op against the token-loop oracle.
 
 Tolerances as in test_ops.py (fp32 against float64, relative to the largest value). Sizes: the chunk the
 kernels are compiled for (64 rows of 64) and run-time ones (rows of 5 and 24), gates from -1e-3 to -60 per
@@ -15,7 +15,7 @@ import torch
 
 from megaseq_kda.backends import BACKENDS
 from megaseq_kda.ops import chunk_kda, naive_recurrent_kda
-from megaseq_kda.ops.native import LIBRARY, NativeGrams, chunk_kda_native, gated_grams
+from megaseq_kda.ops.native import LIBRARY, NativeGrams, NativeSolve, chunk_kda_native, gated_grams
 
 pytestmark = pytest.mark.skipif(LIBRARY.unavailable() is not None, reason="no C compiler builds the kernels")
 
@@ -66,6 +66,30 @@ def test_native_grams_and_their_gradients_equal_the_definition(rows: int, dim: i
     for name, a, b in zip(["A_kk", "A_qk", "dk", "dq", "dG"], got, want, strict=True):
         assert_close(a, b, name)
     assert got[-1].dtype == torch.float64
+
+
+@pytest.mark.parametrize("rows,columns", [(64, 128), (16, 7), (5, 64)], ids=["compiled-sizes", "run-time-sizes", "tiny"])
+def test_native_solve_and_its_gradients_equal_lapack(rows: int, columns: int, threads: int):
+    """X = (I + strict_lower(A))^{-1} B, with garbage on and above A's diagonal (never read), and the gradients
+    of A (its strict lower part; zero elsewhere) and B, against torch.linalg.solve_triangular in float64."""
+    gen = torch.Generator().manual_seed(rows + columns)
+    A = torch.randn(2, 3, rows, rows, generator=gen) * 0.3
+    B = torch.randn(2, 3, rows, columns, generator=gen)
+    weight = torch.randn(2, 3, rows, columns, generator=gen)
+
+    def run(solve, dtype):
+        a, b = (x.detach().to(dtype).clone().requires_grad_() for x in (A, B))
+        x = solve(a, b)
+        (weight.to(dtype) * x).sum().backward()
+        return x, a.grad, b.grad
+
+    def lapack(a, b):
+        return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
+
+    got, want = run(NativeSolve.apply, torch.float32), run(lapack, torch.float64)
+    for name, a, b in zip(["X", "dA", "dB"], got, want, strict=True):
+        assert_close(a, b, name)
+    assert (got[1].triu() == 0).all()
 
 
 def test_native_grams_take_the_pytorch_path_for_float64():

@@ -4,8 +4,8 @@
 - ``naive``: the token-loop oracle (tests only: a Python loop over tokens).
 - ``triton``: this package's Triton kernels (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests).
 - ``fla``: fla-core's ``chunk_kda`` (CUDA only).
-- ``native``: ``chunk`` with each chunk's gated Gram matrices by C kernels built on first use
-  (``megaseq_kda.ops.native``; CPU, needs a C compiler).
+- ``native``: ``chunk`` with each chunk's gated Gram matrices and triangular solve by C kernels built on first
+  use (``megaseq_kda.ops.native``; CPU, needs a C compiler).
 - ``auto``: the first of triton, fla, native, chunk that is installed and runs on the tensors' device
   (logged, with why each one before it was passed over).
 

@@ -55,8 +55,16 @@ SUBCHUNK = 16  # the gated Grams' blocks (``_GatedGrams``)
 # Forward and backward hold the intra-chunk tensors of about this many (token, head) pairs at a time.
 GROUP_HEAD_TOKENS = 16384
 
-# (k, q, G) -> (A_kk, A_qk): the gated Gram matrices of every chunk (``_GatedGrams``).
-GramsOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class IntraChunkKernels:
+    """The two intra-chunk steps a backend may replace, each differentiable in its tensor arguments:
+    ``grams(k, q, G) -> (A_kk, A_qk)``, the gated Gram matrices of every chunk (``_GatedGrams``' contract), and
+    ``solve(A, B) -> (I + strict_lower(A))^{-1} B`` (the diagonal and upper part of A not read)."""
+
+    grams: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    solve: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def chunk_kda(
@@ -71,11 +79,11 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (same maths as the oracle): ``(o [B, T, H, V], final_state [N, H, K, V] or None)``."""
-    return chunk_kda_with(_GatedGrams.apply, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return chunk_kda_with(PYTORCH_KERNELS, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def chunk_kda_with(
-    grams: GramsOp,
+    kernels: IntraChunkKernels,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -86,8 +94,8 @@ def chunk_kda_with(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`chunk_kda` whose gated Gram matrices come from ``grams(k, q, G) -> (A_kk, A_qk)`` (``_GatedGrams``'s
-    contract, differentiable in all three): the native backend's C kernels (``megaseq_kda.ops.native``)."""
+    """`chunk_kda` with its intra-chunk steps by ``kernels`` (the native backend's C kernels,
+    ``megaseq_kda.ops.native``; `chunk_kda` itself runs ``PYTORCH_KERNELS``)."""
     documents, n_seqs = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
@@ -96,7 +104,7 @@ def chunk_kda_with(
         initial_state = q.new_zeros(n_seqs, H, K, v.shape[-1], dtype=compute_dtype(q.dtype))
     group = max(1, GROUP_HEAD_TOKENS // (layout.rows * H * CHUNK))
     with torch.autocast(q.device.type, enabled=False):  # fp32 inside, whatever autocast the caller runs
-        o, final_state = _ChunkedKDA.apply(q, k, v, g, beta, initial_state, scale, layout, group, grams)
+        o, final_state = _ChunkedKDA.apply(q, k, v, g, beta, initial_state, scale, layout, group, kernels)
     return o, final_state if output_final_state else None
 
 
@@ -185,7 +193,7 @@ class _ChunkLayout:
 
 def _intra_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    grams: GramsOp,
+    kernels: IntraChunkKernels,
 ) -> tuple[torch.Tensor, ...]:
     """Everything that needs no state, batched over a group of chunks ``[rows, H, n, CHUNK, D]``.
 
@@ -195,12 +203,12 @@ def _intra_chunk(
     # Float64 log-decay: exponents are differences of cumulative sums that can be large (|G| ~ 300 for
     # g = -5), and in fp32 the difference of two such sums would lose ~|G| * 6e-8 of absolute accuracy.
     G = g.to(torch.float64).cumsum(-2)
-    A_kk, A_qk = grams(k, q, G)
+    A_kk, A_qk = kernels.grams(k, q, G)
     V = v.shape[-1]
     decay = _exp(G, k.dtype)
     rhs = beta[..., None] * torch.cat([v, decay * k], -1)
     # unitriangular: the solver takes the unit diagonal as given, so the strict lower part is all it reads.
-    UW = torch.linalg.solve_triangular(beta[..., None] * A_kk, rhs, upper=False, unitriangular=True)
+    UW = kernels.solve(beta[..., None] * A_kk, rhs)
     U, W = UW.split([V, UW.shape[-1] - V], -1)
     G_last = G[..., -1:, :]
     return decay * q, _exp(G_last - G, k.dtype) * k, W, U, A_qk, _exp(G_last.squeeze(-2), k.dtype)
@@ -348,6 +356,13 @@ def _diagonal_grams_backward(
             dG[..., head, :] -= d_exponent
 
 
+def _solve_triangular(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True)
+
+
+PYTORCH_KERNELS = IntraChunkKernels(grams=_GatedGrams.apply, solve=_solve_triangular)
+
+
 class _ChunkedKDA(torch.autograd.Function):
     """The whole op (module docstring): ``(q, k, v, g, beta, initial_state, scale, layout, group)`` ->
     ``(o [B, T, H, V] in q's dtype, final states [N, H, K, V])``. For each chunk, with S the state entering it:
@@ -365,7 +380,7 @@ class _ChunkedKDA(torch.autograd.Function):
         scale: float,
         layout: _ChunkLayout,
         group: int,
-        grams: GramsOp,
+        kernels: IntraChunkKernels,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = compute_dtype(q.dtype)
         _, _, H, K = q.shape
@@ -374,7 +389,7 @@ class _ChunkedKDA(torch.autograd.Function):
         finals = []
         for c0, c1 in layout.groups(group):
             chunks = [layout.slots(x, c0, c1, dtype) for x in (q, k, v, g, beta[..., None])]
-            Qg, Kg, W, U, A_qk, decay = _intra_chunk(*chunks[:4], chunks[4].squeeze(-1), scale, grams)
+            Qg, Kg, W, U, A_qk, decay = _intra_chunk(*chunks[:4], chunks[4].squeeze(-1), scale, kernels)
             v_new = torch.empty_like(U)
             for c in range(c0, c1):
                 i = c - c0
@@ -387,7 +402,7 @@ class _ChunkedKDA(torch.autograd.Function):
                     finals.append(S)
             layout.put(o, Qg @ states[:, :, c0:c1] + A_qk @ v_new, c0, c1)
         ctx.save_for_backward(q, k, v, g, beta, states)
-        ctx.layout, ctx.scale, ctx.group, ctx.grams = layout, scale, group, grams
+        ctx.layout, ctx.scale, ctx.group, ctx.kernels = layout, scale, group, kernels
         ctx.initial = (initial_state.shape, initial_state.dtype)
         return o, torch.cat(finals)
 
@@ -409,7 +424,7 @@ class _ChunkedKDA(torch.autograd.Function):
         for c0, c1 in reversed(layout.groups(ctx.group)):
             leaves = [layout.slots(x, c0, c1, dtype).requires_grad_() for x in inputs]
             with torch.enable_grad():
-                intra = _intra_chunk(*leaves[:4], leaves[4].squeeze(-1), scale, ctx.grams)
+                intra = _intra_chunk(*leaves[:4], leaves[4].squeeze(-1), scale, ctx.kernels)
             Qg, Kg, W, U, A_qk, decay = (x.detach() for x in intra)
             S = states[:, :, c0:c1]
             d_out = layout.slots(d_o, c0, c1, dtype)

@@ -1,9 +1,10 @@
-"""Chunked KDA on CPU with its gated Gram matrices by C kernels (``grams.c``): the ``native`` backend.
+"""Chunked KDA on CPU with its intra-chunk steps by C kernels (``grams.c``, ``solve.c``): the ``native`` backend.
 
-``chunk_kda_native`` is ``megaseq_kda.ops.chunk_kda`` (same arguments, results and memory) except for the
-Grams of each chunk, which ``grams.c`` forms from their definition, forward and backward (its comment says
-why), instead of ``_GatedGrams``' rebased blocks; their error against the float64 definition is the same
-order (tests/test_native.py). fp32 only: float64 inputs take ``_GatedGrams`` (the op computes in fp32 for bf16
+``chunk_kda_native`` is ``megaseq_kda.ops.chunk_kda`` (same arguments, results and memory) except for two
+steps of each chunk: the gated Grams, which ``grams.c`` forms from their definition, forward and backward,
+instead of ``_GatedGrams``' rebased blocks, and the unit lower-triangular solve, by substitution in
+``solve.c`` instead of LAPACK's (the files' comments say why); their errors against float64 are the same order
+(tests/test_native.py). fp32 only: float64 inputs take ``_GatedGrams`` (the op computes in fp32 for bf16
 inputs). The library is built on first use by core's ``megaseq.native.NativeLibrary``. Chunks are independent:
 ``torch.get_num_threads()`` Python threads split them (ctypes releases the GIL).
 """
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from megaseq.native import NativeLibrary
-from megaseq_kda.ops.chunk import _GatedGrams, chunk_kda_with
+from megaseq_kda.ops.chunk import IntraChunkKernels, _GatedGrams, chunk_kda_with
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -28,6 +29,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kda_grams_forward.argtypes = [size] * 4 + [pointer] * 5
     lib.kda_grams_backward.restype = None
     lib.kda_grams_backward.argtypes = [size] * 4 + [pointer] * 9
+    for name in ("kda_unit_lower_solve", "kda_unit_lower_solve_adjoint"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [size] * 4 + [pointer] * 3
 
 
 LIBRARY = NativeLibrary("megaseq-kda", list(Path(__file__).parent.glob("*.c")), _declare)
@@ -88,6 +92,42 @@ class NativeGrams(torch.autograd.Function):
         return dk, dq, dG
 
 
+class NativeSolve(torch.autograd.Function):
+    """``solve_triangular(A, B, upper=False, unitriangular=True)`` by ``solve.c``: ``(A [..., L, L], B [..., L,
+    N])`` fp32 -> X = (I + strict_lower(A))^{-1} B; backward dB = (I + strict_lower(A))^{-T} dX and
+    dA = -strict_lower(dB X^T)."""
+
+    @staticmethod
+    def forward(ctx: Any, A: torch.Tensor, B: torch.Tensor):  # type: ignore[override]
+        A, B = A.contiguous(), B.contiguous()
+        *_, L, N = B.shape
+        X = torch.empty_like(B)
+        lib = LIBRARY.load()
+        _over_chunks(A[..., 0, 0].numel(), lambda a, b: lib.kda_unit_lower_solve(
+            a, b, L, N, A.data_ptr(), B.data_ptr(), X.data_ptr()))
+        ctx.save_for_backward(A, X)
+        return X
+
+    @staticmethod
+    def backward(ctx: Any, dX: torch.Tensor):  # type: ignore[override]
+        A, X = ctx.saved_tensors
+        dX = dX.contiguous()
+        *_, L, N = X.shape
+        dB = torch.empty_like(dX)
+        lib = LIBRARY.load()
+        _over_chunks(A[..., 0, 0].numel(), lambda a, b: lib.kda_unit_lower_solve_adjoint(
+            a, b, L, N, A.data_ptr(), dX.data_ptr(), dB.data_ptr()))
+        dA = (dB @ X.mT).tril_(-1).neg_() if ctx.needs_input_grad[0] else None
+        return dA, dB
+
+
+def unit_lower_solve(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """(I + strict_lower(A))^{-1} B: by the kernels for fp32, else by ``torch.linalg.solve_triangular``."""
+    if A.dtype == B.dtype == torch.float32:
+        return NativeSolve.apply(A, B)
+    return torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True)
+
+
 def gated_grams(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Grams of every chunk: by the kernels for fp32 rows, by ``_GatedGrams`` otherwise."""
     if k.dtype == q.dtype == torch.float32 and G.dtype == torch.float64:
@@ -95,9 +135,15 @@ def gated_grams(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor) -> tuple[torc
     return _GatedGrams.apply(k, q, G)
 
 
+NATIVE_KERNELS = IntraChunkKernels(grams=gated_grams, solve=unit_lower_solve)
+
+
 def chunk_kda_native(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``megaseq_kda.ops.chunk_kda`` (same arguments) with the Grams by the kernels."""
-    return chunk_kda_with(gated_grams, *args, **kwargs)
+    """``megaseq_kda.ops.chunk_kda`` (same arguments) with the Grams and the triangular solves by the kernels."""
+    return chunk_kda_with(NATIVE_KERNELS, *args, **kwargs)
 
 
-__all__ = ["LIBRARY", "NativeGrams", "chunk_kda_native", "gated_grams", "unavailable"]
+__all__ = [
+    "LIBRARY", "NATIVE_KERNELS", "NativeGrams", "NativeSolve", "chunk_kda_native", "gated_grams", "unavailable",
+    "unit_lower_solve",
+]
