@@ -333,3 +333,38 @@ if __name__ == "__main__":
     x, cu = inputs(1, 70, 16), torch.tensor([0, 7, 7, 70], dtype=torch.int32)
     host_reads = host_reads_of_layers({"n_heads": 1, "head_dim": 16, "backend": "triton"}, x, cu, n_layers=3)
     print(json.dumps({"errors": triton_versus_chunk(), "host_reads": host_reads}))
+
+
+def test_blocks_do_not_write_whole_sequence_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front and tail run in blocks of the input taken by one split: no block's backward writes its
+    gradient into a zero tensor of the whole sequence (blocks sliced out of x and o, and their convolution
+    histories, write 29 at ten blocks: a cost quadratic in the length), and the blocks give the result of one
+    block over everything."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WholeSizeSliceGradients(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.slice_backward.default and out.numel() == x.numel():
+                WholeSizeSliceGradients.count += 1
+            return out
+
+    layer = build_layer(SMALL, D_MODEL)
+    x = inputs(1, 160, D_MODEL).requires_grad_()
+
+    def gradients() -> tuple[torch.Tensor, ...]:
+        x.grad = None
+        layer.zero_grad()
+        out = layer(x, ForwardContext())
+        out.square().sum().backward()
+        return out.detach(), x.grad, *(p.grad for p in layer.parameters())
+
+    whole = gradients()
+    monkeypatch.setattr(megaseq_kda.layer, "BLOCK_TOKENS", 16)
+    with WholeSizeSliceGradients():
+        blocked = gradients()
+    assert WholeSizeSliceGradients.count == 0
+    for a, b in zip(blocked, whole, strict=True):
+        assert_close(a, b, 1e-5, "ten blocks against one")

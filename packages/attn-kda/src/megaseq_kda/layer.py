@@ -57,6 +57,8 @@ from megaseq_kda.parallel import context_parallel_kda, conv_histories
 L2_EPS = 1e-6
 # The front and the tail are run and recomputed this many tokens at a time.
 BLOCK_TOKENS = 4096
+# A block's convolution history inside a piece of the input: the projected tail of the block before it.
+CONTINUED = object()
 
 
 @dataclass
@@ -261,11 +263,19 @@ class KimiDeltaAttention(nn.Module):
         with the convolution ``histories`` before each. Front and tail run in blocks of tokens, each
         recomputed in backward on its own (memory plan in the module docstring): what they keep is the
         block inputs, their temporaries one block's."""
-        blocks = self._blocks(x, spans, histories)
-        front = [self._recomputed(self._front, x[:, a:b], history, start, documents) for a, b, start, history in blocks]
+        blocks = self._blocks(spans, histories)
+        sizes = [b - a for a, b, _, _ in blocks]
+        # split, not sliced: a slice's backward writes its gradient into a zero tensor of the whole sequence, once
+        # per block; the pieces of a split are joined once
+        pieces = x.split(sizes, dim=1)
+        front = []
+        for i, ((_, _, start, history), piece) in enumerate(zip(blocks, pieces, strict=True)):
+            if history is CONTINUED:  # the projected tail of the block before, inside the same piece of x
+                history = self.project(pieces[i - 1][:, -self.history_len :])
+            front.append(self._recomputed(self._front, piece, history, start, documents))
         q, k, v, g, beta = (torch.cat(parts, 1) if len(parts) > 1 else parts[0] for parts in zip(*front, strict=True))
         o = attend(q, k, v, g, beta)
-        out = [self._recomputed(self._tail, o[:, a:b], x[:, a:b]) for a, b, _, _ in blocks]
+        out = [self._recomputed(self._tail, *parts) for parts in zip(o.split(sizes, dim=1), pieces, strict=True)]
         return torch.cat(out, 1) if len(out) > 1 else out[0]
 
     @staticmethod
@@ -273,21 +283,20 @@ class KimiDeltaAttention(nn.Module):
         """fn(*args), under activation checkpointing when gradients are on."""
         return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
 
+    @staticmethod
     def _blocks(
-        self, x: Tensor, spans: list[tuple[int, int]], histories: list[Tensor | None]
-    ) -> list[tuple[int, int, int, Tensor | None]]:
+        spans: list[tuple[int, int]], histories: list[Tensor | None]
+    ) -> list[tuple[int, int, int, Tensor | object | None]]:
         """``(a, b, start, history)`` per block of at most ``BLOCK_TOKENS`` of x: local ``[a, b)``, the global
         position of its first token, and the ``conv_size - 1`` projected inputs before it. Blocks never cross
-        a piece of x (a context-parallel segment); a block's history inside a piece is the projected tail of
-        the block before it (recomputed here for those few tokens), the first block's the piece's history."""
-        history_len = self.history_len
+        a piece of x (a context-parallel segment); a block's history inside a piece is ``CONTINUED``: the
+        projected tail of the block before it (recomputed for those few tokens), the first block's the piece's
+        history."""
         blocks, offset = [], 0
         for (start, end), history in zip(spans, histories, strict=True):
             for a in range(0, max(end - start, 1), BLOCK_TOKENS):  # an empty piece is one empty block
                 b = min(a + BLOCK_TOKENS, end - start)
-                if a:
-                    history = self.project(x[:, offset + a - history_len : offset + a])
-                blocks.append((offset + a, offset + b, start + a, history))
+                blocks.append((offset + a, offset + b, start + a, CONTINUED if a else history))
             offset += end - start
         return blocks
 
