@@ -25,6 +25,7 @@ import torch
 
 from megaseq_dsa.ops import indexer
 from megaseq_dsa.ops.native import build as native_build
+from megaseq_dsa.ops.native import select_group
 
 
 def fastest(fn: Callable[[], object], repeats: int) -> float:
@@ -88,11 +89,13 @@ def measure(seq_len: int, repeats: int, negative_share: float) -> tuple[int, flo
         keys_t = torch.zeros(dim, n_pad)
         keys_t[:, :n_blocks] = keys[0].t()
         out = torch.empty(queries, kept, dtype=torch.long)
-        scratch = [torch.empty(4 * n_blocks), torch.empty(2 * n_blocks), torch.empty(4 * (heads * (dim + 1) + n_blocks // 16 + 1))]
+        group = select_group(n_blocks)
+        scratch = [torch.empty(group * n_blocks), torch.empty(2 * n_blocks),
+                   torch.empty(4 * heads * (dim + 1) + group * (n_blocks // 16 + 1))]
 
         def native_block() -> None:
             lib.dsa_select(0, queries, heads, dim, q.data_ptr(), weights.data_ptr(), keys_t.data_ptr(), n_pad,
-                           lo.data_ptr(), hi.data_ptr(), kept, out.data_ptr(), *(x.data_ptr() for x in scratch))
+                           lo.data_ptr(), hi.data_ptr(), kept, group, out.data_ptr(), *(x.data_ptr() for x in scratch))
 
         t_native = fastest(native_block, repeats) / pairs
         want = block()[0]

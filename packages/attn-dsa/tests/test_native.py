@@ -223,6 +223,20 @@ def test_native_selection_equals_the_reference_exactly(heads: int, dim: int, poo
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("pool", [1, 4])
+def test_native_selection_over_more_candidates_than_a_key_tile(pool: int, threads: int):
+    """Queries late in a sequence whose candidates span several of select.c's key tiles (2,048 blocks) and a
+    tile boundary inside a group's union of ranges, against the oracle."""
+    n_keys = 4 * 2048 + 300 if pool == 4 else 2048 + 300
+    q, k, w = integer_indexer_inputs(n_keys, 1, 4, 32, seed=pool)
+    positions = torch.cat([torch.arange(n_keys - 70, n_keys), torch.tensor([5, 2047, 2049])])
+    q, w = (x[:, :1].expand(2, len(positions), *x.shape[2:]).clone() for x in (q, w))
+    q += torch.arange(len(positions)).view(1, -1, 1, 1) % 3 - 1  # different queries, still small integers
+    got = native.select_topk(q, k, w, 64, pool=pool, query_positions=positions)
+    want = select_topk_reference(q.double(), k.double(), w.double(), 64, pool=pool, query_positions=positions)
+    assert torch.equal(got, want)
+
+
 def test_native_selection_of_random_scores_agrees_with_the_pytorch_path():
     """fp32 scores summed in another order than the PyTorch path's matmul: the same keys but where two scores
     tie to fp32 rounding."""

@@ -67,7 +67,7 @@ from megaseq_dsa.config import DSAConfig
 from megaseq_dsa.indexer import CHUNK_BYTES, LightningIndexer, indexer_kl, query_share
 from megaseq_dsa.ops import selected_slots
 from megaseq_dsa.ops.indexer import DEFAULT_KEY_BLOCK, DEFAULT_QUERY_BLOCK, SCORE_BLOCK_BYTES, document_starts
-from megaseq_dsa.ops.native import ROW_GRADIENT_BYTES, SELECT_ROWS
+from megaseq_dsa.ops.native import ROW_GRADIENT_BYTES, SELECT_ROWS, select_group
 from megaseq_dsa.ops.sparse import default_chunk_size
 
 # Tokens a fresh decoding cache has room for before it first grows.
@@ -452,9 +452,11 @@ def memory_estimate(config: DSAConfig, dims: ModelDims, seq_len: int) -> MemoryE
         candidates = 80 * seq_len  # ``pooled_candidates``' int64 ranges and tails per query, positions per key
         native = plans_native(config.backend)
         if native:
-            # the transposed candidate keys, two threads' scores of a few queries over every candidate, and a
-            # block of SELECT_ROWS queries' expanded rows
-            selection = 4 * (config.index_dim + 12) * pooled + min(SELECT_ROWS, seq_len) * expand_per_query + candidates
+            # the transposed candidate keys, two threads' scores of a group of queries over every candidate
+            # (select_group) with their selection's scratch, and a block of SELECT_ROWS queries' expanded rows
+            threads_scratch = 2 * 4 * (select_group(pooled) + 2) * pooled
+            selection = 4 * config.index_dim * pooled + threads_scratch + min(SELECT_ROWS, seq_len) * expand_per_query
+            selection += candidates
         else:
             # a query block's score block (fewer rows where it would pass SCORE_BLOCK_BYTES) with its CPU
             # selection copies and mask (~3.5 x the block), the per-head scores of one key tile, and the block's

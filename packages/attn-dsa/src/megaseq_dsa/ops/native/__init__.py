@@ -48,8 +48,16 @@ from megaseq_dsa.ops.sparse import (
 
 # Queries selected per call of the kernels (and per ``expand_rows``, whose buffers grow with it).
 SELECT_ROWS = 1024
-# Queries scored together by select.c (its QUERIES) and its scores per group of the bound's maxima (GROUP).
+# Queries scored together by select.c (its QUERIES).
 _SELECT_QUERIES = 4
+# A group of queries' scores, kept together while select.c scores a tile of keys for all of them, take about
+# this many bytes per thread (more queries per group read the keys from memory fewer times).
+SELECT_GROUP_BYTES = 16 * 2**20
+
+
+def select_group(candidates: int) -> int:
+    """Queries per group of select.c for rows of ``candidates`` blocks: a multiple of 4, from 4 to 64."""
+    return max(1, min(16, SELECT_GROUP_BYTES // (4 * _SELECT_QUERIES * max(candidates, 1)))) * _SELECT_QUERIES
 
 # The most bytes of per-thread copies of the key rows' gradients a pass may add (module docstring).
 ROW_GRADIENT_BYTES = 64 * 2**20
@@ -212,9 +220,10 @@ def select_topk(
     n_pad = -(-n // 16) * 16 + 16  # select.c reads whole tiles of 16 keys from any start
     out = torch.full((batch, n_queries, slots), -1, dtype=torch.int32)
     threads = max(1, min(torch.get_num_threads(), n_queries))
+    group = select_group(n)
     scratch = [
-        (torch.empty(_SELECT_QUERIES * max(n, 1)), torch.empty(2 * max(n, 1)),
-         torch.empty(_SELECT_QUERIES * (heads * (dim + 1) + n // 16 + 1)))
+        (torch.empty(group * max(n, 1)), torch.empty(2 * max(n, 1)),
+         torch.empty(_SELECT_QUERIES * heads * (dim + 1) + group * (n // 16 + 1)))
         for _ in range(threads)
     ]
     for b in range(batch):
@@ -231,7 +240,7 @@ def select_topk(
             def call(a: int, z: int, rows: torch.Tensor, work: torch.Tensor, block: torch.Tensor,
                      at: list = at, blocks: torch.Tensor = blocks) -> Callable[[], float]:
                 def run() -> float:
-                    lib.dsa_select(a, z, heads, dim, at[0], at[1], at[4], n_pad, at[2], at[3], kept, _ptr(blocks),
+                    lib.dsa_select(a, z, heads, dim, at[0], at[1], at[4], n_pad, at[2], at[3], kept, group, _ptr(blocks),
                                    _ptr(rows), _ptr(work), _ptr(block))
                     return 0.0
 
@@ -277,6 +286,6 @@ def sparse_attention_with_indexer_kl(
 
 
 __all__ = [
-    "ROW_GRADIENT_BYTES", "SELECT_ROWS", "library", "select_topk", "sparse_attention", "sparse_attention_with_indexer_kl",
-    "unavailable",
+    "ROW_GRADIENT_BYTES", "SELECT_GROUP_BYTES", "SELECT_ROWS", "library", "select_group", "select_topk",
+    "sparse_attention", "sparse_attention_with_indexer_kl", "unavailable",
 ]

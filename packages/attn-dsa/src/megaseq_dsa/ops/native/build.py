@@ -16,7 +16,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_sparse_backward.restype = None
     lib.dsa_sparse_backward.argtypes = [size] * 8 + [pointer] * 3 + [real] + [pointer] * 7
     lib.dsa_select.restype = None
-    lib.dsa_select.argtypes = [size] * 4 + [pointer] * 3 + [size] + [pointer] * 2 + [size] + [pointer] * 4
+    lib.dsa_select.argtypes = [size] * 4 + [pointer] * 3 + [size] + [pointer] * 2 + [size] * 2 + [pointer] * 4
 
 
 LIBRARY = NativeLibrary("megaseq-dsa", list(Path(__file__).parent.glob("*.c")), _declare)

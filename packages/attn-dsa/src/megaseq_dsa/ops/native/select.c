@@ -9,7 +9,8 @@
  * head sum and numpy's selection as separate passes over [queries x heads x keys] in memory. Here a block of
  * QUERIES queries scores a tile of 16 keys at a time in registers, from keys stored transposed (keys_t [Di, n]:
  * a tile's keys are one vector per index dimension, loaded once for all the block's queries and heads), and
- * keeps each tile's largest score beside its scores. A query's k-th largest score is then found among few
+ * keeps each tile's largest score beside its scores; a group of such blocks scores KEY_TILE keys at a time, so
+ * that the keys come from cache, not memory, once they outgrow it (a million tokens: 32 MiB of keys). A query's k-th largest score is then found among few
  * scores: where k whole tiles lie in its range, the k-th largest of their maxima is a lower bound of it (k tiles
  * each hold a visible score at least that large), and only the tiles whose maximum reaches the bound (and the
  * partial tiles at the range's ends) are searched. Scores are summed in a fixed order (index dimensions, then
@@ -21,6 +22,7 @@
 #define BODY static inline __attribute__((always_inline))
 #define LANES 16
 #define QUERIES 4
+#define KEY_TILE 2048 /* keys scored by a whole group of queries at a time: 256 KiB of keys_t at 32 dimensions */
 
 /* The k-th largest of x[0..n) (1 <= k <= n), reordering x: quickselect, median-of-three pivots. */
 static float kth_largest(float *x, int64_t n, int64_t k) {
@@ -132,30 +134,37 @@ static void select_row(
 BODY void select_body(
     int64_t q0, int64_t q1, int64_t Hi, int64_t Di, const float *restrict q, const float *restrict w,
     const float *restrict keys_t, int64_t n_pad, const int64_t *restrict lo, const int64_t *restrict hi, int64_t k,
-    int64_t *restrict out, float *restrict scores, float *restrict work, float *restrict block) {
-    float *qb = block, *wb = block + QUERIES * Hi * Di; /* a block's queries, zero rows past the last */
+    int64_t group, int64_t *restrict out, float *restrict scores, float *restrict work, float *restrict block) {
+    float *qb = block, *wb = block + QUERIES * Hi * Di; /* four queries, zero rows past the last */
     float *maxima = wb + QUERIES * Hi;
-    for (int64_t t0 = q0; t0 < q1; t0 += QUERIES) {
-        const int64_t nq = q1 - t0 < QUERIES ? q1 - t0 : QUERIES;
-        memset(block, 0, QUERIES * Hi * (Di + 1) * sizeof(float));
-        memcpy(qb, q + t0 * Hi * Di, nq * Hi * Di * sizeof(float));
-        memcpy(wb, w + t0 * Hi, nq * Hi * sizeof(float));
+    for (int64_t g0 = q0; g0 < q1; g0 += group) {
+        const int64_t ng = q1 - g0 < group ? q1 - g0 : group;
         int64_t start = INT64_MAX, end = 0;
-        for (int64_t t = t0; t < t0 + nq; t++) {
+        for (int64_t t = g0; t < g0 + ng; t++) {
             if (hi[t] < lo[t]) continue;
             start = lo[t] < start ? lo[t] : start;
             end = hi[t] + 1 > end ? hi[t] + 1 : end;
         }
-        const int64_t tiles = (end - start + LANES - 1) / LANES;
-        if (start < end)
-            score_block(Hi, Di, nq, qb, wb, keys_t, n_pad, start, end, scores, end - start, maxima, tiles);
-        for (int64_t t = t0; t < t0 + nq; t++) {
+        const int64_t stride = end > start ? end - start : 0, tiles = (stride + LANES - 1) / LANES;
+        /* a tile of keys is scored by every four queries of the group while it is in cache */
+        for (int64_t k0 = start; k0 < end; k0 += KEY_TILE) {
+            const int64_t k1 = end - k0 < KEY_TILE ? end : k0 + KEY_TILE;
+            for (int64_t t0 = g0; t0 < g0 + ng; t0 += QUERIES) {
+                const int64_t nq = g0 + ng - t0 < QUERIES ? g0 + ng - t0 : QUERIES;
+                memset(block, 0, QUERIES * Hi * (Di + 1) * sizeof(float));
+                memcpy(qb, q + t0 * Hi * Di, nq * Hi * Di * sizeof(float));
+                memcpy(wb, w + t0 * Hi, nq * Hi * sizeof(float));
+                score_block(Hi, Di, nq, qb, wb, keys_t, n_pad, k0, k1, scores + (t0 - g0) * stride + (k0 - start),
+                            stride, maxima + (t0 - g0) * tiles + (k0 - start) / LANES, tiles);
+            }
+        }
+        for (int64_t t = g0; t < g0 + ng; t++) {
             const int64_t n = hi[t] - lo[t] + 1;
             if (n <= 0) {
                 for (int64_t i = 0; i < k; i++) out[t * k + i] = -1;
                 continue;
             }
-            select_row(scores + (t - t0) * (end - start) + (lo[t] - start), n, lo[t], k, maxima + (t - t0) * tiles,
+            select_row(scores + (t - g0) * stride + (lo[t] - start), n, lo[t], k, maxima + (t - g0) * tiles,
                        lo[t] - start, work, out + t * k);
         }
     }
@@ -163,14 +172,15 @@ BODY void select_body(
 
 /* Queries [q0, q1) of q [Tq, Hi, Di] and w [Tq, Hi] over keys_t [Di, n_pad] (the n candidate blocks' keys
  * transposed, zero columns from n to n_pad >= round_up(n, 16) + 16), each seeing the blocks [lo[t], hi[t]]:
- * out [Tq, k] (written for rows [q0, q1)). Scratch: scores QUERIES * n, work 2 n and block QUERIES * (Hi *
- * (Di + 1) + n / 16 + 1) floats. */
+ * out [Tq, k] (written for rows [q0, q1)). Queries go in groups of `group` (a multiple of 4), whose scores
+ * are kept together. Scratch: scores group * n, work 2 n and block QUERIES * Hi * (Di + 1) + group * (n / 16 +
+ * 1) floats. */
 void dsa_select(
     int64_t q0, int64_t q1, int64_t Hi, int64_t Di, const float *q, const float *w, const float *keys_t,
-    int64_t n_pad, const int64_t *lo, const int64_t *hi, int64_t k, int64_t *out, float *scores, float *work,
-    float *block) {
+    int64_t n_pad, const int64_t *lo, const int64_t *hi, int64_t k, int64_t group, int64_t *out, float *scores,
+    float *work, float *block) {
     if (Hi == 4 && Di == 32)
-        select_body(q0, q1, 4, 32, q, w, keys_t, n_pad, lo, hi, k, out, scores, work, block);
+        select_body(q0, q1, 4, 32, q, w, keys_t, n_pad, lo, hi, k, group, out, scores, work, block);
     else
-        select_body(q0, q1, Hi, Di, q, w, keys_t, n_pad, lo, hi, k, out, scores, work, block);
+        select_body(q0, q1, Hi, Di, q, w, keys_t, n_pad, lo, hi, k, group, out, scores, work, block);
 }
