@@ -30,7 +30,11 @@ from megaseq.train.checkpoint import read_meta
 from megaseq_testkit import assert_close
 from megaseq_testkit.layouts import single_trainer, train_single
 
-STEPS = 4  # killed once the step-2 checkpoint is complete: two steps before, two after
+# Killed once the step-2 checkpoint is complete: two steps before, one after. The one-process weights are the
+# oracle for as many steps as the layout-equivalence tests compare dp=2 with one process (three): AdamW's first
+# steps amplify the different rounding of the two layouts' gradient reductions where a gradient is near zero
+# (tests/conftest.py), so a fourth step measures that, not the restart.
+STEPS = 3
 REPO = Path(__file__).resolve().parents[1]
 
 
