@@ -4,7 +4,8 @@ A plugin whose CPU path is bound by what PyTorch's operators cannot fuse (tiny p
 chains over small blocks) may ship C files and load them with ``ctypes`` (which releases the GIL during each
 call, so Python threads run them in parallel). The files are compiled on first use with the machine's C
 compiler (``$CC``, else ``cc`` or ``gcc``) for this CPU (``-march=native``) into megaseq's cache
-(``$MEGASEQ_CACHE/native``). The library's name carries a hash of the sources, the flags, the compiler's
+(``$MEGASEQ_CACHE/native``). The library's name carries a hash of the sources (with core's headers in ``include/``, on every build's
+include path), the flags, the compiler's
 version and the CPU's identity, so a cache shared between machines (a network home) never loads a library
 built for another CPU, and a changed source is rebuilt. A build writes a temporary file and renames it:
 processes starting together never load a half-written library.
@@ -29,6 +30,9 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+# Headers every build sees (`#include "megaseq_math.h"`: the kernels' shared vectorisable exp and log).
+INCLUDE = Path(__file__).with_name("include")
 
 FLAGS = (
     "-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -66,14 +70,14 @@ class NativeLibrary:
         if cc is None:
             raise RuntimeError("no C compiler (set CC, or install gcc)")
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-        texts = [source.read_text() for source in self.sources]
+        texts = [source.read_text() for source in [*self.sources, *sorted(INCLUDE.glob("*.h"))]]
         digest = hashlib.sha256("\0".join([*texts, *FLAGS, *version, _cpu_identity()]).encode()).hexdigest()
         target = default_cache_dir() / "native" / f"{self.name}-{digest[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
                 built = Path(scratch) / target.name
-                command = [cc, *FLAGS, *map(str, self.sources), "-o", str(built), "-lm"]
+                command = [cc, *FLAGS, f"-I{INCLUDE}", *map(str, self.sources), "-o", str(built), "-lm"]
                 run = subprocess.run(command, capture_output=True, text=True)
                 if run.returncode:
                     last = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]

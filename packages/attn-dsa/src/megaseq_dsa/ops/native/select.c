@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BODY static inline __attribute__((always_inline))
+#include "megaseq_math.h"
 #define LANES 16
 #define QUERIES 4
 #define KEY_TILE 2048 /* keys scored by a whole group of queries at a time: 256 KiB of keys_t at 32 dimensions */

@@ -17,26 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BODY static inline __attribute__((always_inline))
-
-/* exp(x) for x <= 0, vectorisable (as in megaseq-attn-dsa's kernels): x = n ln2 + r, Taylor to r^7, 2^n in
- * the exponent bits; 0 below -87. */
-BODY float exp_nonpositive(float x) {
-    const float ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682030941723e-6f;
-    const float clamped = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(clamped * 1.44269504088896341f + 0.5f);
-    const float r = (clamped - n * ln2_hi) - n * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return x < -87.0f ? 0.0f : p * two_n.f;
-}
+#include "megaseq_math.h"
 
 BODY void forward_body(
     int64_t c0, int64_t c1, int64_t L, int64_t K, const float *restrict k, const float *restrict q,

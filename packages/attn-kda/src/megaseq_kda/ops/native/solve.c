@@ -7,7 +7,7 @@
  */
 #include <stdint.h>
 
-#define BODY static inline __attribute__((always_inline))
+#include "megaseq_math.h"
 
 BODY void lower_body(int64_t c0, int64_t c1, int64_t L, int64_t N, const float *restrict A, const float *restrict B,
                      float *restrict X) {
