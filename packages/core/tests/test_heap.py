@@ -1,7 +1,12 @@
 """``run.trim_heap`` as ``megaseq.memory.heap.apply_run_setting`` applies it: where it trims, and what the
-run header says where it does not."""
+run header says where it does not; huge pages for torch's large CPU tensors, asked for by every megaseq
+command before its first tensor, and what the header says of them."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,6 +37,46 @@ def test_no_trimming_where_the_setting_does_not_act(setting, device, tokens, sai
 @pytest.mark.parametrize(("setting", "tokens"), [(True, 1), ("auto", heap.TRIM_FROM_TOKENS)])
 def test_trimming_hooks_every_block(setting, tokens):
     model = blocks()
-    assert heap.apply_run_setting(setting, torch.device("cpu"), tokens, model) == "trimmed at block boundaries"
+    assert heap.apply_run_setting(setting, torch.device("cpu"), tokens, model).startswith("trimmed at block boundaries, ")
     assert all(len(block._forward_hooks) == 1 for block in model)
     model[1](model[0](torch.ones(1, 4, requires_grad=True))).sum().backward()  # trims in forward and backward
+
+
+@pytest.mark.parametrize(("environ", "changed"), [({}, {heap.HUGE_PAGES: "1"}), ({heap.HUGE_PAGES: "0"}, {})])
+def test_huge_page_default_keeps_the_users_setting(environ: dict, changed: dict):
+    before = dict(environ)
+    assert heap.apply_defaults(environ) == changed
+    assert environ == before | changed
+
+
+# A megaseq command, then what the header would say of its process's large tensors.
+PAGES_PROBE = (
+    "from megaseq import cli; from megaseq.memory import heap; code = cli.main(['data', 'list']); "
+    "print(code, '|', heap.huge_pages())"
+)
+
+
+def pages_probe(**env: str) -> tuple[str, str]:
+    environ = {k: v for k, v in os.environ.items() if k != heap.HUGE_PAGES} | env
+    done = subprocess.run([sys.executable, "-c", PAGES_PROBE], env=environ, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    code, said = done.stdout.strip().splitlines()[-1].split(" | ")
+    return code, said
+
+
+@pytest.mark.skipif(heap.kernel_huge_pages() != "madvise", reason="the kernel gives huge pages only where asked in madvise mode")
+def test_commands_ask_for_huge_pages_and_the_header_tells():
+    # torch asks only when the command set the variable before the process's first tensor (a probe run
+    # after that first tensor, or with the variable set to 0, finds none)
+    assert pages_probe() == ("0", "huge pages from 2 MiB (kernel: madvise)")
+    code, said = pages_probe(**{heap.HUGE_PAGES: "0"})
+    assert code == "0" and said == "no huge pages (torch's allocator reads THP_MEM_ALLOC_ENABLE at the process's first tensor; now 0)"
+
+
+@pytest.mark.skipif(heap.kernel_huge_pages() == "madvise", reason="there, what torch asked for decides (above)")
+def test_header_says_what_the_kernel_does():
+    said = heap.huge_pages()
+    if heap.kernel_huge_pages() == "always":
+        assert said == "huge pages from 2 MiB (kernel: always)"
+    else:
+        assert said.startswith("no huge pages (the kernel's transparent huge pages are")

@@ -35,7 +35,10 @@ def test_cli_keeps_the_users_thread_count():
 
 
 @pytest.mark.parametrize(("environ", "changed"), [
-    ({}, {"OMP_NUM_THREADS": "1", threads.AUTO: "1"}), ({"OMP_NUM_THREADS": "3"}, {})
+    ({}, {"OMP_NUM_THREADS": "1", threads.AUTO: "1", "GOMP_SPINCOUNT": str(threads.SPIN_COUNT)}),
+    ({"OMP_NUM_THREADS": "3"}, {}),
+    ({"OMP_WAIT_POLICY": "passive"}, {"OMP_NUM_THREADS": "1", threads.AUTO: "1"}),  # the user's waiting kept
+    ({"GOMP_SPINCOUNT": "5"}, {"OMP_NUM_THREADS": "1", threads.AUTO: "1"}),
 ])
 def test_apply_defaults_sets_only_what_is_unset(environ: dict, changed: dict):
     before = dict(environ)

@@ -49,6 +49,7 @@ from megaseq.distributed.experts import layout_splits
 from megaseq.distributed.groups import EXTRA_HINT, destroy_process_groups, init_process_groups, rank_groups
 from megaseq.distributed.layout import Layout, check_layout
 from megaseq.errors import UserError
+from megaseq.memory import heap
 from megaseq.plugins import Plugins, get_plugins
 from megaseq.train import checkpoint
 from megaseq.train.interrupt import HANDLED, Interrupted
@@ -284,7 +285,7 @@ def with_absolute_paths(recipe: Recipe) -> Recipe:
 def worker_environment() -> dict[str, str]:
     """The environment variables megaseq reads that workers must see as this process does (a relative
     ``MEGASEQ_CACHE`` made absolute), for Ray's ``runtime_env``."""
-    env = {name: os.environ[name] for name in ("OMP_NUM_THREADS", threads.AUTO) if name in os.environ}
+    env = {name: os.environ[name] for name in ("OMP_NUM_THREADS", threads.AUTO, "GOMP_SPINCOUNT", heap.HUGE_PAGES) if name in os.environ}
     if os.environ.get("MEGASEQ_CACHE"):
         env["MEGASEQ_CACHE"] = str(Path(os.environ["MEGASEQ_CACHE"]).expanduser().absolute())
     return env

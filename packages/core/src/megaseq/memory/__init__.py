@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from torch import nn
+if TYPE_CHECKING:  # not at run time: the command line imports this package before torch (memory/heap.py)
+    from torch import nn
 
 Part = Literal["block", "attention", "ffn"]
 PARTS: tuple[Part, ...] = ("block", "attention", "ffn")
-Wrapper = Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
+Wrapper = Callable[["nn.Module", Callable[..., Any]], Callable[..., Any]]
 
 
 @dataclass(frozen=True)
