@@ -15,6 +15,16 @@ from torch import nn
 from megaseq.memory import heap
 
 
+@pytest.fixture(autouse=True)
+def heap_as_it_was():
+    """Trimming here turns this process's huge pages off (process-wide): back as they were after each test."""
+    state = dict(heap._state)
+    yield
+    heap._state.update(state)
+    if heap.available():
+        heap._follow_heap()
+
+
 def blocks() -> nn.ModuleList:
     return nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
 
@@ -37,7 +47,7 @@ def test_no_trimming_where_the_setting_does_not_act(setting, device, tokens, sai
 @pytest.mark.parametrize(("setting", "tokens"), [(True, 1), ("auto", heap.TRIM_FROM_TOKENS)])
 def test_trimming_hooks_every_block(setting, tokens):
     model = blocks()
-    assert heap.apply_run_setting(setting, torch.device("cpu"), tokens, model).startswith("trimmed at block boundaries, ")
+    assert heap.apply_run_setting(setting, torch.device("cpu"), tokens, model) == "trimmed at block boundaries"
     assert all(len(block._forward_hooks) == 1 for block in model)
     model[1](model[0](torch.ones(1, 4, requires_grad=True))).sum().backward()  # trims in forward and backward
 
@@ -80,3 +90,25 @@ def test_header_says_what_the_kernel_does():
         assert said == "huge pages from 2 MiB (kernel: always)"
     else:
         assert said.startswith("no huge pages (the kernel's transparent huge pages are")
+
+
+# Trims as a run's heap setting does, then maps large allocations as an offloading policy does; says what the
+# header would after each.
+TRIM_THEN_MAP = (
+    "import torch; from megaseq import cli; from megaseq.memory import heap; cli.main(['data', 'list']); "
+    "said = [heap.huge_pages()]; "
+    "said.append(heap.apply_run_setting(True, torch.device('cpu'), 1, torch.nn.ModuleList([torch.nn.Linear(2, 2)]))); "
+    "said.append(heap.huge_pages()); heap.map_large_allocations(2**20); said.append(heap.huge_pages()); print(' | '.join(said))"
+)
+
+
+@pytest.mark.skipif(not heap.available() or heap.kernel_huge_pages() != "madvise",
+                    reason="glibc and a kernel that gives huge pages where asked")
+def test_huge_pages_off_while_the_trimmed_heap_holds_large_allocations():
+    environ = {k: v for k, v in os.environ.items() if k != heap.HUGE_PAGES}
+    done = subprocess.run([sys.executable, "-c", TRIM_THEN_MAP], env=environ, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    on = "huge pages from 2 MiB (kernel: madvise)"
+    assert done.stdout.strip().splitlines()[-1].split(" | ") == [
+        on, "trimmed at block boundaries", "no huge pages (off while the trimmed heap holds the large allocations)", on
+    ]

@@ -344,7 +344,8 @@ class Trainer:
             + "".join(f", cut into {s.seq_len} until " + (f"step {s.until_step}" if s.until_step else f"{s.until_tokens} tokens")
                       for s in self.recipe.data.schedule) + f"; out: {self.out_dir}",
             *([f"  data transforms, in order: {'; '.join(b.describe() for b in self.transforms)}"] if self.transforms else []),
-            f"  memory: {describe_memory_policy(self.recipe, self.memory.chosen_by)}; heap: {self.heap}; plan: {self.memory.note}",
+            f"  memory: {describe_memory_policy(self.recipe, self.memory.chosen_by)}; heap: {self.heap}"
+            + (f", {heap.huge_pages()}" if self.device.type == "cpu" else "") + f"; plan: {self.memory.note}",
             f"  {MEMORY_NOTE[self.device.type]}",
             *(f"  {note}" for note in self.notes),
         ])
