@@ -95,6 +95,25 @@ def test_causal_conv_matches_conv1d() -> None:
     assert_close(causal_conv(x, weight, history), expected, 1e-6, "convolution with history")
 
 
+@pytest.mark.parametrize("length", [1, 3, 13])  # shorter than, as long as, longer than the history
+def test_causal_conv_gradients_match_its_definition(length: int) -> None:
+    """The one-convolution path (no documents) against ``out[t] = sum_j weight[:, j] * x[t - (W - 1 - j)]``
+    summed in float64, forward and the gradients of x, weight and the history."""
+    leaves = [inputs(2, length, 6), inputs(6, 4, seed=1), inputs(2, 3, 6, seed=2)]
+    fast = [t.clone().requires_grad_() for t in leaves]
+    slow = [t.double().requires_grad_() for t in leaves]
+    x, weight, history = slow
+    padded = torch.cat([history, x], 1)
+    expected = sum(padded[:, j : j + length] * weight[:, j] for j in range(4))
+    out = causal_conv(*fast[:1], fast[1], fast[2])
+    grad = inputs(2, length, 6, seed=3)
+    out.backward(grad)
+    expected.backward(grad.double())
+    assert_close(out, expected.float(), 1e-6, "output")
+    for name, a, b in zip(("x", "weight", "history"), fast, slow, strict=True):
+        assert_close(a.grad, b.grad.float(), 1e-6, f"gradient of {name}")
+
+
 def test_causal_conv_restarts_at_documents() -> None:
     x, weight = inputs(1, 11, 6), inputs(6, 4, seed=1)
     zeros = torch.zeros(1, 3, 6)

