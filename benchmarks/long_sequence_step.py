@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -84,10 +83,6 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*json.loads(args.child))))
         return
-    from megaseq.memory import heap
-
-    env = dict(os.environ)
-    heap.apply_defaults(env)  # huge pages, as the megaseq command asks for them
     print(f"recipe {args.recipe}; one window per step" + (f"; policies planned for {args.device_mem:g} GiB" if args.device_mem else ""))
     print(f"{'seq_len':>9} {'policies':<62} {'predicted':>9} {'peak RSS':>9} {'step s':>8} {'cpu s':>8} {'loss':>7} {'grad norm':>10}")
     for seq_len in args.seq_len:
@@ -98,7 +93,7 @@ def main() -> None:
                 print(f"{seq_len:>9} {'none':<62} {none_peak / GiB:>8.2f}G  not run: above --max-gib", flush=True)
                 continue
             cmd = [sys.executable, __file__, "--child", json.dumps([args.recipe, seq_len, policy, args.device_mem, args.sets])]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
                 print(f"{seq_len:>9} {policy:<62} failed: {tail}", flush=True)

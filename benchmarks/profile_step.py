@@ -465,9 +465,6 @@ def print_table(rows: list[Row], rates: dict[Dims, float], step_s: float, seq_le
 
 
 def main() -> None:
-    from megaseq.memory import heap
-
-    heap.apply_defaults()  # huge pages, as the megaseq command asks for them (before this process's first tensor)
     from megaseq.config import load_recipe
     from megaseq.contracts import ForwardContext
     from megaseq.model import chunked_token_losses

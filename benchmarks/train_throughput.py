@@ -83,7 +83,6 @@ def child(recipe: str, seq_len: int, steps: int, overrides: list[str]) -> dict:
 def run_setting(recipe: str, seq_len: int, setting: str, args: argparse.Namespace) -> list[dict | str]:
     """Start the setting's processes together; their results (or one-line failures) in start order."""
     from megaseq import threads
-    from megaseq.memory import heap
 
     processes, count = SETTINGS[setting]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -91,9 +90,7 @@ def run_setting(recipe: str, seq_len: int, setting: str, args: argparse.Namespac
         threads.apply_defaults(env)  # what the megaseq command sets
     else:
         env["OMP_NUM_THREADS"] = count
-    if args.code is None:
-        heap.apply_defaults(env)  # huge pages, as this code's megaseq command asks for them
-    else:  # the other code's processes get what its command set (a user's variables pass through)
+    if args.code is not None:
         env["PYTHONPATH"] = os.pathsep.join(str(src) for src in sorted(args.code.glob("packages/*/src")))
     cmd = [sys.executable, __file__, "--child", recipe, str(seq_len), "--steps", str(args.steps)]
     for item in args.set:

@@ -29,7 +29,6 @@ import pytest
 
 from megaseq.config import load_recipe
 from megaseq.distributed.layout import Layout
-from megaseq.memory import heap
 from megaseq.memory.machine import Machine
 from megaseq.memory.plan import plan
 from megaseq.plugins import get_plugins
@@ -117,7 +116,6 @@ def test_predicted_peak_within_15_percent(case, tmp_path):  # 10% for plain offl
     estimate = plan(recipe, plugins, machine=Machine.detect("cpu"), policies=policies or "none").candidates[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASEQ_SCRATCH": str(tmp_path), "MEGASEQ_CACHE": str(tmp_path / "cache")}
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    heap.apply_defaults(env)  # huge pages, as the megaseq command asks for them
     if case in MAPPED:
         env["MALLOC_MMAP_THRESHOLD_"] = "1048576"
     else:
@@ -156,7 +154,6 @@ def test_tensor_parallel_peak_within_bound(case, tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576", "MEGASEQ_CACHE": str(tmp_path / "cache"),
            "WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    heap.apply_defaults(env)
     ranks = [subprocess.Popen([sys.executable, "-c", CHILD_TP, str(REPO / "recipes" / name), json.dumps(overrides)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r)})
              for r in range(tp)]

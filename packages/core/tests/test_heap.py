@@ -1,28 +1,19 @@
 """``run.trim_heap`` as ``megaseq.memory.heap.apply_run_setting`` applies it: where it trims, and what the
-run header says where it does not; huge pages for torch's large CPU tensors, asked for by every megaseq
-command before its first tensor, and what the header says of them."""
+run header says where it does not; huge pages for torch's large CPU tensors, asked for before a run's first
+tensor where its large allocations will be mapped, and what the header says of them."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from megaseq.memory import heap
-
-
-@pytest.fixture(autouse=True)
-def heap_as_it_was():
-    """Trimming here turns this process's huge pages off (process-wide): back as they were after each test."""
-    state = dict(heap._state)
-    yield
-    heap._state.update(state)
-    if heap.available():
-        heap._follow_heap()
 
 
 def blocks() -> nn.ModuleList:
@@ -52,63 +43,58 @@ def test_trimming_hooks_every_block(setting, tokens):
     model[1](model[0](torch.ones(1, 4, requires_grad=True))).sum().backward()  # trims in forward and backward
 
 
-@pytest.mark.parametrize(("environ", "changed"), [({}, {heap.HUGE_PAGES: "1"}), ({heap.HUGE_PAGES: "0"}, {})])
-def test_huge_page_default_keeps_the_users_setting(environ: dict, changed: dict):
-    before = dict(environ)
-    assert heap.apply_defaults(environ) == changed
-    assert environ == before | changed
-
-
-# A megaseq command, then what the header would say of its process's large tensors.
-PAGES_PROBE = (
-    "from megaseq import cli; from megaseq.memory import heap; code = cli.main(['data', 'list']); "
-    "print(code, '|', heap.huge_pages())"
-)
-
-
-def pages_probe(**env: str) -> tuple[str, str]:
+def fresh(script: str, **env: str) -> str:
+    """The last line ``python -c script`` prints, in a process started without ``THP_MEM_ALLOC_ENABLE`` unless
+    given."""
     environ = {k: v for k, v in os.environ.items() if k != heap.HUGE_PAGES} | env
-    done = subprocess.run([sys.executable, "-c", PAGES_PROBE], env=environ, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    code, said = done.stdout.strip().splitlines()[-1].split(" | ")
-    return code, said
+    return done.stdout.strip().splitlines()[-1]
+
+
+ASK = "import os, torch; from megaseq.memory import heap; {before}asked = heap.ask_for_huge_pages(); " \
+      "print(asked, '|', os.environ.get(heap.HUGE_PAGES), '|', heap.huge_pages())"
+ON = "huge pages from 2 MiB (kernel: madvise)"
 
 
 @pytest.mark.skipif(heap.kernel_huge_pages() != "madvise", reason="the kernel gives huge pages only where asked in madvise mode")
-def test_commands_ask_for_huge_pages_and_the_header_tells():
-    # torch asks only when the command set the variable before the process's first tensor (a probe run
-    # after that first tensor, or with the variable set to 0, finds none)
-    assert pages_probe() == ("0", "huge pages from 2 MiB (kernel: madvise)")
-    code, said = pages_probe(**{heap.HUGE_PAGES: "0"})
-    assert code == "0" and said == "no huge pages (torch's allocator reads THP_MEM_ALLOC_ENABLE at the process's first tensor; now 0)"
+def test_huge_pages_asked_for_only_before_the_first_tensor():
+    assert fresh(ASK.format(before="")) == f"True | 1 | {ON}"
+    # too late: torch read the variable at the first tensor; none is left for child processes
+    assert fresh(ASK.format(before="torch.ones(1); ")) == "False | None | no huge pages"
+    assert fresh(ASK.format(before=""), **{heap.HUGE_PAGES: "0"}) == "False | 0 | no huge pages"  # the user's
 
 
 @pytest.mark.skipif(heap.kernel_huge_pages() == "madvise", reason="there, what torch asked for decides (above)")
 def test_header_says_what_the_kernel_does():
-    said = heap.huge_pages()
+    said = fresh("from megaseq.memory import heap; print(heap.huge_pages())")
     if heap.kernel_huge_pages() == "always":
         assert said == "huge pages from 2 MiB (kernel: always)"
     else:
         assert said.startswith("no huge pages (the kernel's transparent huge pages are")
 
 
-# Trims as a run's heap setting does, then maps large allocations as an offloading policy does; says what the
-# header would after each.
-TRIM_THEN_MAP = (
-    "import torch; from megaseq import cli; from megaseq.memory import heap; cli.main(['data', 'list']); "
-    "said = [heap.huge_pages()]; "
-    "said.append(heap.apply_run_setting(True, torch.device('cpu'), 1, torch.nn.ModuleList([torch.nn.Linear(2, 2)]))); "
-    "said.append(heap.huge_pages()); heap.map_large_allocations(2**20); said.append(heap.huge_pages()); print(' | '.join(said))"
-)
+# The header's heap line of a CPU run of the shipped recipe on its DNA excerpt, built (not trained).
+HEADER = """
+import sys, tempfile
+from megaseq.config import load_recipe
+from megaseq.plugins import get_plugins
+from megaseq.train.trainer import Trainer
+plugins = get_plugins()
+with tempfile.TemporaryDirectory() as out:
+    recipe = load_recipe(sys.argv[1], plugins, ["data.seq_len=1024", "train.batch_size=1", "data.train='excerpt-chr20'",
+                         "data.heldout='excerpt-chrX'", "run.device='cpu'", f"run.out_dir='{out}'", f"train.memory_policy={sys.argv[2]}"])
+    trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
+    print(next(line for line in trainer.header().splitlines() if "heap:" in line))
+"""
 
 
-@pytest.mark.skipif(not heap.available() or heap.kernel_huge_pages() != "madvise",
-                    reason="glibc and a kernel that gives huge pages where asked")
-def test_huge_pages_off_while_the_trimmed_heap_holds_large_allocations():
-    environ = {k: v for k, v in os.environ.items() if k != heap.HUGE_PAGES}
-    done = subprocess.run([sys.executable, "-c", TRIM_THEN_MAP], env=environ, capture_output=True, text=True, timeout=300)
+@pytest.mark.skipif(heap.kernel_huge_pages() != "madvise", reason="the kernel gives huge pages only where asked in madvise mode")
+@pytest.mark.parametrize(("policies", "pages"), [('["offload"]', ON), ("[]", "no huge pages")])
+def test_a_run_gets_huge_pages_where_its_large_allocations_are_mapped(policies: str, pages: str, tmp_path):
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "genome-cpu.toml"
+    environ = {k: v for k, v in os.environ.items() if k != heap.HUGE_PAGES} | {"MEGASEQ_SCRATCH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", HEADER, str(recipe), policies], env=environ, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    on = "huge pages from 2 MiB (kernel: madvise)"
-    assert done.stdout.strip().splitlines()[-1].split(" | ") == [
-        on, "trimmed at block boundaries", "no huge pages (off while the trimmed heap holds the large allocations)", on
-    ]
+    assert done.stdout.strip().splitlines()[-1].endswith(f", {pages}; plan: " + done.stdout.split("; plan: ")[-1].strip())

@@ -13,7 +13,6 @@ from typing import Any
 from megaseq import threads
 from megaseq.__about__ import __version__
 from megaseq.errors import UserError
-from megaseq.memory import heap
 
 
 def _one_line_warnings() -> None:
@@ -61,7 +60,6 @@ def parser(found: dict[str, Any]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     threads.apply_defaults()  # before anything imports torch: OpenMP reads its variables once, when it loads
-    heap.apply_defaults()  # before the first CPU tensor: torch's allocator reads its variable then
     argv = sys.argv[1:] if argv is None else list(argv)
     _one_line_warnings()
     try:

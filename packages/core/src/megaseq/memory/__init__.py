@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:  # not at run time: the command line imports this package before torch (memory/heap.py)
-    from torch import nn
+from torch import nn
 
 Part = Literal["block", "attention", "ffn"]
 PARTS: tuple[Part, ...] = ("block", "attention", "ffn")
-Wrapper = Callable[["nn.Module", Callable[..., Any]], Callable[..., Any]]
+Wrapper = Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
 
 
 @dataclass(frozen=True)

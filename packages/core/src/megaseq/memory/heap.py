@@ -23,16 +23,15 @@ Two remedies, both process-wide:
 Neither exists outside glibc (:func:`available`). :func:`apply_run_setting` applies ``run.trim_heap`` to a
 built model and says what it did, for the run header.
 
-Huge pages. A fresh page costs a page fault, and a CPU step faults in every page its large buffers touch
-again and again (whenever they are unmapped or trimmed): at 1M tokens hundreds of millions of 4 KiB faults,
-a third of the step. Torch's CPU allocator aligns allocations of 2 MiB and more to 2 MiB and asks the
-kernel for transparent huge pages there when ``THP_MEM_ALLOC_ENABLE=1`` (512x fewer faults, fewer TLB
-misses); it reads the variable once, at the process's first CPU allocation. :func:`apply_defaults` sets it
-where the user has not, at every megaseq command's start; :func:`huge_pages` says whether this process gets
-them. Trimming and huge pages do not mix: a trim that frees part of a huge page in the heap splits it, and the
-next allocation there faults it in again (at 64k tokens the default recipe's step took 6-8% more CPU time). So
-while the heap is trimmed and holds the large allocations (they are not mapped), the process turns huge pages
-off (``prctl(PR_SET_THP_DISABLE)``); a mapped allocation never lies in the heap, so mapping turns them back on.
+Huge pages. A fresh page costs a page fault, and a step whose large allocations have their own maps
+(:func:`map_large_allocations`) faults in every page of each one: at 1M tokens hundreds of millions of 4 KiB
+faults, a fifth of the step. Torch's CPU allocator asks the kernel for transparent huge pages for its
+allocations of 2 MiB and more when ``THP_MEM_ALLOC_ENABLE=1`` (a 2 MiB page per fault); it reads the variable
+once, at the process's first CPU allocation. A run whose large allocations will be mapped calls
+:func:`ask_for_huge_pages` before its first tensor. Where they stay in the heap the variable costs memory
+(torch then aligns them to pages, and the heap keeps more of what they free: the default recipe's `megaseq
+train` at 8k peaked at 1.58 GiB with it against 1.21 without, for a plan of 1.13) and, trimmed, time (a trim
+splits huge pages: +6-8% CPU at 64k), so it is left unset there. :func:`huge_pages` says what the process got.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,8 +59,6 @@ def _glibc() -> Any:
 
 _GLIBC = _glibc()
 _M_MMAP_THRESHOLD = -3
-_PR_SET_THP_DISABLE, _PR_GET_THP_DISABLE = 41, 42
-_state = {"trimmed": False, "mapped": False}
 # ``run.trim_heap = "auto"`` trims from this many tokens per device: below it the CPU recipes' activations
 # are about a GiB or less, and the page faults cost as large a share of a step as at 64k.
 TRIM_FROM_TOKENS = 32768
@@ -88,26 +84,29 @@ def map_large_allocations(min_bytes: int) -> None:
     stops the threshold from rising). Permanent for the process."""
     if _GLIBC is not None:
         _GLIBC.mallopt(_M_MMAP_THRESHOLD, min_bytes)
-        _state["mapped"] = True
-        _follow_heap()
 
 
-def _follow_heap() -> None:
-    """Huge pages off while the heap is trimmed and holds the large allocations (module docstring)."""
-    _GLIBC.prctl(_PR_SET_THP_DISABLE, int(_state["trimmed"] and not _state["mapped"]), 0, 0, 0)
+def ask_for_huge_pages() -> bool:
+    """Have torch's CPU allocator ask for huge pages (``THP_MEM_ALLOC_ENABLE=1``, module docstring) where the
+    user left the variable unset, and say whether it does. Only before the process's first CPU tensor:
+    after it, torch has read the variable, and it is taken back so that child processes (whose runs may keep
+    their large allocations in the heap) do not inherit it."""
+    if HUGE_PAGES in os.environ:
+        return os.environ[HUGE_PAGES] == "1"
+    os.environ[HUGE_PAGES] = "1"
+    if _torch_asks():
+        return True
+    del os.environ[HUGE_PAGES]
+    return False
 
 
-def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Ask torch's CPU allocator for huge pages (``THP_MEM_ALLOC_ENABLE=1``) unless the user set the variable
-    (``0`` turns them off); return what was set. Call it before the process's first CPU tensor (torch reads
-    the variable then; importing torch allocates none); child processes inherit it, and the process starts
-    with huge pages on even where a trimmed parent turned them off (the kernel's flag is inherited too)."""
-    if HUGE_PAGES in environ:
-        return {}
-    environ[HUGE_PAGES] = "1"
-    if environ is os.environ and _GLIBC is not None:  # a parent's trimmed run turned them off (inherited)
-        _GLIBC.prctl(_PR_SET_THP_DISABLE, 0, 0, 0, 0)
-    return {HUGE_PAGES: "1"}
+def _torch_asks() -> bool:
+    """Whether torch's allocator read ``THP_MEM_ALLOC_ENABLE=1``: then it aligns a large tensor to a page
+    (else to 64 bytes, which a mapped chunk's header keeps off the page) and the kernel marks its mapping."""
+    import torch
+
+    probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
+    return probe.data_ptr() % 4096 == 0 and (kernel_huge_pages() == "always" or bool(_huge_page_eligible(probe.data_ptr())))
 
 
 def kernel_huge_pages() -> str | None:
@@ -125,18 +124,15 @@ def huge_pages() -> str:
     request and the kernel's mode."""
     import torch
 
-    setting = os.environ.get(HUGE_PAGES, "unset")
     probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
     eligible = _huge_page_eligible(probe.data_ptr())
     if eligible is None:
         return "huge pages unknown (no /proc/self/smaps)"
     if eligible:
         return f"huge pages from {HUGE_PAGE_BYTES // 2**20} MiB (kernel: {kernel_huge_pages()})"
-    if _GLIBC is not None and _GLIBC.prctl(_PR_GET_THP_DISABLE, 0, 0, 0, 0) == 1:
-        return "no huge pages (off while the trimmed heap holds the large allocations)"
     if kernel_huge_pages() in (None, "never"):
         return f"no huge pages (the kernel's transparent huge pages are {kernel_huge_pages() or 'absent'})"
-    return f"no huge pages (torch's allocator reads {HUGE_PAGES} at the process's first tensor; now {setting})"
+    return "no huge pages"
 
 
 def _huge_page_eligible(address: int) -> bool | None:
@@ -191,15 +187,13 @@ def apply_run_setting(trim_heap: bool | str, device: torch.device, tokens_per_de
     if not available():
         return "not trimmed (the C library is not glibc, which run.trim_heap needs)"
     trim_at_block_boundaries(blocks)
-    _state["trimmed"] = True
-    _follow_heap()
     return "trimmed at block boundaries"
 
 
 __all__ = [
     "HUGE_PAGES",
-    "apply_defaults",
     "apply_run_setting",
+    "ask_for_huge_pages",
     "available",
     "huge_pages",
     "kernel_huge_pages",

@@ -591,6 +591,12 @@ class RunPlan:
         return self.peak.device_peak / GiB if isinstance(self.peak, Estimate) else None
 
     @property
+    def maps_large_allocations(self) -> bool:
+        """Whether a policy of the run serves large allocations by their own maps on CPU
+        (``MemoryEffect.maps_allocations_from``); False where the run has no plan."""
+        return isinstance(self.peak, Estimate) and any(p.effect.maps_allocations_from for p in self.peak.policies)
+
+    @property
     def note(self) -> str:
         return f"{self.peak_gib:.2f}G per device" if self.peak_gib is not None else str(self.peak)
 

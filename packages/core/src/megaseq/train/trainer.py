@@ -123,18 +123,21 @@ class Trainer:
         lock_run: bool = True,
     ) -> None:
         """Assemble a run in stages, each in the module that owns it and taking what the earlier ones made: the
-        layout, the components it asks for, the data, the model on this rank, the memory plan, the optimizer.
+        layout, the components it asks for, the memory plan (first of what the run allocates: it decides whether
+        torch asks for huge pages, ``megaseq.memory.heap``), the data, the model on this rank, the optimizer.
         ``lock_run=False``: the caller (``megaseq train``, or the launcher of a Ray run) holds the run
         directory's lock, taken before anything is built."""
         self.parallel = parallel or Parallel()
         check_run_layout(recipe, self.parallel.layout)
         check_components(recipe, plugins, self.parallel.layout)
         self.device = pick_device(recipe.run.device)
+        self.memory = plan_run(recipe, plugins, self.device)
+        if self.device.type == "cpu" and self.memory.maps_large_allocations:
+            heap.ask_for_huge_pages()  # before the run's first tensor (megaseq/memory/heap.py)
         seed_everything(recipe.run.seed)
         self.train_windows = training_windows(recipe, plugins)
         self.transforms = build_transforms(recipe, plugins)  # data.transforms, for training batches only
         self.rank = build_rank_model(recipe, plugins, self.device, self.parallel)
-        self.memory = plan_run(recipe, plugins, self.device)
         self.recipe = recipe = self.memory.recipe  # with the planner's policies under memory_policy = "auto"
         self.model = self.rank.model
         policies = apply_memory_policies(self.model, plugins, [(name, recipe.component("memory_policy", name))
