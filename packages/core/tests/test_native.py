@@ -1,8 +1,12 @@
-"""megaseq.native: C sources built on first use into the cache, keyed by their text; failures in one line."""
+"""megaseq.native: C sources built on first use into the cache, keyed by their text; failures in one line; the
+ranges and the pool of threads the kernels share."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +47,41 @@ def test_a_failed_build_or_no_compiler_says_why_in_one_line(tmp_path: Path, monk
     assert not list((tmp_path / "cache").rglob("*.so"))
     monkeypatch.setattr(native, "compiler", lambda: None)
     assert library(tmp_path, "return 2 * x;").unavailable() == "no C compiler (set CC, or install gcc)"
+
+
+@pytest.mark.parametrize(("n", "parts"), [(0, 3), (1, 4), (7, 3), (10, 10), (5, 1), (3, 0)])
+def test_ranges_cover_the_work_once_in_order(n: int, parts: int):
+    got = native.ranges(n, parts)
+    assert [i for a, b in got for i in range(a, b)] == list(range(n))  # every item once, in order
+    assert len(got) <= max(parts, 1) and (n == 0 and got == [(0, 0)] or all(b > a for a, b in got))
+    sizes = [b - a for a, b in got]
+    assert max(sizes) - min(sizes) <= 1  # as equal as they divide
+
+
+def test_run_at_once_runs_together_and_keeps_order():
+    # the calls wait for each other: run one after another they would never pass the barrier
+    barrier = threading.Barrier(3, timeout=30)
+    main = threading.get_ident()
+
+    def call(i: int):
+        barrier.wait()
+        return i, threading.get_ident() == main
+
+    results = native.run_at_once([functools.partial(call, i) for i in range(3)])
+    assert [i for i, _ in results] == [0, 1, 2]
+    assert [here for _, here in results] == [True, False, False]  # the first in the caller's thread
+
+
+def test_run_at_once_raises_a_calls_error_after_all_have_ended():
+    ended = []
+
+    def fails():
+        raise ValueError("kernel failed")
+
+    def slow():
+        time.sleep(0.2)
+        ended.append(True)
+
+    with pytest.raises(ValueError, match="kernel failed"):
+        native.run_at_once([fails, slow])
+    assert ended == [True]

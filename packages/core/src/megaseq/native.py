@@ -16,20 +16,30 @@ flush-to-zero for the whole process when the library loads.
 
 Use it behind a backend (``megaseq.backends.Backend(unavailable=library.unavailable)``): where no compiler
 builds the sources, ``auto`` passes the backend over and says why, and a requested one fails in one line.
+
+Threads: a kernel call splits its work into contiguous :func:`ranges` and :func:`run_at_once` runs one call
+per range, the first in the caller's thread and the others on one pool of threads that every plugin's
+kernels share (grown to the most calls ever run at once).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # Headers every build sees (`#include "megaseq_math.h"`: the kernels' shared vectorisable exp and log).
 INCLUDE = Path(__file__).with_name("include")
@@ -107,4 +117,33 @@ class NativeLibrary:
         return None
 
 
-__all__ = ["FLAGS", "NativeLibrary", "compiler"]
+def ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """At most ``parts`` contiguous, non-empty ranges covering ``[0, n)``, as equal as they divide;
+    ``[(0, 0)]`` for ``n = 0`` (one call, which has nothing to do)."""
+    bounds = [n * i // max(parts, 1) for i in range(max(parts, 1) + 1)]
+    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a] or [(0, 0)]
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def run_at_once(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``calls`` at once, the first in this thread, and return their results in order (a call's
+    exception is raised here, after every call has ended). For calls into C through ``ctypes``, which
+    releases the GIL while they run."""
+    global _pool
+    if len(calls) <= 1:
+        return [call() for call in calls]
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < len(calls) - 1:
+            _pool = concurrent.futures.ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="megaseq-native")
+        others = [_pool.submit(call) for call in calls[1:]]
+    try:
+        first = calls[0]()
+    finally:
+        concurrent.futures.wait(others)
+    return [first, *(future.result() for future in others)]
+
+
+__all__ = ["FLAGS", "NativeLibrary", "compiler", "ranges", "run_at_once"]

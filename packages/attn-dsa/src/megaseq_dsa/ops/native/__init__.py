@@ -12,8 +12,8 @@ docstring has the maths), computed one query at a time by the compiled kernels, 
 place instead of gathered into a chunk buffer. fp32 inside: bf16 inputs are converted, float64 inputs run the
 PyTorch path (the kernels are fp32 only). What is saved for backward is what the PyTorch path saves.
 
-Threads: the queries are split into ``torch.get_num_threads()`` contiguous ranges run at once by Python
-threads (ctypes releases the GIL). The gradients of the key rows (the attention's in backward, the indexer
+Threads: the queries are split into ``torch.get_num_threads()`` contiguous ranges run at once on core's
+pool of kernel threads (``megaseq.native.run_at_once``; ctypes releases the GIL). The gradients of the key rows (the attention's in backward, the indexer
 keys' in forward) are sums over queries: each extra thread adds into its own copy of them, summed at the
 end, and a pass takes only as many threads as fit ``ROW_GRADIENT_BYTES`` of such copies (at long lengths a
 pass runs on one thread rather than copy a sequence's worth of rows per thread).
@@ -21,14 +21,13 @@ pass runs on one thread rather than copy a sequence's worth of rows per thread).
 
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megaseq.documents import as_documents
+from megaseq.native import ranges, run_at_once
 from megaseq_dsa.ops import indexer as indexer_path
 from megaseq_dsa.ops import sparse as reference_path
 from megaseq_dsa.ops.indexer import (
@@ -62,24 +61,9 @@ def select_group(candidates: int) -> int:
 # The most bytes of per-thread copies of the key rows' gradients a pass may add (module docstring).
 ROW_GRADIENT_BYTES = 64 * 2**20
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
 def _run(calls: list[Callable[[], float]]) -> float:
-    """Run the calls at once (the first in this thread); the sum of their results."""
-    global _pool
-    if len(calls) == 1:
-        return calls[0]()
-    if _pool is None or _pool._max_workers < len(calls) - 1:
-        _pool = concurrent.futures.ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="megaseq-dsa")
-    others = [_pool.submit(call) for call in calls[1:]]
-    return calls[0]() + sum(future.result() for future in others)
-
-
-def _ranges(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges covering ``[0, n)`` (as equal as they divide)."""
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a] or [(0, 0)]
+    """Run the calls at once (core's pool of kernel threads); the sum of their results."""
+    return sum(run_at_once(calls))
 
 
 def _threads(rows: int, width: int) -> int:
@@ -133,7 +117,7 @@ class _NativeSparseAttention(torch.autograd.Function):
             grad_q_idx, grad_weights = torch.empty(q_idx.shape), torch.empty(weights.shape)
             grad_k_idx = torch.zeros(k_idx.shape)
             indexer = (q_idx, k_idx, weights, grad_q_idx, grad_weights)
-        parts = _ranges(x.n_queries, _threads(x.n_keys, index_dim) if with_kl else torch.get_num_threads())
+        parts = ranges(x.n_queries, _threads(x.n_keys, index_dim) if with_kl else torch.get_num_threads())
         scratch = [x.scratch(index_heads) for _ in parts]
         copies = [torch.empty(x.n_keys, index_dim) for _ in parts[1:]] if with_kl else []
         kl = 0.0
@@ -173,7 +157,7 @@ class _NativeSparseAttention(torch.autograd.Function):
         delta = (grad_o * o.float()).sum(-1).contiguous()  # rowsum(dO * O): [B, Tq, H]
         grad_q = torch.empty(x.q.shape)
         grad_kv = torch.zeros(x.kv.shape)
-        parts = _ranges(x.n_queries, _threads(x.n_keys, x.width))
+        parts = ranges(x.n_queries, _threads(x.n_keys, x.width))
         scratch = [x.scratch(0) for _ in parts]
         copies = [torch.empty(x.n_keys, x.width) for _ in parts[1:]]
         for b in range(x.batch):
@@ -246,7 +230,7 @@ def select_topk(
 
                 return run
 
-            _run([call(a, z, *room) for (a, z), room in zip(_ranges(q1 - q0, threads), scratch, strict=False)])
+            _run([call(a, z, *room) for (a, z), room in zip(ranges(q1 - q0, threads), scratch, strict=False)])
             tails = cand.tail_start[b : b + 1, q0:q1], cand.tail_len[b : b + 1, q0:q1]
             out[b, q0:q1] = expand_rows(blocks[None], cand.block_first, pool, *tails, slots)[0]
     return out

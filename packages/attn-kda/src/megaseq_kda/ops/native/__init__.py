@@ -6,20 +6,20 @@ instead of ``_GatedGrams``' rebased blocks, and the unit lower-triangular solve,
 ``solve.c`` instead of LAPACK's (the files' comments say why); their errors against float64 are the same order
 (tests/test_native.py). fp32 only: float64 inputs take ``_GatedGrams`` (the op computes in fp32 for bf16
 inputs). The library is built on first use by core's ``megaseq.native.NativeLibrary``. Chunks are independent:
-``torch.get_num_threads()`` Python threads split them (ctypes releases the GIL).
+``torch.get_num_threads()`` threads of core's pool split them (``megaseq.native.run_at_once``; ctypes releases
+the GIL).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
-import itertools
+import functools
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megaseq.native import NativeLibrary
+from megaseq.native import NativeLibrary, ranges, run_at_once
 from megaseq_kda.ops.chunk import IntraChunkKernels, _GatedGrams, chunk_kda_with
 
 
@@ -37,25 +37,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIBRARY = NativeLibrary("megaseq-kda", list(Path(__file__).parent.glob("*.c")), _declare)
 unavailable = LIBRARY.unavailable
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
 def _over_chunks(n: int, run: Any) -> None:
     """``run(first, end)`` over contiguous ranges of the ``n`` chunks, one per thread, at once."""
-    global _pool
-    threads = max(1, min(torch.get_num_threads(), n))
-    bounds = [n * i // threads for i in range(threads + 1)]
-    ranges = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
-    if len(ranges) <= 1:
-        for a, b in ranges:
-            run(a, b)
-        return
-    if _pool is None or _pool._max_workers < len(ranges) - 1:
-        _pool = concurrent.futures.ThreadPoolExecutor(len(ranges) - 1, thread_name_prefix="megaseq-kda")
-    others = [_pool.submit(run, a, b) for a, b in ranges[1:]]
-    run(*ranges[0])
-    for future in others:
-        future.result()
+    run_at_once([functools.partial(run, a, b) for a, b in ranges(n, torch.get_num_threads())])
 
 
 class NativeGrams(torch.autograd.Function):
