@@ -46,14 +46,6 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
 
 
-@pytest.fixture(params=[1, 2], ids=["one-thread", "two-threads"])
-def threads(request: pytest.FixtureRequest):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def awkward_indices(batch: int, n_queries: int, n_keys: int, slots: int, seed: int) -> torch.Tensor:
     """Distinct keys per row with ragged -1 padding, -1 holes inside rows, an empty row and a row whose only
     index is in the last slot."""
@@ -97,7 +89,7 @@ def run_attention(fn, tensors, indices, shared: bool, dim_v: int, dtype: torch.d
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_native_attention_matches_the_reference(shape: str, threads: int):
+def test_native_attention_matches_the_reference(shape: str, intra_op_threads: int):
     tensors, indices, shared, dim_v = inputs(shape)
     got = run_attention(native.sparse_attention, tensors, indices, shared, dim_v, torch.float32)
     want = run_attention(sparse_attention_reference, tensors, indices, shared, dim_v, torch.float64)
@@ -107,7 +99,7 @@ def test_native_attention_matches_the_reference(shape: str, threads: int):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_native_attention_with_indexer_kl_matches_the_reference(shape: str, threads: int):
+def test_native_attention_with_indexer_kl_matches_the_reference(shape: str, intra_op_threads: int):
     """Outputs, the summed KL and every gradient (the attention's from the output, the indexer's from the
     loss) against sparse_attention_reference and indexer_kl in float64, with more keys than queries."""
     tensors, indices, shared, dim_v = inputs(shape, seed=4)
@@ -155,10 +147,10 @@ def test_native_bf16_keeps_dtype_and_float64_runs_the_pytorch_path():
         assert torch.equal(a, b)
 
 
-def test_native_bounds_the_copies_of_row_gradients(monkeypatch: pytest.MonkeyPatch, threads: int):
+def test_native_bounds_the_copies_of_row_gradients(monkeypatch: pytest.MonkeyPatch, intra_op_threads: int):
     """A pass takes one thread when an extra thread's copy of the key rows' gradients would pass the bound,
     and gives the same results."""
-    assert native._threads(1000, 64) == threads
+    assert native._threads(1000, 64) == intra_op_threads
     monkeypatch.setattr(native, "ROW_GRADIENT_BYTES", 4 * 1000 * 64 - 1)
     assert native._threads(1000, 64) == 1
     tensors, indices, shared, dim_v = inputs("compiled-sizes")
@@ -201,7 +193,7 @@ def integer_indexer_inputs(n_keys: int, n_queries: int, heads: int, dim: int, se
 
 @pytest.mark.parametrize("heads,dim", [(4, 32), (3, 8)], ids=["compiled-sizes", "run-time-sizes"])
 @pytest.mark.parametrize("pool,topk", [(1, 8), (4, 24), (4, 512)])
-def test_native_selection_equals_the_reference_exactly(heads: int, dim: int, pool: int, topk: int, threads: int):
+def test_native_selection_equals_the_reference_exactly(heads: int, dim: int, pool: int, topk: int, intra_op_threads: int):
     n = 700
     q, k, w = integer_indexer_inputs(n, n, heads, dim, seed=pool + topk)
     got = native.select_topk(q, k, w, topk, pool=pool)
@@ -224,7 +216,7 @@ def test_native_selection_equals_the_reference_exactly(heads: int, dim: int, poo
 
 
 @pytest.mark.parametrize("pool", [1, 4])
-def test_native_selection_over_more_candidates_than_a_key_tile(pool: int, threads: int):
+def test_native_selection_over_more_candidates_than_a_key_tile(pool: int, intra_op_threads: int):
     """Queries late in a sequence whose candidates span several of select.c's key tiles (2,048 blocks) and a
     tile boundary inside a group's union of ranges, against the oracle."""
     n_keys = 4 * 2048 + 300 if pool == 4 else 2048 + 300

@@ -34,14 +34,6 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
 
 
-@pytest.fixture(params=[1, 2], ids=["one-thread", "two-threads"])
-def threads(request: pytest.FixtureRequest):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def grams_inputs(rows: int, dim: int, chunks: int, seed: int, lowest: float = 5.0):
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(2, chunks, rows, dim, generator=gen) for _ in range(2))
@@ -52,7 +44,7 @@ def grams_inputs(rows: int, dim: int, chunks: int, seed: int, lowest: float = 5.
 
 @pytest.mark.parametrize("rows,dim", [(64, 64), (5, 3), (24, 16)], ids=["compiled-sizes", "tiny", "run-time-sizes"])
 @pytest.mark.parametrize("lowest", [5.0, 60.0])
-def test_native_grams_and_their_gradients_equal_the_definition(rows: int, dim: int, lowest: float, threads: int):
+def test_native_grams_and_their_gradients_equal_the_definition(rows: int, dim: int, lowest: float, intra_op_threads: int):
     k, q, G = grams_inputs(rows, dim, chunks=3, seed=rows + dim)
     weights = [torch.randn(2, 3, rows, rows, generator=torch.Generator().manual_seed(7)) for _ in range(2)]
 
@@ -69,7 +61,7 @@ def test_native_grams_and_their_gradients_equal_the_definition(rows: int, dim: i
 
 
 @pytest.mark.parametrize("rows,columns", [(64, 128), (16, 7), (5, 64)], ids=["compiled-sizes", "run-time-sizes", "tiny"])
-def test_native_solve_and_its_gradients_equal_lapack(rows: int, columns: int, threads: int):
+def test_native_solve_and_its_gradients_equal_lapack(rows: int, columns: int, intra_op_threads: int):
     """X = (I + strict_lower(A))^{-1} B, with garbage on and above A's diagonal (never read), and the gradients
     of A (its strict lower part; zero elsewhere) and B, against torch.linalg.solve_triangular in float64."""
     gen = torch.Generator().manual_seed(rows + columns)
@@ -102,7 +94,7 @@ def test_native_grams_take_the_pytorch_path_for_float64():
 
 
 @pytest.mark.parametrize("documents", [None, [0, 37, 38, 150]], ids=["one-sequence", "packed"])
-def test_native_op_equals_the_oracle_and_the_pytorch_op(documents: list[int] | None, threads: int):
+def test_native_op_equals_the_oracle_and_the_pytorch_op(documents: list[int] | None, intra_op_threads: int):
     """The whole op, outputs, final states and every gradient, with the initial state, against the float64
     token loop; and within fp32 rounding of the PyTorch op."""
     gen = torch.Generator().manual_seed(3)

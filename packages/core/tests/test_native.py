@@ -53,7 +53,7 @@ def test_a_failed_build_or_no_compiler_says_why_in_one_line(tmp_path: Path, monk
 def test_ranges_cover_the_work_once_in_order(n: int, parts: int):
     got = native.ranges(n, parts)
     assert [i for a, b in got for i in range(a, b)] == list(range(n))  # every item once, in order
-    assert len(got) <= max(parts, 1) and (n == 0 and got == [(0, 0)] or all(b > a for a, b in got))
+    assert len(got) <= max(parts, 1) and ((n == 0 and got == [(0, 0)]) or all(b > a for a, b in got))
     sizes = [b - a for a, b in got]
     assert max(sizes) - min(sizes) <= 1  # as equal as they divide
 

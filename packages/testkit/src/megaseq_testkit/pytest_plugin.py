@@ -6,6 +6,9 @@ own test run (``--strict-markers`` included) knows them. Light on purpose: pytes
   seconds. ``pytest -m "not slow"`` is the fast lane (``make test-fast``); ``make test`` runs everything.
 - ``cuda``: needs a CUDA device.
 
+The fixture ``intra_op_threads`` runs a test once with one and once with two intra-op threads
+(``torch.set_num_threads``), what CPU kernels split their work by (``megaseq.native.run_at_once``).
+
 A test run never writes into the user's megaseq cache (``$MEGASEQ_CACHE``, else ``~/.cache/megaseq``): it
 holds token caches and the registry of live trainers, which decides a user's running trainers' thread counts.
 The run gets a cache of its own in a temporary directory, removed at its end; the data sources the user has
@@ -37,6 +40,17 @@ MARKERS = {
     "slow": "starts processes or trains for more than a few seconds; deselect with -m 'not slow' (the fast lane)",
     "cuda": "needs a CUDA device",
 }
+
+
+@pytest.fixture(params=[1, 2], ids=["one-thread", "two-threads"])
+def intra_op_threads(request: Any) -> Any:
+    """The test's intra-op threads, 1 then 2; the count before is restored after."""
+    import torch  # here, not at start-up
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 # what a run writes into its cache, never linked from the user's
