@@ -617,9 +617,10 @@ def memory_against_plan(env: Env, report: Report) -> tuple[str, str, dict]:
     layout and machine). The plan's fixed term is a guess at what the allocator cannot see (CUDA: the context,
     cuBLAS workspaces; CPU: the interpreter, libraries and data), so it is replaced by what the child measures:
     nothing on CUDA, where the allocator's peak counts only tensors; on the CPU its resident memory once the
-    trainer is built less the weights, plus the library pages the steps map in as they run code for the first
-    time (``RssFile``'s growth: 27 MB at T256 in one environment, 59 MB in a freshly installed one, where
-    the anonymous memory grew by the same 5 MB), as tests/test_plan_accuracy.py does."""
+    trainer is built less the weights (as tests/test_plan_accuracy.py does), plus the library pages the steps
+    map in as they run code for the first time (``RssFile``'s growth: at T256, where the runtime is nearly all
+    of the peak, 27 MB in one environment and 59 MB in a freshly installed one, where the anonymous memory grew
+    by the same 5 MB; an upper bound, as some of them may come in after the peak)."""
     out = env.work / "memory-run"
     policies = list(env.sizes.memory_policies)
     raw = model_recipe(env, env.sizes.memory_seq_len, out, steps=3, optimizer_state="host", memory_policy=policies)

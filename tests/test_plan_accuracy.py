@@ -13,9 +13,7 @@ the plan of that layout.
 The fixed part of the prediction (interpreter, torch, plugins: `CPU_RUNTIME_BYTES`, 0.378 GiB, measured on
 our machine) is a property of the machine, not of a formula: CI's machine kept about 0.1 GiB more resident
 before the first step. So the child also reports its resident memory once the trainer is built, and the
-prediction's fixed part is replaced by that, less the weights (which the planner counts separately), plus the
-library pages the step maps in by running code for the first time (the growth of ``RssFile``, which is larger
-in a freshly installed environment: 59 MB against 27 MB for the same small step).
+prediction's fixed part is replaced by that, less the weights (which the planner counts separately).
 """
 
 from __future__ import annotations
@@ -48,11 +46,10 @@ with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(recipe, plugins, progress=False, tensorboard=False)
     rss = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
     weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    runtime, libraries = rss("VmRSS") - weights, rss("RssFile")
+    runtime = rss("VmRSS") - weights
     trainer.train_step()
     if sys.argv[3] == "eval":
         trainer.eval(baseline=False)
-    runtime += rss("RssFile") - libraries  # library pages mapped in by code run for the first time
 print(runtime, rss("VmHWM"))
 """
 MAPPED = {
@@ -86,9 +83,8 @@ recipe = load_recipe(sys.argv[1], plugins, json.loads(sys.argv[2]))
 parallel = init_process_groups(Layout.of(recipe))
 trainer = Trainer(recipe, plugins, parallel=parallel, progress=False, tensorboard=False)
 rss = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-runtime, libraries = rss("VmRSS") - sum(p.numel() * p.element_size() for p in trainer.model.parameters()), rss("RssFile")
+runtime = rss("VmRSS") - sum(p.numel() * p.element_size() for p in trainer.model.parameters())
 trainer.train_step()
-runtime += rss("RssFile") - libraries  # library pages mapped in by code run for the first time
 print(runtime, rss("VmHWM"))
 destroy_process_groups()
 dist.destroy_process_group()
