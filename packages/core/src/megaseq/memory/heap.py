@@ -25,7 +25,7 @@ built model and says what it did, for the run header.
 
 Huge pages. A fresh page costs a page fault, and a step whose large allocations have their own maps
 (:func:`map_large_allocations`) faults in every page of each one: at 1M tokens hundreds of millions of 4 KiB
-faults, a fifth of the step. Torch's CPU allocator asks the kernel for transparent huge pages for its
+faults, over a quarter of the step. Torch's CPU allocator asks the kernel for transparent huge pages for its
 allocations of 2 MiB and more when ``THP_MEM_ALLOC_ENABLE=1`` (a 2 MiB page per fault); it reads the variable
 once, at the process's first CPU allocation. A run whose large allocations will be mapped calls
 :func:`ask_for_huge_pages` before its first tensor. Where they stay in the heap the variable costs memory
