@@ -40,12 +40,11 @@ import ctypes
 import ctypes.util
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # torch is imported where it is used: the command line sets the variables below before it
-    import torch
-    from torch import Tensor, nn
-    from torch.utils.hooks import RemovableHandle
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 
 def _glibc() -> Any:
@@ -103,8 +102,6 @@ def ask_for_huge_pages() -> bool:
 def _torch_asks() -> bool:
     """Whether torch's allocator read ``THP_MEM_ALLOC_ENABLE=1``: then it aligns a large tensor to a page
     (else to 64 bytes, which a mapped chunk's header keeps off the page) and the kernel marks its mapping."""
-    import torch
-
     probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
     return probe.data_ptr() % 4096 == 0 and (kernel_huge_pages() == "always" or bool(_huge_page_eligible(probe.data_ptr())))
 
@@ -122,8 +119,6 @@ def huge_pages() -> str:
     """Whether this process's large CPU tensors get huge pages, for the run header: what the kernel says of
     a fresh 4 MiB tensor's mapping (``THPeligible`` in ``/proc/self/smaps``), which covers both torch's
     request and the kernel's mode."""
-    import torch
-
     probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
     eligible = _huge_page_eligible(probe.data_ptr())
     if eligible is None:
@@ -158,14 +153,12 @@ def trim_at_block_boundaries(blocks: nn.ModuleList) -> list[RemovableHandle]:
     and token-by-token decoding (a block call per token) keep little and would pay a call per block. The
     handles remove the forward hooks."""
 
-    import torch
-
     def after_forward(_module: nn.Module, _inputs: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
         return_freed_memory()
         out = output[0] if isinstance(output, tuple) else output
-        if isinstance(out, torch.Tensor) and out.requires_grad:
+        if isinstance(out, Tensor) and out.requires_grad:
             out.register_hook(_trim_in_backward)
 
     return [block.register_forward_hook(after_forward) for block in blocks]
