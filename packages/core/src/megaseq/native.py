@@ -4,10 +4,10 @@ A plugin whose CPU path is bound by what PyTorch's operators cannot fuse (tiny p
 chains over small blocks) may ship C files and load them with ``ctypes`` (which releases the GIL during each
 call, so Python threads run them in parallel). The files are compiled on first use with the machine's C
 compiler (``$CC``, else ``cc`` or ``gcc``) for this CPU (``-march=native``) into megaseq's cache
-(``$MEGASEQ_CACHE/native``). The library's name carries a hash of the sources (with core's headers in ``include/``, on every build's
-include path), the flags, the compiler's
-version and the CPU's identity, so a cache shared between machines (a network home) never loads a library
-built for another CPU, and a changed source is rebuilt. A build writes a temporary file and renames it:
+(``$MEGASEQ_CACHE/native``). The library's name carries a hash of the sources (with core's headers in
+``include/``, on every build's include path), the flags, the compiler's version and the CPU's identity, so a
+cache shared between machines (a network home) never loads a library built for another CPU, and a changed
+source is rebuilt. A build writes a temporary file and renames it:
 processes starting together never load a half-written library.
 
 Flags: ``-O3 -march=native`` with reassociation allowed (the compiler vectorises sums), not ``-ffast-math``:

@@ -28,8 +28,8 @@ is kept and no sharing happens: ``OMP_NUM_THREADS=2 megaseq train ...`` uses two
 With it, where the user set no waiting policy, ``GOMP_SPINCOUNT``: a waiting OpenMP thread spins
 ``SPIN_COUNT`` times before it sleeps instead of libgomp's 300,000. A CPU step of a small model is thousands of
 short operators, and between two of them (Python, a native kernel on its own threads) the second thread
-spun for nothing: at 8k tokens the default recipe's step took 8% less CPU and ran 10% faster with the shorter
-spin (``docs/results.md``, "Threads beside other work"), and shorter spins (1,000) gave no more.
+spun for nothing: at 8k tokens the default recipe's step took 2-13% less CPU and ran 2-14% faster with the
+shorter spin (``docs/results.md``, "Threads beside other work"), and shorter spins (1,000) gave no more.
 """
 
 from __future__ import annotations

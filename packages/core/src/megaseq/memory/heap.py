@@ -103,7 +103,8 @@ def _torch_asks() -> bool:
     """Whether torch's allocator read ``THP_MEM_ALLOC_ENABLE=1``: then it aligns a large tensor to a page
     (else to 64 bytes, which a mapped chunk's header keeps off the page) and the kernel marks its mapping."""
     probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
-    return probe.data_ptr() % 4096 == 0 and (kernel_huge_pages() == "always" or bool(_huge_page_eligible(probe.data_ptr())))
+    address = probe.data_ptr()
+    return address % 4096 == 0 and (kernel_huge_pages() == "always" or bool(_huge_page_eligible(address)))
 
 
 def kernel_huge_pages() -> str | None:

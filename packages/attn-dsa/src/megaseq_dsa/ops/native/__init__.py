@@ -13,10 +13,11 @@ place instead of gathered into a chunk buffer. fp32 inside: bf16 inputs are conv
 PyTorch path (the kernels are fp32 only). What is saved for backward is what the PyTorch path saves.
 
 Threads: the queries are split into ``torch.get_num_threads()`` contiguous ranges run at once on core's
-pool of kernel threads (``megaseq.native.run_at_once``; ctypes releases the GIL). The gradients of the key rows (the attention's in backward, the indexer
-keys' in forward) are sums over queries: each extra thread adds into its own copy of them, summed at the
-end, and a pass takes only as many threads as fit ``ROW_GRADIENT_BYTES`` of such copies (at long lengths a
-pass runs on one thread rather than copy a sequence's worth of rows per thread).
+pool of kernel threads (``megaseq.native.run_at_once``; ctypes releases the GIL). The gradients of the key
+rows (the attention's in backward, the indexer keys' in forward) are sums over queries: each extra thread adds
+into its own copy of them, summed at the end, and a pass takes only as many threads as fit
+``ROW_GRADIENT_BYTES`` of such copies (at long lengths a pass runs on one thread rather than copy a
+sequence's worth of rows per thread).
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ def select_group(candidates: int) -> int:
     """Queries per group of select.c for rows of ``candidates`` blocks: a multiple of 4, from 4 to 64."""
     return max(1, min(16, SELECT_GROUP_BYTES // (4 * _SELECT_QUERIES * max(candidates, 1)))) * _SELECT_QUERIES
 
+
 # The most bytes of per-thread copies of the key rows' gradients a pass may add (module docstring).
 ROW_GRADIENT_BYTES = 64 * 2**20
+
 
 def _run(calls: list[Callable[[], float]]) -> float:
     """Run the calls at once (core's pool of kernel threads); the sum of their results."""

@@ -10,7 +10,8 @@
  * QUERIES queries scores a tile of 16 keys at a time in registers, from keys stored transposed (keys_t [Di, n]:
  * a tile's keys are one vector per index dimension, loaded once for all the block's queries and heads), and
  * keeps each tile's largest score beside its scores; a group of such blocks scores KEY_TILE keys at a time, so
- * that the keys come from cache, not memory, once they outgrow it (a million tokens: 32 MiB of keys). A query's k-th largest score is then found among few
+ * that the keys come from cache, not memory, once they outgrow it (a million tokens: 32 MiB of keys). A
+ * query's k-th largest score is then found among few
  * scores: where k whole tiles lie in its range, the k-th largest of their maxima is a lower bound of it (k tiles
  * each hold a visible score at least that large), and only the tiles whose maximum reaches the bound (and the
  * partial tiles at the range's ends) are searched. Scores are summed in a fixed order (index dimensions, then

@@ -37,6 +37,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIBRARY = NativeLibrary("megaseq-kda", list(Path(__file__).parent.glob("*.c")), _declare)
 unavailable = LIBRARY.unavailable
 
+
 def _over_chunks(n: int, run: Any) -> None:
     """``run(first, end)`` over contiguous ranges of the ``n`` chunks, one per thread, at once."""
     run_at_once([functools.partial(run, a, b) for a, b in ranges(n, torch.get_num_threads())])
